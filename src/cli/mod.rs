@@ -1,0 +1,135 @@
+//! Command-line surface: the clap definitions of every subcommand and their dispatch.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+use crate::config::{ConfigError, JobSpec};
+use crate::engine::{self, bench, ResumeMode, TrainError, TrainOptions};
+
+#[derive(Debug, Parser)]
+#[command(name = "headroom", version, about = "Adaptive training-job supervisor and GPT training engine")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Train one job, speaking the trainer protocol (JSON lines on stdout).
+    Train(TrainArgs),
+    /// Time fp32 training steps on the CPU device and print a table.
+    Bench(BenchArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct TrainArgs {
+    /// Job spec (YAML or JSON).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Run directory for checkpoints and the token cache (default: runs/<name>).
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+    /// Require resuming from a checkpoint in the run directory (by default resume if one exists).
+    #[arg(long, conflicts_with = "fresh")]
+    pub resume: bool,
+    /// Ignore checkpoints in the run directory and start from step 0.
+    #[arg(long)]
+    pub fresh: bool,
+    /// Checkpoint and exit with code 4 after this many optimizer steps.
+    #[arg(long)]
+    pub stop_after: Option<u64>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Preset shapes: tiny, small (d4-256, GPT-2 vocab), gpt2 (124M), all.
+    #[arg(long, default_value = "small")]
+    pub preset: String,
+    /// Timed steps per case.
+    #[arg(long, default_value_t = 5)]
+    pub steps: usize,
+    /// Untimed warm-up steps per case.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Override the batch size of the preset.
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Override the sequence length of the preset.
+    #[arg(long)]
+    pub seq: Option<usize>,
+}
+
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("HEADROOM_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Train(args) => train(args),
+        Command::Bench(args) => run_bench(args),
+    }
+}
+
+fn train(args: TrainArgs) -> anyhow::Result<()> {
+    let spec = JobSpec::load(&args.config)?;
+    let opts = TrainOptions {
+        run_dir: args.run_dir.unwrap_or_else(|| engine::run::default_run_dir(&spec)),
+        resume: if args.fresh {
+            ResumeMode::Fresh
+        } else if args.resume {
+            ResumeMode::Require
+        } else {
+            ResumeMode::Auto
+        },
+        stop_after: args.stop_after,
+        listen_stdin: true,
+    };
+    engine::train(&spec, &opts, &mut engine::Events::stdout())?;
+    Ok(())
+}
+
+fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
+    let mut cases = bench::preset(&args.preset).ok_or_else(|| ConfigError {
+        field: "--preset".into(),
+        message: format!("unknown preset `{}` (tiny, small, gpt2, all)", args.preset),
+    })?;
+    for case in &mut cases {
+        if let Some(b) = args.batch {
+            case.batch = b;
+        }
+        if let Some(t) = args.seq {
+            case.seq = t;
+            case.cfg.block_size = case.cfg.block_size.max(t);
+        }
+    }
+    println!("threads: {}", rayon::current_num_threads());
+    let mut results = Vec::new();
+    for case in &cases {
+        let r = bench::run_case(case, args.warmup, args.steps).with_context(|| format!("bench case {}", case.label))?;
+        results.push(r);
+    }
+    print!("{}", bench::print_table(&results));
+    Ok(())
+}
+
+/// The one place errors become exit codes (DESIGN.md "Trainer protocol").
+pub fn exit_code(err: &anyhow::Error) -> i32 {
+    if let Some(e) = err.downcast_ref::<TrainError>() {
+        return e.exit_code();
+    }
+    if err.downcast_ref::<ConfigError>().is_some() {
+        return 2;
+    }
+    if err.chain().any(|e| e.downcast_ref::<crate::memory::OomError>().is_some()) {
+        return 3;
+    }
+    1
+}

@@ -1,0 +1,447 @@
+//! The job spec (DESIGN.md "Job spec"): serde types, parsing from YAML/JSON, and validation that
+//! names the offending field and its allowed range.
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+use crate::memory::parse_bytes;
+
+/// An invalid job: which field, and what is wrong with it.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("invalid job: {field}: {message}")]
+pub struct ConfigError {
+    pub field: String,
+    pub message: String,
+}
+
+fn bad(field: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError { field: field.to_string(), message: message.into() }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    pub name: String,
+    pub model: ModelSpec,
+    pub data: DataSpec,
+    pub train: TrainSpec,
+    #[serde(default)]
+    pub memory: MemorySpec,
+    #[serde(default)]
+    pub device: DeviceSpec,
+    #[serde(default = "default_policy")]
+    pub policy: String,
+}
+
+fn default_policy() -> String {
+    "default".into()
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Vocab {
+    Bytes,
+    Gpt2,
+}
+
+impl Vocab {
+    pub fn size(self) -> usize {
+        match self {
+            Vocab::Bytes => 256,
+            Vocab::Gpt2 => 50257,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Vocab::Bytes => "bytes",
+            Vocab::Gpt2 => "gpt2",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    pub n_layer: i64,
+    pub n_head: i64,
+    pub n_embd: i64,
+    pub block_size: i64,
+    pub vocab: Vocab,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DataSpec {
+    pub path: PathBuf,
+    #[serde(default = "default_val_fraction")]
+    pub val_fraction: f64,
+}
+
+fn default_val_fraction() -> f64 {
+    0.1
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSpec {
+    pub steps: i64,
+    pub global_batch: i64,
+    pub micro_batch: i64,
+    #[serde(default = "default_lr")]
+    pub lr: f64,
+    #[serde(default)]
+    pub warmup_steps: i64,
+    #[serde(default = "default_weight_decay")]
+    pub weight_decay: f64,
+    #[serde(default = "default_grad_clip")]
+    pub grad_clip: f64,
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    #[serde(default)]
+    pub eval_every: i64,
+    #[serde(default)]
+    pub checkpoint_every: i64,
+    /// Number of validation sequences (of `micro_batch` each batch) per evaluation.
+    #[serde(default = "default_eval_batches")]
+    pub eval_batches: i64,
+}
+
+fn default_lr() -> f64 {
+    3e-4
+}
+fn default_weight_decay() -> f64 {
+    0.1
+}
+fn default_grad_clip() -> f64 {
+    1.0
+}
+fn default_seed() -> u64 {
+    1337
+}
+fn default_eval_batches() -> i64 {
+    4
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    Fp32,
+    Bf16,
+    Fp16,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Checkpointing {
+    #[default]
+    None,
+    Selective,
+    Full,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum OffloadTarget {
+    #[default]
+    None,
+    Cpu,
+    CpuInt8,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct OffloadSpec {
+    #[serde(default)]
+    pub optimizer: OffloadTarget,
+    #[serde(default)]
+    pub params: OffloadTarget,
+    #[serde(default)]
+    pub activations: OffloadTarget,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MemorySpec {
+    #[serde(default)]
+    pub precision: Precision,
+    #[serde(default)]
+    pub checkpointing: Checkpointing,
+    #[serde(default)]
+    pub zero_stage: i64,
+    #[serde(default = "default_world_size")]
+    pub world_size: i64,
+    #[serde(default)]
+    pub offload: OffloadSpec,
+}
+
+fn default_world_size() -> i64 {
+    1
+}
+
+impl Default for MemorySpec {
+    fn default() -> Self {
+        MemorySpec {
+            precision: Precision::Fp32,
+            checkpointing: Checkpointing::None,
+            zero_stage: 0,
+            world_size: 1,
+            offload: OffloadSpec::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceSpec {
+    #[serde(default)]
+    pub kind: DeviceKind,
+    #[serde(default)]
+    pub index: u32,
+    /// Capacity of the device pool, e.g. "512MiB". Required on cpu, optional on cuda.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_memory: Option<String>,
+}
+
+impl Default for DeviceSpec {
+    fn default() -> Self {
+        DeviceSpec { kind: DeviceKind::Cpu, index: 0, device_memory: Some("512MiB".into()) }
+    }
+}
+
+/// The default capacity of a `cpu` device when `device_memory` is not given.
+pub const DEFAULT_CPU_DEVICE_MEMORY: &str = "512MiB";
+
+impl JobSpec {
+    /// Parse YAML (a superset of JSON, so JSON bodies work too) and validate.
+    pub fn parse(text: &str) -> Result<JobSpec, ConfigError> {
+        let spec: JobSpec = serde_yaml::from_str(text).map_err(|e| yaml_error(&e))?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    pub fn load(path: &Path) -> Result<JobSpec, ConfigError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| bad("config", format!("cannot read {}: {e}", path.display())))?;
+        JobSpec::parse(&text)
+    }
+
+    pub fn to_yaml(&self) -> String {
+        serde_yaml::to_string(self).expect("job spec serialises")
+    }
+
+    /// Gradient-accumulation steps per optimizer step.
+    pub fn grad_accum(&self) -> usize {
+        (self.train.global_batch / (self.train.micro_batch * self.memory.world_size)) as usize
+    }
+
+    /// Device capacity in bytes (validated).
+    pub fn device_capacity(&self) -> Option<usize> {
+        self.device.device_memory.as_deref().map(|s| parse_bytes(s).expect("validated"))
+    }
+
+    /// Every check whose failure the user must see, with the field named.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let name_ok = !self.name.is_empty()
+            && self.name.len() <= 64
+            && self.name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+            && self.name != "."
+            && self.name != "..";
+        if !name_ok {
+            return Err(bad("name", format!("`{}` must match [A-Za-z0-9._-]{{1,64}}", self.name)));
+        }
+        let m = &self.model;
+        range("model.n_layer", m.n_layer, 1, 96)?;
+        range("model.n_head", m.n_head, 1, 128)?;
+        range("model.n_embd", m.n_embd, 1, 16384)?;
+        range("model.block_size", m.block_size, 2, 8192)?;
+        if m.n_embd % m.n_head != 0 {
+            return Err(bad("model.n_embd", format!("{} must be divisible by model.n_head ({})", m.n_embd, m.n_head)));
+        }
+        let d = &self.data;
+        if d.path.as_os_str().is_empty() {
+            return Err(bad("data.path", "must not be empty"));
+        }
+        if !(d.val_fraction > 0.0 && d.val_fraction < 0.5) {
+            return Err(bad("data.val_fraction", format!("{} must be in (0, 0.5)", d.val_fraction)));
+        }
+        let t = &self.train;
+        range("train.steps", t.steps, 1, 10_000_000)?;
+        range("train.global_batch", t.global_batch, 1, 1_000_000)?;
+        range("train.micro_batch", t.micro_batch, 1, t.global_batch.max(1))?;
+        let world = self.memory.world_size;
+        range("memory.world_size", world, 1, 64)?;
+        if t.global_batch % (t.micro_batch * world) != 0 {
+            return Err(bad(
+                "train.global_batch",
+                format!(
+                    "{} must be divisible by micro_batch × world_size = {} × {}",
+                    t.global_batch, t.micro_batch, world
+                ),
+            ));
+        }
+        if !(t.lr.is_finite() && t.lr > 0.0 && t.lr <= 1.0) {
+            return Err(bad("train.lr", format!("{} must be in (0, 1]", t.lr)));
+        }
+        range("train.warmup_steps", t.warmup_steps, 0, t.steps)?;
+        if !(t.weight_decay.is_finite() && (0.0..=1.0).contains(&t.weight_decay)) {
+            return Err(bad("train.weight_decay", format!("{} must be in [0, 1]", t.weight_decay)));
+        }
+        if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
+            return Err(bad("train.grad_clip", format!("{} must be >= 0 (0 disables clipping)", t.grad_clip)));
+        }
+        range("train.eval_every", t.eval_every, 0, 10_000_000)?;
+        range("train.checkpoint_every", t.checkpoint_every, 0, 10_000_000)?;
+        range("train.eval_batches", t.eval_batches, 1, 10_000)?;
+        range("memory.zero_stage", self.memory.zero_stage, 0, 3)?;
+        match &self.device.device_memory {
+            Some(s) => {
+                parse_bytes(s).map_err(|e| bad("device.device_memory", e))?;
+            }
+            None if self.device.kind == DeviceKind::Cpu => {
+                return Err(bad("device.device_memory", "is required for a cpu device (e.g. 512MiB)"))
+            }
+            None => {}
+        }
+        let policy_ok = !self.policy.is_empty()
+            && self.policy.len() <= 64
+            && self.policy.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-'));
+        if !policy_ok {
+            return Err(bad("policy", format!("`{}` must match [A-Za-z0-9_-]{{1,64}}", self.policy)));
+        }
+        Ok(())
+    }
+
+    /// Checks of what the engine in this build can run (separate from the spec's own validity,
+    /// so the supervisor can accept a spec whose later rungs need features a rung may add).
+    pub fn check_supported(&self) -> Result<(), ConfigError> {
+        let mem = &self.memory;
+        if mem.precision != Precision::Fp32 {
+            return Err(bad("memory.precision", "only fp32 is implemented by this engine build (bf16/fp16: issue #3)"));
+        }
+        if mem.checkpointing != Checkpointing::None {
+            return Err(bad(
+                "memory.checkpointing",
+                "only `none` is implemented by this engine build (selective/full: issue #3)",
+            ));
+        }
+        if mem.world_size != 1 {
+            return Err(bad("memory.world_size", "only 1 is implemented by this engine build (ranks: issue #4)"));
+        }
+        if mem.zero_stage != 0 {
+            return Err(bad("memory.zero_stage", "only 0 is implemented by this engine build (ZeRO: issue #4)"));
+        }
+        let off = &mem.offload;
+        for (field, target) in [
+            ("memory.offload.optimizer", off.optimizer),
+            ("memory.offload.params", off.params),
+            ("memory.offload.activations", off.activations),
+        ] {
+            if target != OffloadTarget::None {
+                return Err(bad(field, "only `none` is implemented by this engine build (offload: issue #4)"));
+            }
+        }
+        if matches!(off.optimizer, OffloadTarget::CpuInt8) || matches!(off.params, OffloadTarget::CpuInt8) {
+            return Err(bad("memory.offload", "cpu-int8 applies to activations only"));
+        }
+        Ok(())
+    }
+}
+
+fn range(field: &str, value: i64, lo: i64, hi: i64) -> Result<(), ConfigError> {
+    if value < lo || value > hi {
+        return Err(bad(field, format!("{value} is out of range [{lo}, {hi}]")));
+    }
+    Ok(())
+}
+
+/// Turn a serde_yaml error into a field-naming message. serde_yaml reports the path as
+/// `train.steps: invalid type...` or `unknown field `foo`, expected one of ...` at a location.
+fn yaml_error(e: &serde_yaml::Error) -> ConfigError {
+    let text = e.to_string();
+    // serde_yaml prefixes nested errors with the dotted path followed by ": ".
+    let (field, message) = match text.split_once(": ") {
+        Some((path, rest))
+            if !path.contains(' ') && path.chars().all(|c| c.is_ascii_alphanumeric() || "._[]".contains(c)) =>
+        {
+            (path.to_string(), rest.to_string())
+        }
+        _ => ("job".to_string(), text.clone()),
+    };
+    ConfigError { field, message }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) const EXAMPLE: &str = r#"
+name: shakespeare-small
+model: { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab: bytes }
+data: { path: data/shakespeare-tiny.txt, val_fraction: 0.1 }
+train:
+  steps: 200
+  global_batch: 32
+  micro_batch: 32
+  lr: 3.0e-4
+  warmup_steps: 20
+  weight_decay: 0.1
+  grad_clip: 1.0
+  seed: 1337
+  eval_every: 50
+  checkpoint_every: 50
+memory:
+  precision: fp32
+  checkpointing: none
+  zero_stage: 0
+  world_size: 1
+  offload: { optimizer: none, params: none, activations: none }
+device: { kind: cpu, device_memory: 512MiB }
+policy: default
+"#;
+
+    #[test]
+    fn design_example_parses() {
+        let spec = JobSpec::parse(EXAMPLE).unwrap();
+        assert_eq!(spec.grad_accum(), 1);
+        assert_eq!(spec.device_capacity(), Some(512 << 20));
+        // Round trip through the serialised form.
+        assert_eq!(JobSpec::parse(&spec.to_yaml()).unwrap(), spec);
+        // JSON is accepted too.
+        let json = serde_json::to_string(&spec).unwrap();
+        assert_eq!(JobSpec::parse(&json).unwrap(), spec);
+    }
+
+    fn err_of(edit: &str, with: &str) -> ConfigError {
+        JobSpec::parse(&EXAMPLE.replace(edit, with)).unwrap_err()
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        let e = err_of("steps: 200", "steps: -5");
+        assert_eq!(e.field, "train.steps");
+        let e = err_of("micro_batch: 32", "micro_batch: 5");
+        assert_eq!(e.field, "train.global_batch", "{e}");
+        let e = err_of("n_embd: 128", "n_embd: 130");
+        assert_eq!(e.field, "model.n_embd");
+        let e = err_of("steps: 200", "steps: 200\n  stepz: 3");
+        assert!(e.to_string().contains("stepz"), "{e}");
+        assert_eq!(e.field, "train");
+        let e = err_of("vocab: bytes", "vocab: words");
+        assert!(e.to_string().contains("model"), "{e}");
+        let e = err_of("512MiB", "512 parsecs");
+        assert_eq!(e.field, "device.device_memory");
+        let e = err_of("name: shakespeare-small", "name: ../etc");
+        assert_eq!(e.field, "name");
+        let e = JobSpec::parse("name: [unclosed").unwrap_err();
+        assert!(e.to_string().contains("line"), "malformed YAML reports its location: {e}");
+    }
+}

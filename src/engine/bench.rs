@@ -1,0 +1,118 @@
+//! `headroom bench`: ms/step and tokens/s of fp32 training steps on the CPU device for given
+//! model shapes, on synthetic tokens (no data file needed).
+
+use crate::memory::{format_bytes, Pool};
+
+use super::model::GptConfig;
+use super::rng::mix64;
+use super::trainer::{Hyper, Trainer};
+
+#[derive(Debug, Clone)]
+pub struct BenchCase {
+    pub label: String,
+    pub cfg: GptConfig,
+    pub batch: usize,
+    pub seq: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct BenchResult {
+    pub case: BenchCase,
+    pub params: usize,
+    pub ms_per_step: f64,
+    pub min_ms: f64,
+    pub tokens_per_s: f64,
+    pub peak_allocated: usize,
+}
+
+/// The shapes the README compares against llm.c's CPU trainer.
+pub fn preset(name: &str) -> Option<Vec<BenchCase>> {
+    let small = BenchCase {
+        label: "d4-256 gpt2-vocab".into(),
+        cfg: GptConfig { n_layer: 4, n_head: 4, n_embd: 256, block_size: 64, vocab: 50257 },
+        batch: 4,
+        seq: 64,
+    };
+    let gpt2 = BenchCase {
+        label: "gpt2-124M".into(),
+        cfg: GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab: 50257 },
+        batch: 4,
+        seq: 64,
+    };
+    let tiny = BenchCase {
+        label: "d2-64 bytes".into(),
+        cfg: GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 64, vocab: 256 },
+        batch: 16,
+        seq: 64,
+    };
+    match name {
+        "small" => Some(vec![small]),
+        "gpt2" => Some(vec![gpt2]),
+        "tiny" => Some(vec![tiny]),
+        "all" => Some(vec![tiny, small, gpt2]),
+        _ => None,
+    }
+}
+
+/// Time `steps` optimizer steps after `warmup` untimed ones.
+pub fn run_case(case: &BenchCase, warmup: usize, steps: usize) -> Result<BenchResult, crate::memory::OomError> {
+    let hyper = Hyper {
+        steps: (warmup + steps) as u64,
+        global_batch: case.batch,
+        micro_batch: case.batch,
+        grad_accum: 1,
+        seq_len: case.seq,
+        lr: 3e-4,
+        warmup_steps: 0,
+        weight_decay: 0.1,
+        grad_clip: 1.0,
+        seed: 1,
+    };
+    let pool = Pool::new("cpu", usize::MAX / 2);
+    let mut trainer = Trainer::new(case.cfg, hyper, pool.clone())?;
+    let vocab = case.cfg.vocab as u64;
+    let mut batch = |s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
+        for p in 0..case.seq as u64 {
+            inp.push((mix64(s * 7919 + i * 104729 + p) % vocab) as u32);
+            tgt.push((mix64(s * 7919 + i * 104729 + p + 1) % vocab) as u32);
+        }
+    };
+    for _ in 0..warmup {
+        trainer.train_step(&mut batch)?;
+    }
+    let mut times = Vec::new();
+    for _ in 0..steps {
+        times.push(trainer.train_step(&mut batch)?.step_ms);
+    }
+    let mean = times.iter().sum::<f64>() / times.len() as f64;
+    let min = times.iter().copied().fold(f64::INFINITY, f64::min);
+    Ok(BenchResult {
+        case: case.clone(),
+        params: case.cfg.num_params(),
+        ms_per_step: mean,
+        min_ms: min,
+        tokens_per_s: (case.batch * case.seq) as f64 / (mean / 1e3),
+        peak_allocated: pool.stats().peak_allocated,
+    })
+}
+
+pub fn print_table(results: &[BenchResult]) -> String {
+    let mut s = format!(
+        "{:<20} {:>10} {:>4} {:>5} {:>12} {:>10} {:>12} {:>12}\n",
+        "model", "params", "B", "T", "ms/step", "min ms", "tokens/s", "peak alloc"
+    );
+    for r in results {
+        s.push_str(&format!(
+            "{:<20} {:>10} {:>4} {:>5} {:>12.1} {:>10.1} {:>12.0} {:>12}\n",
+            r.case.label,
+            r.params,
+            r.case.batch,
+            r.case.seq,
+            r.ms_per_step,
+            r.min_ms,
+            r.tokens_per_s,
+            format_bytes(r.peak_allocated)
+        ));
+    }
+    s
+}

@@ -1,0 +1,171 @@
+//! Gradient checks: every layer's backward and the whole model's against central finite
+//! differences of its forward.
+
+use super::layers::*;
+use super::model::{self, GptConfig};
+use super::rng::Rng;
+use crate::memory::{Category, Pool};
+
+fn randn(rng: &mut Rng, n: usize, scale: f64) -> Vec<f32> {
+    (0..n).map(|_| (rng.normal() * scale) as f32).collect()
+}
+
+fn dot64(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
+}
+
+/// Compare `analytic` with central differences of `objective` around `x`, every element.
+fn check(name: &str, x: &[f32], analytic: &[f32], objective: &dyn Fn(&[f32]) -> f64) {
+    assert_eq!(x.len(), analytic.len(), "{name}: gradient shape");
+    let eps = 3e-3f32;
+    let mut worst = 0.0f64;
+    for i in 0..x.len() {
+        let mut xp = x.to_vec();
+        xp[i] += eps;
+        let mut xm = x.to_vec();
+        xm[i] -= eps;
+        let numeric = (objective(&xp) - objective(&xm)) / (2.0 * eps as f64);
+        let a = analytic[i] as f64;
+        let err = (numeric - a).abs();
+        let tol = 1e-2 * a.abs().max(numeric.abs()) + 2e-3;
+        worst = worst.max(err / tol);
+        assert!(err <= tol, "{name}[{i}]: analytic {a:.6} vs numeric {numeric:.6}");
+    }
+    assert!(worst.is_finite(), "{name}: checked");
+}
+
+#[test]
+fn matmul_backward_matches_finite_differences() {
+    let (n, c, oc) = (3, 4, 5);
+    let mut rng = Rng::new(1);
+    let (x, w, b, r) = (
+        randn(&mut rng, n * c, 1.0),
+        randn(&mut rng, oc * c, 1.0),
+        randn(&mut rng, oc, 1.0),
+        randn(&mut rng, n * oc, 1.0),
+    );
+    let f = |x: &[f32], w: &[f32], b: &[f32]| {
+        let mut out = vec![0.0; n * oc];
+        matmul_forward(&mut out, x, w, Some(b), n, c, oc);
+        dot64(&out, &r)
+    };
+    let (mut dx, mut dw, mut db) = (vec![0.0; n * c], vec![0.0; oc * c], vec![0.0; oc]);
+    matmul_backward(&mut dx, &mut dw, Some(&mut db), &r, &x, &w, n, c, oc);
+    check("matmul.dinp", &x, &dx, &|x| f(x, &w, &b));
+    check("matmul.dweight", &w, &dw, &|w| f(&x, w, &b));
+    check("matmul.dbias", &b, &db, &|b| f(&x, &w, b));
+}
+
+#[test]
+fn layernorm_backward_matches_finite_differences() {
+    let (n, c) = (3, 8);
+    let mut rng = Rng::new(2);
+    let (x, w, b, r) =
+        (randn(&mut rng, n * c, 1.0), randn(&mut rng, c, 1.0), randn(&mut rng, c, 1.0), randn(&mut rng, n * c, 1.0));
+    let f = |x: &[f32], w: &[f32], b: &[f32]| {
+        let (mut out, mut m, mut s) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+        layernorm_forward(&mut out, &mut m, &mut s, x, w, b, c);
+        dot64(&out, &r)
+    };
+    let (mut out, mut m, mut s) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+    layernorm_forward(&mut out, &mut m, &mut s, &x, &w, &b, c);
+    let (mut dx, mut dw, mut db) = (vec![0.0; n * c], vec![0.0; c], vec![0.0; c]);
+    layernorm_backward(&mut dx, &mut dw, &mut db, &r, &x, &w, &m, &s, c);
+    check("layernorm.dinp", &x, &dx, &|x| f(x, &w, &b));
+    check("layernorm.dweight", &w, &dw, &|w| f(&x, w, &b));
+    check("layernorm.dbias", &b, &db, &|b| f(&x, &w, b));
+}
+
+#[test]
+fn attention_backward_matches_finite_differences() {
+    let (b, t, c, nh) = (2, 4, 8, 2);
+    let mut rng = Rng::new(3);
+    let (qkv, r) = (randn(&mut rng, b * t * 3 * c, 1.0), randn(&mut rng, b * t * c, 1.0));
+    let f = |qkv: &[f32]| {
+        let (mut out, mut att) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
+        attention_forward(&mut out, &mut att, qkv, b, t, c, nh);
+        dot64(&out, &r)
+    };
+    let (mut out, mut att) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
+    attention_forward(&mut out, &mut att, &qkv, b, t, c, nh);
+    // Causality: row 0 attends only to itself.
+    assert_eq!(att[0], 1.0);
+    assert!(att[1..t].iter().all(|&a| a == 0.0));
+    let (mut dqkv, mut scratch) = (vec![0.0; b * t * 3 * c], vec![0.0; b * nh * t]);
+    attention_backward(&mut dqkv, &mut scratch, &r, &qkv, &att, b, t, c, nh);
+    check("attention.dqkv", &qkv, &dqkv, &f);
+}
+
+#[test]
+fn gelu_and_crossentropy_backward_match_finite_differences() {
+    let mut rng = Rng::new(4);
+    let (x, r) = (randn(&mut rng, 64, 2.0), randn(&mut rng, 64, 1.0));
+    let f = |x: &[f32]| {
+        let mut out = vec![0.0; x.len()];
+        gelu_forward(&mut out, x);
+        dot64(&out, &r)
+    };
+    let mut d = r.clone();
+    gelu_backward_inplace(&mut d, &x);
+    check("gelu.dinp", &x, &d, &f);
+
+    let (n, v) = (3, 7);
+    let logits = randn(&mut rng, n * v, 1.0);
+    let targets = [1u32, 6, 0];
+    let f = |lg: &[f32]| {
+        let (mut p, mut losses) = (lg.to_vec(), vec![0.0; n]);
+        crossentropy_forward(&mut p, &mut losses, &targets, v);
+        losses.iter().map(|&l| l as f64).sum::<f64>() / n as f64
+    };
+    let (mut p, mut losses) = (logits.clone(), vec![0.0; n]);
+    crossentropy_forward(&mut p, &mut losses, &targets, v);
+    crossentropy_backward_inplace(&mut p, &targets, 1.0 / n as f32, v);
+    check("crossentropy.dlogits", &logits, &p, &f);
+}
+
+#[test]
+fn encoder_backward_matches_finite_differences() {
+    let (b, t, c, vocab) = (2, 3, 4, 5);
+    let mut rng = Rng::new(5);
+    let (wte, wpe, r) = (randn(&mut rng, vocab * c, 1.0), randn(&mut rng, t * c, 1.0), randn(&mut rng, b * t * c, 1.0));
+    let inp = [0u32, 3, 3, 4, 0, 1];
+    let f = |wte: &[f32], wpe: &[f32]| {
+        let mut out = vec![0.0; b * t * c];
+        encoder_forward(&mut out, &inp, wte, wpe, t, c);
+        dot64(&out, &r)
+    };
+    let (mut dwte, mut dwpe) = (vec![0.0; vocab * c], vec![0.0; t * c]);
+    encoder_backward(&mut dwte, &mut dwpe, &r, &inp, t, c);
+    check("encoder.dwte", &wte, &dwte, &|w| f(w, &wpe));
+    check("encoder.dwpe", &wpe, &dwpe, &|w| f(&wte, w));
+}
+
+#[test]
+fn whole_model_gradients_match_finite_differences() {
+    let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 8, block_size: 4, vocab: 11 };
+    let (b, t) = (2, 4);
+    let pool = Pool::new("cpu", 64 << 20);
+    let mut params = vec![0.0f32; cfg.num_params()];
+    cfg.init_params(&mut params, 7);
+    // Larger weights than GPT-2's init so every path carries a visible gradient.
+    let mut rng = Rng::new(8);
+    for p in params.iter_mut() {
+        *p += (rng.normal() * 0.3) as f32;
+    }
+    let inputs: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 7 + 3) % 11).collect();
+    let targets: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 5 + 1) % 11).collect();
+    let loss = |p: &[f32]| model::forward(&cfg, p, &pool, &inputs, &targets, b, t).unwrap().mean_loss() as f64;
+    let mut grads = vec![0.0f32; cfg.num_params()];
+    let acts = model::forward(&cfg, &params, &pool, &inputs, &targets, b, t).unwrap();
+    model::backward(&cfg, &params, &mut grads, &pool, acts, 1.0 / (b * t) as f32).unwrap();
+    assert_eq!(pool.stats().current(Category::Activations), 0, "backward frees every activation");
+    assert_eq!(pool.stats().current(Category::Workspace), 0, "and its workspace");
+    for info in cfg.tensors() {
+        let r = info.offset..info.offset + info.len;
+        check(&info.name, &params[r.clone()], &grads[r.clone()], &|x| {
+            let mut p = params.clone();
+            p[r.clone()].copy_from_slice(x);
+            loss(&p)
+        });
+    }
+}

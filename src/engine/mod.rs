@@ -1,0 +1,17 @@
+//! The GPT training engine: CPU reference layers, model, optimizer, data, checkpoints and the
+//! `headroom train` loop. Knows nothing of HTTP, SQL or the supervisor.
+
+pub mod bench;
+pub mod checkpoint;
+pub mod data;
+pub mod layers;
+pub mod model;
+pub mod optim;
+pub mod rng;
+pub mod run;
+pub mod trainer;
+
+#[cfg(test)]
+mod gradcheck;
+
+pub use run::{train, Events, ResumeMode, TrainError, TrainOptions};

@@ -1,0 +1,537 @@
+//! The GPT-2 model: size tables (the one source of truth for tensor sizes), parameter layout,
+//! initialisation, and the forward / backward passes over pool-allocated buffers.
+//!
+//! Parameters are laid out layer-major in one flat fp32 buffer:
+//! `wte (V,C) | wpe (maxT,C) | layer 0 … layer L-1 | lnfw (C) | lnfb (C)`, each layer being
+//! `ln1w ln1b qkvw qkvb attprojw attprojb ln2w ln2b fcw fcb fcprojw fcprojb`. The same order is
+//! the checkpoint's canonical layout.
+
+use crate::memory::{Buffer, Category, OomError, Pool};
+
+use super::layers::*;
+use super::rng::Rng;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GptConfig {
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+    /// Maximum sequence length (rows of wpe).
+    pub block_size: usize,
+    pub vocab: usize,
+}
+
+/// One named tensor of the parameter layout.
+#[derive(Debug, Clone)]
+pub struct TensorInfo {
+    pub name: String,
+    pub offset: usize,
+    pub len: usize,
+    /// Matrices (and embeddings) get weight decay; biases and LayerNorm parameters do not.
+    pub decay: bool,
+}
+
+/// Per-layer parameter tensors in layout order: (name, elements, decayed, init std multiplier).
+fn layer_param_sizes(c: usize) -> [(&'static str, usize, bool); 12] {
+    [
+        ("ln1w", c, false),
+        ("ln1b", c, false),
+        ("qkvw", 3 * c * c, true),
+        ("qkvb", 3 * c, false),
+        ("attprojw", c * c, true),
+        ("attprojb", c, false),
+        ("ln2w", c, false),
+        ("ln2b", c, false),
+        ("fcw", 4 * c * c, true),
+        ("fcb", 4 * c, false),
+        ("fcprojw", 4 * c * c, true),
+        ("fcprojb", c, false),
+    ]
+}
+
+/// Per-layer activation tensors kept for backward (elements), for batch b and length t.
+/// With `keep_recomputable == false` the cheap ones (LayerNorm outputs, GELU output) are
+/// left out, as selective checkpointing does.
+pub fn layer_activation_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'static str, usize); 13] {
+    let (c, nh) = (cfg.n_embd, cfg.n_head);
+    let bt = b * t;
+    [
+        ("ln1", bt * c),
+        ("ln1_mean", bt),
+        ("ln1_rstd", bt),
+        ("qkv", bt * 3 * c),
+        ("att", b * nh * t * t),
+        ("atty", bt * c),
+        ("residual2", bt * c),
+        ("ln2", bt * c),
+        ("ln2_mean", bt),
+        ("ln2_rstd", bt),
+        ("fch", bt * 4 * c),
+        ("fch_gelu", bt * 4 * c),
+        ("residual3", bt * c),
+    ]
+}
+
+/// Activations outside the blocks: (name, elements, element bytes).
+pub fn global_activation_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'static str, usize, usize); 8] {
+    let bt = b * t;
+    [
+        ("inputs", bt, 4),
+        ("targets", bt, 4),
+        ("encoded", bt * cfg.n_embd, 4),
+        ("lnf", bt * cfg.n_embd, 4),
+        ("lnf_mean", bt, 4),
+        ("lnf_rstd", bt, 4),
+        ("logits", bt * cfg.vocab, 4),
+        ("losses", bt, 4),
+    ]
+}
+
+/// Backward temporaries (elements): running residual gradient, a (BT,C) scratch, the MLP
+/// gradient, the qkv gradient and the attention softmax scratch.
+pub fn backward_workspace_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'static str, usize); 5] {
+    let (c, nh) = (cfg.n_embd, cfg.n_head);
+    let bt = b * t;
+    [("dresidual", bt * c), ("dsmall", bt * c), ("dfch", bt * 4 * c), ("dqkv", bt * 3 * c), ("datt_row", b * nh * t)]
+}
+
+impl GptConfig {
+    pub fn layer_params(&self) -> usize {
+        layer_param_sizes(self.n_embd).iter().map(|t| t.1).sum()
+    }
+
+    pub fn num_params(&self) -> usize {
+        let c = self.n_embd;
+        self.vocab * c + self.block_size * c + self.n_layer * self.layer_params() + 2 * c
+    }
+
+    /// The full parameter layout, in order.
+    pub fn tensors(&self) -> Vec<TensorInfo> {
+        let c = self.n_embd;
+        let mut out = Vec::new();
+        let mut offset = 0;
+        let mut push = |name: String, len: usize, decay: bool| {
+            out.push(TensorInfo { name, offset, len, decay });
+            offset += len;
+        };
+        push("wte".into(), self.vocab * c, true);
+        push("wpe".into(), self.block_size * c, true);
+        for l in 0..self.n_layer {
+            for (name, len, decay) in layer_param_sizes(c) {
+                push(format!("h{l}.{name}"), len, decay);
+            }
+        }
+        push("lnfw".into(), c, false);
+        push("lnfb".into(), c, false);
+        out
+    }
+
+    /// GPT-2 initialisation: N(0, 0.02) for matrices, residual projections scaled by
+    /// 1/sqrt(2L), zero biases, unit LayerNorm weights.
+    pub fn init_params(&self, params: &mut [f32], seed: u64) {
+        let mut rng = Rng::new(seed);
+        let proj_std = 0.02 / (2.0 * self.n_layer as f64).sqrt();
+        for t in self.tensors() {
+            let dst = &mut params[t.offset..t.offset + t.len];
+            let short = t.name.rsplit('.').next().unwrap_or(&t.name);
+            match short {
+                "ln1w" | "ln2w" | "lnfw" => dst.fill(1.0),
+                "attprojw" | "fcprojw" => dst.iter_mut().for_each(|x| *x = (rng.normal() * proj_std) as f32),
+                _ if t.decay => dst.iter_mut().for_each(|x| *x = (rng.normal() * 0.02) as f32),
+                _ => dst.fill(0.0),
+            }
+        }
+    }
+}
+
+/// Split a flat slice into consecutive pieces of the given sizes.
+fn split_sizes<'a, T>(mut s: &'a [T], sizes: &[usize]) -> Vec<&'a [T]> {
+    sizes
+        .iter()
+        .map(|&n| {
+            let (head, tail) = s.split_at(n);
+            s = tail;
+            head
+        })
+        .collect()
+}
+
+fn split_sizes_mut<'a, T>(mut s: &'a mut [T], sizes: &[usize]) -> Vec<&'a mut [T]> {
+    sizes
+        .iter()
+        .map(|&n| {
+            let (head, tail) = std::mem::take(&mut s).split_at_mut(n);
+            s = tail;
+            head
+        })
+        .collect()
+}
+
+/// Views of one layer's parameters (or gradients: `T = &mut [f32]`).
+pub struct LayerTensors<T> {
+    pub ln1w: T,
+    pub ln1b: T,
+    pub qkvw: T,
+    pub qkvb: T,
+    pub attprojw: T,
+    pub attprojb: T,
+    pub ln2w: T,
+    pub ln2b: T,
+    pub fcw: T,
+    pub fcb: T,
+    pub fcprojw: T,
+    pub fcprojb: T,
+}
+
+impl<T> LayerTensors<T> {
+    fn from_vec(v: Vec<T>) -> Self {
+        let mut it = v.into_iter();
+        let mut next = || it.next().expect("12 layer tensors");
+        LayerTensors {
+            ln1w: next(),
+            ln1b: next(),
+            qkvw: next(),
+            qkvb: next(),
+            attprojw: next(),
+            attprojb: next(),
+            ln2w: next(),
+            ln2b: next(),
+            fcw: next(),
+            fcb: next(),
+            fcprojw: next(),
+            fcprojb: next(),
+        }
+    }
+}
+
+/// Views of the whole parameter (or gradient) buffer.
+pub struct ModelTensors<T> {
+    pub wte: T,
+    pub wpe: T,
+    pub layers: Vec<LayerTensors<T>>,
+    pub lnfw: T,
+    pub lnfb: T,
+}
+
+impl GptConfig {
+    fn top_sizes(&self) -> Vec<usize> {
+        let c = self.n_embd;
+        let mut sizes = vec![self.vocab * c, self.block_size * c];
+        sizes.extend(std::iter::repeat_n(self.layer_params(), self.n_layer));
+        sizes.extend([c, c]);
+        sizes
+    }
+
+    fn layer_sizes(&self) -> Vec<usize> {
+        layer_param_sizes(self.n_embd).iter().map(|t| t.1).collect()
+    }
+
+    pub fn view<'a>(&self, flat: &'a [f32]) -> ModelTensors<&'a [f32]> {
+        let mut top = split_sizes(flat, &self.top_sizes()).into_iter();
+        let wte = top.next().unwrap();
+        let wpe = top.next().unwrap();
+        let layer_sizes = self.layer_sizes();
+        let layers =
+            (0..self.n_layer).map(|_| LayerTensors::from_vec(split_sizes(top.next().unwrap(), &layer_sizes))).collect();
+        ModelTensors { wte, wpe, layers, lnfw: top.next().unwrap(), lnfb: top.next().unwrap() }
+    }
+
+    pub fn view_mut<'a>(&self, flat: &'a mut [f32]) -> ModelTensors<&'a mut [f32]> {
+        let mut top = split_sizes_mut(flat, &self.top_sizes()).into_iter();
+        let wte = top.next().unwrap();
+        let wpe = top.next().unwrap();
+        let layer_sizes = self.layer_sizes();
+        let layers = (0..self.n_layer)
+            .map(|_| LayerTensors::from_vec(split_sizes_mut(top.next().unwrap(), &layer_sizes)))
+            .collect();
+        ModelTensors { wte, wpe, layers, lnfw: top.next().unwrap(), lnfb: top.next().unwrap() }
+    }
+}
+
+/// An fp32 buffer of `n` elements from the pool.
+pub fn alloc_f32(pool: &Pool, n: usize, category: Category) -> Result<Buffer, OomError> {
+    pool.alloc(n * 4, category)
+}
+
+/// Activations one block keeps for its backward pass.
+pub struct LayerActs {
+    pub ln1: Buffer,
+    pub ln1_mean: Buffer,
+    pub ln1_rstd: Buffer,
+    pub qkv: Buffer,
+    pub att: Buffer,
+    pub atty: Buffer,
+    pub residual2: Buffer,
+    pub ln2: Buffer,
+    pub ln2_mean: Buffer,
+    pub ln2_rstd: Buffer,
+    pub fch: Buffer,
+    pub fch_gelu: Buffer,
+    pub residual3: Buffer,
+}
+
+/// Everything a forward pass keeps: inputs, per-layer activations, head outputs, losses.
+pub struct Activations {
+    pub b: usize,
+    pub t: usize,
+    pub inputs: Buffer,
+    pub targets: Buffer,
+    pub encoded: Buffer,
+    pub layers: Vec<LayerActs>,
+    pub lnf: Buffer,
+    pub lnf_mean: Buffer,
+    pub lnf_rstd: Buffer,
+    /// Logits, then probabilities after the loss, then logit gradients in backward.
+    pub logits: Option<Buffer>,
+    pub losses: Buffer,
+}
+
+impl Activations {
+    /// Mean cross-entropy over the batch (f64 accumulation).
+    pub fn mean_loss(&self) -> f32 {
+        let l = self.losses.as_slice::<f32>();
+        (l.iter().map(|&x| x as f64).sum::<f64>() / l.len() as f64) as f32
+    }
+}
+
+fn alloc_layer_acts(cfg: &GptConfig, pool: &Pool, b: usize, t: usize) -> Result<LayerActs, OomError> {
+    let sizes = layer_activation_sizes(cfg, b, t);
+    let mut bufs = Vec::with_capacity(sizes.len());
+    for (_, n) in sizes {
+        bufs.push(alloc_f32(pool, n, Category::Activations)?);
+    }
+    let mut it = bufs.into_iter();
+    let mut next = || it.next().expect("13 activation tensors");
+    Ok(LayerActs {
+        ln1: next(),
+        ln1_mean: next(),
+        ln1_rstd: next(),
+        qkv: next(),
+        att: next(),
+        atty: next(),
+        residual2: next(),
+        ln2: next(),
+        ln2_mean: next(),
+        ln2_rstd: next(),
+        fch: next(),
+        fch_gelu: next(),
+        residual3: next(),
+    })
+}
+
+/// Forward pass. inputs, targets: (B,T) token ids. Returns the activations with losses filled.
+pub fn forward(
+    cfg: &GptConfig,
+    params: &[f32],
+    pool: &Pool,
+    inputs: &[u32],
+    targets: &[u32],
+    b: usize,
+    t: usize,
+) -> Result<Activations, OomError> {
+    let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab);
+    let bt = b * t;
+    let p = cfg.view(params);
+    let g = global_activation_sizes(cfg, b, t);
+    let mut input_buf = pool.alloc(g[0].1 * g[0].2, Category::Activations)?;
+    input_buf.as_mut_slice::<u32>().copy_from_slice(inputs);
+    let mut target_buf = pool.alloc(g[1].1 * g[1].2, Category::Activations)?;
+    target_buf.as_mut_slice::<u32>().copy_from_slice(targets);
+    let mut encoded = alloc_f32(pool, g[2].1, Category::Activations)?;
+    encoder_forward(encoded.as_mut_slice(), inputs, p.wte, p.wpe, t, c);
+
+    let mut layers: Vec<LayerActs> = Vec::with_capacity(cfg.n_layer);
+    for l in 0..cfg.n_layer {
+        let mut a = alloc_layer_acts(cfg, pool, b, t)?;
+        let x = match layers.last() {
+            Some(prev) => prev.residual3.as_slice::<f32>(),
+            None => encoded.as_slice::<f32>(),
+        };
+        layer_forward(&p.layers[l], &mut a, x, b, t, c, nh);
+        layers.push(a);
+    }
+
+    let mut lnf = alloc_f32(pool, g[3].1, Category::Activations)?;
+    let mut lnf_mean = alloc_f32(pool, g[4].1, Category::Activations)?;
+    let mut lnf_rstd = alloc_f32(pool, g[5].1, Category::Activations)?;
+    let last = layers.last().map(|a| a.residual3.as_slice::<f32>()).unwrap_or(encoded.as_slice());
+    layernorm_forward(lnf.as_mut_slice(), lnf_mean.as_mut_slice(), lnf_rstd.as_mut_slice(), last, p.lnfw, p.lnfb, c);
+    let mut logits = alloc_f32(pool, g[6].1, Category::Activations)?;
+    matmul_forward(logits.as_mut_slice(), lnf.as_slice(), p.wte, None, bt, c, v);
+    let mut losses = alloc_f32(pool, g[7].1, Category::Activations)?;
+    crossentropy_forward(logits.as_mut_slice(), losses.as_mut_slice(), targets, v);
+    Ok(Activations {
+        b,
+        t,
+        inputs: input_buf,
+        targets: target_buf,
+        encoded,
+        layers,
+        lnf,
+        lnf_mean,
+        lnf_rstd,
+        logits: Some(logits),
+        losses,
+    })
+}
+
+/// One transformer block forward. x: (B,T,C) block input; fills every tensor of `a`.
+fn layer_forward(p: &LayerTensors<&[f32]>, a: &mut LayerActs, x: &[f32], b: usize, t: usize, c: usize, nh: usize) {
+    let bt = b * t;
+    layernorm_forward(a.ln1.as_mut_slice(), a.ln1_mean.as_mut_slice(), a.ln1_rstd.as_mut_slice(), x, p.ln1w, p.ln1b, c);
+    matmul_forward(a.qkv.as_mut_slice(), a.ln1.as_slice(), p.qkvw, Some(p.qkvb), bt, c, 3 * c);
+    attention_forward(a.atty.as_mut_slice(), a.att.as_mut_slice(), a.qkv.as_slice(), b, t, c, nh);
+    matmul_forward(a.residual2.as_mut_slice(), a.atty.as_slice(), p.attprojw, Some(p.attprojb), bt, c, c);
+    residual_forward_inplace(a.residual2.as_mut_slice(), x);
+    layernorm_forward(
+        a.ln2.as_mut_slice(),
+        a.ln2_mean.as_mut_slice(),
+        a.ln2_rstd.as_mut_slice(),
+        a.residual2.as_slice(),
+        p.ln2w,
+        p.ln2b,
+        c,
+    );
+    matmul_forward(a.fch.as_mut_slice(), a.ln2.as_slice(), p.fcw, Some(p.fcb), bt, c, 4 * c);
+    gelu_forward(a.fch_gelu.as_mut_slice(), a.fch.as_slice());
+    matmul_forward(a.residual3.as_mut_slice(), a.fch_gelu.as_slice(), p.fcprojw, Some(p.fcprojb), bt, 4 * c, c);
+    residual_forward_inplace(a.residual3.as_mut_slice(), a.residual2.as_slice());
+}
+
+/// Backward pass: consumes the activations (freeing each block's as soon as it is done) and
+/// accumulates parameter gradients into `grads`. `dloss` is d(objective)/d(loss at one position),
+/// e.g. 1 / (B·T·grad_accum) for a mean over the global batch.
+pub fn backward(
+    cfg: &GptConfig,
+    params: &[f32],
+    grads: &mut [f32],
+    pool: &Pool,
+    mut acts: Activations,
+    dloss: f32,
+) -> Result<(), OomError> {
+    let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab);
+    let (b, t) = (acts.b, acts.t);
+    let bt = b * t;
+    let p = cfg.view(params);
+    let mut g = cfg.view_mut(grads);
+    let ws = backward_workspace_sizes(cfg, b, t);
+    let mut dres = alloc_f32(pool, ws[0].1, Category::Workspace)?;
+    let mut dsmall = alloc_f32(pool, ws[1].1, Category::Workspace)?;
+    let mut dfch = alloc_f32(pool, ws[2].1, Category::Workspace)?;
+    let mut dqkv = alloc_f32(pool, ws[3].1, Category::Workspace)?;
+    let mut datt_row = alloc_f32(pool, ws[4].1, Category::Workspace)?;
+
+    // Head: loss -> logits -> lnf.
+    let mut logits = acts.logits.take().expect("forward fills logits");
+    crossentropy_backward_inplace(logits.as_mut_slice(), acts.targets.as_slice(), dloss, v);
+    matmul_backward(dsmall.as_mut_slice(), g.wte, None, logits.as_slice(), acts.lnf.as_slice(), p.wte, bt, c, v);
+    drop(logits);
+    dres.as_mut_slice::<f32>().fill(0.0);
+    {
+        let last = acts.layers.last().map(|a| a.residual3.as_slice::<f32>()).unwrap_or(acts.encoded.as_slice());
+        layernorm_backward(
+            dres.as_mut_slice(),
+            g.lnfw,
+            g.lnfb,
+            dsmall.as_slice(),
+            last,
+            p.lnfw,
+            acts.lnf_mean.as_slice(),
+            acts.lnf_rstd.as_slice(),
+            c,
+        );
+    }
+
+    for l in (0..cfg.n_layer).rev() {
+        let a = acts.layers.pop().expect("one LayerActs per layer");
+        let x = match acts.layers.last() {
+            Some(prev) => prev.residual3.as_slice::<f32>(),
+            None => acts.encoded.as_slice::<f32>(),
+        };
+        let (pl, gl) = (&p.layers[l], &mut g.layers[l]);
+        // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
+        matmul_backward(
+            dfch.as_mut_slice(),
+            gl.fcprojw,
+            Some(gl.fcprojb),
+            dres.as_slice(),
+            a.fch_gelu.as_slice(),
+            pl.fcprojw,
+            bt,
+            4 * c,
+            c,
+        );
+        gelu_backward_inplace(dfch.as_mut_slice(), a.fch.as_slice());
+        matmul_backward(
+            dsmall.as_mut_slice(),
+            gl.fcw,
+            Some(gl.fcb),
+            dfch.as_slice(),
+            a.ln2.as_slice(),
+            pl.fcw,
+            bt,
+            c,
+            4 * c,
+        );
+        layernorm_backward(
+            dres.as_mut_slice(),
+            gl.ln2w,
+            gl.ln2b,
+            dsmall.as_slice(),
+            a.residual2.as_slice(),
+            pl.ln2w,
+            a.ln2_mean.as_slice(),
+            a.ln2_rstd.as_slice(),
+            c,
+        );
+        // Attention: residual2 = x + attproj(attention(qkv(ln1(x))))
+        matmul_backward(
+            dsmall.as_mut_slice(),
+            gl.attprojw,
+            Some(gl.attprojb),
+            dres.as_slice(),
+            a.atty.as_slice(),
+            pl.attprojw,
+            bt,
+            c,
+            c,
+        );
+        attention_backward(
+            dqkv.as_mut_slice(),
+            datt_row.as_mut_slice(),
+            dsmall.as_slice(),
+            a.qkv.as_slice(),
+            a.att.as_slice(),
+            b,
+            t,
+            c,
+            nh,
+        );
+        matmul_backward(
+            dsmall.as_mut_slice(),
+            gl.qkvw,
+            Some(gl.qkvb),
+            dqkv.as_slice(),
+            a.ln1.as_slice(),
+            pl.qkvw,
+            bt,
+            c,
+            3 * c,
+        );
+        layernorm_backward(
+            dres.as_mut_slice(),
+            gl.ln1w,
+            gl.ln1b,
+            dsmall.as_slice(),
+            x,
+            pl.ln1w,
+            a.ln1_mean.as_slice(),
+            a.ln1_rstd.as_slice(),
+            c,
+        );
+        drop(a);
+    }
+    let inputs = acts.inputs.as_slice::<u32>();
+    encoder_backward(g.wte, g.wpe, dres.as_slice(), inputs, t, c);
+    Ok(())
+}

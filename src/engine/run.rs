@@ -1,0 +1,300 @@
+//! `headroom train`: runs one job end to end and speaks the trainer protocol (DESIGN.md):
+//! JSON lines on stdout, control lines on stdin, exit codes through [`TrainError::exit_code`].
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+use crate::config::{ConfigError, DeviceKind, JobSpec};
+use crate::memory::{OomError, Pool};
+
+use super::checkpoint::{self, CheckpointError};
+use super::data::{load_tokens, DataError, Dataset};
+use super::trainer::{gpt_config, Hyper, Trainer};
+
+/// Why `headroom train` did not finish, mapped to the protocol's exit codes.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error("device {device} requested but {reason}")]
+    DeviceUnavailable { device: String, reason: String },
+    #[error(transparent)]
+    Oom(#[from] OomError),
+    #[error("preempted on request at step {step}; checkpoint {}", path.display())]
+    Preempted { step: u64, path: PathBuf },
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("writing the event stream: {0}")]
+    Events(#[from] std::io::Error),
+}
+
+impl TrainError {
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            TrainError::Config(_) | TrainError::Data(_) | TrainError::DeviceUnavailable { .. } => 2,
+            TrainError::Oom(_) => 3,
+            TrainError::Preempted { .. } => 4,
+            TrainError::Checkpoint(CheckpointError::Mismatch { .. }) => 2,
+            TrainError::Checkpoint(_) | TrainError::Events(_) => 1,
+        }
+    }
+}
+
+/// How to treat checkpoints already in the run directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResumeMode {
+    /// Resume from the newest valid checkpoint if there is one (the default).
+    Auto,
+    /// Resume, and fail if there is no checkpoint.
+    Require,
+    /// Ignore existing checkpoints and start from step 0.
+    Fresh,
+}
+
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    pub run_dir: PathBuf,
+    pub resume: ResumeMode,
+    /// Checkpoint and exit 4 once this many steps are done (tests and drills).
+    pub stop_after: Option<u64>,
+    /// Read control lines from stdin.
+    pub listen_stdin: bool,
+}
+
+/// The JSON-lines event writer (stdout in production).
+pub struct Events {
+    out: Box<dyn Write + Send>,
+}
+
+impl Events {
+    pub fn new(out: Box<dyn Write + Send>) -> Events {
+        Events { out }
+    }
+
+    pub fn stdout() -> Events {
+        Events::new(Box::new(std::io::stdout()))
+    }
+
+    pub fn emit(&mut self, event: &str, body: Value) -> std::io::Result<()> {
+        let mut obj = match body {
+            Value::Object(m) => m,
+            _ => serde_json::Map::new(),
+        };
+        obj.insert("event".into(), event.into());
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        obj.insert("t".into(), json!(t.as_secs_f64()));
+        let line = serde_json::to_string(&Value::Object(obj)).expect("json");
+        writeln!(self.out, "{line}")?;
+        self.out.flush()
+    }
+}
+
+const CONTROL_NONE: u8 = 0;
+const CONTROL_CHECKPOINT_AND_EXIT: u8 = 1;
+const CONTROL_STOP: u8 = 2;
+
+/// Read `{"cmd": ...}` lines from stdin on a background thread into a flag.
+fn spawn_control_reader() -> Arc<AtomicU8> {
+    let flag = Arc::new(AtomicU8::new(CONTROL_NONE));
+    let f = flag.clone();
+    std::thread::Builder::new()
+        .name("control".into())
+        .spawn(move || {
+            for line in std::io::stdin().lock().lines() {
+                let Ok(line) = line else { break };
+                let cmd = serde_json::from_str::<Value>(&line)
+                    .ok()
+                    .and_then(|v| v.get("cmd").and_then(|c| c.as_str()).map(str::to_owned));
+                match cmd.as_deref() {
+                    Some("checkpoint_and_exit") => f.store(CONTROL_CHECKPOINT_AND_EXIT, Ordering::SeqCst),
+                    Some("stop") => f.store(CONTROL_STOP, Ordering::SeqCst),
+                    _ => tracing::warn!(line = line.trim(), "ignoring unknown control line"),
+                }
+            }
+        })
+        .expect("spawn control thread");
+    flag
+}
+
+/// Run the job. On OOM the `oom` event has been written before the error returns.
+pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result<(), TrainError> {
+    spec.validate()?;
+    spec.check_supported()?;
+    if spec.device.kind == DeviceKind::Cuda {
+        return Err(TrainError::DeviceUnavailable {
+            device: format!("cuda:{}", spec.device.index),
+            reason: "this build has no CUDA backend (not compiled with the `cuda` feature)".into(),
+        });
+    }
+    let capacity = spec.device_capacity().expect("cpu devices have a validated capacity");
+    let cfg = gpt_config(spec);
+    let hyper = Hyper::from_spec(spec);
+
+    let tokens = load_tokens(&spec.data.path, spec.model.vocab, &opts.run_dir.join("tokens"))?;
+    let data = Dataset::new(tokens, spec.data.val_fraction, hyper.seq_len, hyper.seed)
+        .map_err(|message| ConfigError { field: "data.path".into(), message })?;
+
+    let control = if opts.listen_stdin { Some(spawn_control_reader()) } else { None };
+    let pool = Pool::new("cpu", capacity);
+    let mut trainer = match Trainer::new(cfg, hyper.clone(), pool.clone()) {
+        Ok(t) => t,
+        Err(oom) => return Err(report_oom(events, oom, 0)),
+    };
+
+    let resumed = match opts.resume {
+        ResumeMode::Fresh => None,
+        mode => match checkpoint::load_latest(&opts.run_dir, |e| tracing::warn!("skipping checkpoint: {e}")) {
+            Some((path, ckpt)) => {
+                trainer.restore(&path, ckpt)?;
+                tracing::info!(step = trainer.step, path = %path.display(), "resumed");
+                Some(trainer.step)
+            }
+            None if mode == ResumeMode::Require => {
+                return Err(TrainError::Config(ConfigError {
+                    field: "--resume".into(),
+                    message: format!("no valid checkpoint in {}", opts.run_dir.display()),
+                }))
+            }
+            None => None,
+        },
+    };
+
+    let stats = pool.stats();
+    tracing::info!(
+        params = cfg.num_params(),
+        grad_accum = hyper.grad_accum,
+        "model allocated:\n{}",
+        pool.memory_summary()
+    );
+    events.emit(
+        "started",
+        json!({
+            "config": spec,
+            "world_size": spec.memory.world_size,
+            "device": "cpu",
+            "capacity": stats.capacity,
+            "resumed_from_step": resumed,
+            "num_params": cfg.num_params(),
+            "grad_accum": hyper.grad_accum,
+            "unigram_entropy": data.unigram_entropy(),
+        }),
+    )?;
+
+    let progress = progress_bar(hyper.steps, trainer.step);
+    let eval_count = spec.train.eval_batches as usize * hyper.micro_batch;
+    let (eval_every, ckpt_every) = (spec.train.eval_every as u64, spec.train.checkpoint_every as u64);
+    let mut last_loss = f32::NAN;
+    let (mut tokens_done, mut secs_done) = (0f64, 0f64);
+    while trainer.step < hyper.steps {
+        if let Some(flag) = &control {
+            let cmd = flag.load(Ordering::SeqCst);
+            if cmd != CONTROL_NONE {
+                let path = save(&trainer, opts, events)?;
+                tracing::info!(step = trainer.step, stop = (cmd == CONTROL_STOP), "exiting on request");
+                return Err(TrainError::Preempted { step: trainer.step, path });
+            }
+        }
+        pool.reset_window_peaks();
+        let step = match trainer.train_step(&mut |s, i, inp, tgt| data.train_sequence(s, i, inp, tgt)) {
+            Ok(s) => s,
+            Err(oom) => return Err(report_oom(events, oom, trainer.step)),
+        };
+        last_loss = step.loss;
+        tokens_done += step.tokens_per_s * step.step_ms / 1e3;
+        secs_done += step.step_ms / 1e3;
+        events.emit(
+            "step",
+            json!({
+                "step": step.step,
+                "loss": step.loss,
+                "lr": step.lr,
+                "grad_norm": step.grad_norm,
+                "tokens_per_s": step.tokens_per_s,
+                "step_ms": step.step_ms,
+                "mem": pool.stats().to_json(),
+            }),
+        )?;
+        progress.set_position(step.step);
+        progress.set_message(format!("loss {:.4}", step.loss));
+
+        let last = trainer.step == hyper.steps;
+        if eval_every > 0 && (trainer.step % eval_every == 0 || last) {
+            let val = match trainer.evaluate(eval_count, &mut |i, inp, tgt| data.val_sequence(i, eval_count, inp, tgt))
+            {
+                Ok(v) => v,
+                Err(oom) => return Err(report_oom(events, oom, trainer.step)),
+            };
+            tracing::info!(step = trainer.step, val_loss = val, "eval");
+            events.emit("eval", json!({ "step": trainer.step, "val_loss": val }))?;
+        }
+        if ckpt_every > 0 && trainer.step % ckpt_every == 0 && !last {
+            save(&trainer, opts, events)?;
+        }
+        if opts.stop_after == Some(trainer.step) && !last {
+            let path = save(&trainer, opts, events)?;
+            return Err(TrainError::Preempted { step: trainer.step, path });
+        }
+    }
+    progress.finish_and_clear();
+    save(&trainer, opts, events)?;
+    let stats = pool.stats();
+    tracing::info!("finished:\n{}", pool.memory_summary());
+    events.emit(
+        "finished",
+        json!({
+            "step": trainer.step,
+            "final_loss": if last_loss.is_nan() { Value::Null } else { json!(last_loss) },
+            "peak_allocated": stats.peak_allocated,
+            "peak_reserved": stats.peak_reserved,
+            "mean_tokens_per_s": if secs_done > 0.0 { json!(tokens_done / secs_done) } else { Value::Null },
+            "mem": stats.lifetime_json(),
+        }),
+    )?;
+    Ok(())
+}
+
+fn save(trainer: &Trainer, opts: &TrainOptions, events: &mut Events) -> Result<PathBuf, TrainError> {
+    let path = trainer.save_checkpoint(&opts.run_dir)?;
+    events.emit("checkpoint", json!({ "step": trainer.step, "path": path }))?;
+    Ok(path)
+}
+
+/// Write the `oom` event (requested bytes, category, memory snapshot) and turn it into the error.
+fn report_oom(events: &mut Events, oom: OomError, step: u64) -> TrainError {
+    tracing::error!("{oom}");
+    let _ = events.emit(
+        "oom",
+        json!({
+            "step": step,
+            "requested_bytes": oom.requested_bytes,
+            "category": oom.category,
+            "mem": oom.stats.lifetime_json(),
+            "message": oom.to_string(),
+        }),
+    );
+    TrainError::Oom(oom)
+}
+
+fn progress_bar(total: u64, at: u64) -> indicatif::ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta}]")
+            .expect("template"),
+    );
+    bar.set_position(at);
+    bar
+}
+
+/// The run directory used when none is given: `runs/<job name>`.
+pub fn default_run_dir(spec: &JobSpec) -> PathBuf {
+    Path::new("runs").join(&spec.name)
+}

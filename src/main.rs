@@ -1,0 +1,20 @@
+//! The `headroom` binary: parse arguments, run the subcommand, map errors to exit codes.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = headroom::cli::Cli::parse();
+    headroom::cli::init_logging();
+    match headroom::cli::run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            let code = headroom::cli::exit_code(&err);
+            if code != 4 {
+                eprintln!("error: {err:#}");
+            }
+            ExitCode::from(code as u8)
+        }
+    }
+}

@@ -1,0 +1,10 @@
+//! Device memory: the budgeted caching pool, its categories and statistics.
+
+mod pool;
+mod stats;
+
+pub use pool::{Buffer, OomError, Pool, LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT};
+pub use stats::{format_bytes, parse_bytes, Category, MemStats};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,378 @@
+//! The budgeted caching allocator every engine byte goes through: segments, blocks, categories, OOM.
+//!
+//! Modelled on PyTorch's CUDA caching allocator. The pool reserves *segments* from the device
+//! (host memory for the `cpu` device) and carves them into *blocks*:
+//! - requests are rounded up to [`ROUND`] bytes;
+//! - requests up to [`SMALL_LIMIT`] come from small segments of [`SMALL_SEGMENT`] bytes; larger ones
+//!   from a segment of their own (rounded up to [`LARGE_ROUND`]) or a cached block big enough;
+//! - a free block is split when the remainder is worth keeping, and coalesced with free
+//!   neighbours of the same segment when released;
+//! - freed blocks stay cached (reserved) for reuse until [`Pool::empty_cache`];
+//! - a request that cannot be served within `capacity` first releases every cached, wholly free
+//!   segment, then fails with a typed [`OomError`] — nothing panics.
+
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use super::stats::{Category, MemStats};
+
+/// Every request is rounded up to a multiple of this many bytes.
+pub const ROUND: usize = 512;
+/// Requests up to this size are served from small segments.
+pub const SMALL_LIMIT: usize = 1 << 20;
+/// Size of one small segment.
+pub const SMALL_SEGMENT: usize = 2 << 20;
+/// Large segments are rounded up to this granularity.
+pub const LARGE_ROUND: usize = 2 << 20;
+/// Alignment of every segment (and so of every block, since blocks are multiples of ROUND).
+const SEGMENT_ALIGN: usize = 4096;
+
+/// A request the pool could not serve within its capacity.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "out of device memory: requested {requested_bytes} bytes for {category} \
+     (allocated {allocated}, reserved {reserved}, capacity {capacity})",
+    allocated = stats.allocated(), reserved = stats.reserved, capacity = stats.capacity
+)]
+pub struct OomError {
+    pub requested_bytes: usize,
+    pub category: Category,
+    pub stats: Box<MemStats>,
+}
+
+#[derive(Debug)]
+struct Segment {
+    ptr: *mut u8,
+    size: usize,
+    small: bool,
+    /// Blocks of this segment, keyed by offset: (size, free, category when used).
+    blocks: std::collections::BTreeMap<usize, BlockState>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct BlockState {
+    size: usize,
+    category: Option<Category>,
+}
+
+/// Free-block index entry, ordered for best fit: smallest size first, then address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct FreeKey {
+    size: usize,
+    segment: usize,
+    offset: usize,
+}
+
+struct PoolInner {
+    capacity: usize,
+    segments: Vec<Option<Segment>>,
+    free_small: BTreeSet<FreeKey>,
+    free_large: BTreeSet<FreeKey>,
+    stats: MemStats,
+}
+
+// SAFETY: the raw segment pointers are owned by the pool and only handed out as disjoint blocks;
+// the inner state is always accessed under the pool's mutex.
+unsafe impl Send for PoolInner {}
+
+/// A shared handle to one device's pool. Cheap to clone; buffers keep their pool alive.
+#[derive(Clone)]
+pub struct Pool {
+    inner: Arc<Mutex<PoolInner>>,
+    name: Arc<str>,
+}
+
+impl fmt::Debug for Pool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pool").field("device", &self.name).finish()
+    }
+}
+
+fn round_up(x: usize, to: usize) -> usize {
+    x.div_ceil(to) * to
+}
+
+impl Pool {
+    /// A pool over `capacity` bytes of device memory for the device called `name`.
+    pub fn new(name: &str, capacity: usize) -> Pool {
+        Pool {
+            inner: Arc::new(Mutex::new(PoolInner {
+                capacity,
+                segments: Vec::new(),
+                free_small: BTreeSet::new(),
+                free_large: BTreeSet::new(),
+                stats: MemStats { capacity, ..MemStats::default() },
+            })),
+            name: name.into(),
+        }
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.name
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolInner> {
+        // A poisoned lock means a panic while holding it; the bookkeeping is still consistent
+        // because every mutation completes before any call that could panic.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reserve a segment of `fraction` of capacity up front (like a framework pre-allocating), so
+    /// later large requests are carved from it instead of growing the reservation.
+    pub fn prereserve(&self, fraction: f64) -> Result<(), OomError> {
+        let mut inner = self.lock();
+        let bytes = round_up((inner.capacity as f64 * fraction.clamp(0.0, 1.0)) as usize, LARGE_ROUND);
+        if bytes == 0 {
+            return Ok(());
+        }
+        let seg = inner.new_segment(bytes, false, Category::Workspace)?;
+        let key = FreeKey { size: bytes, segment: seg, offset: 0 };
+        inner.free_large.insert(key);
+        Ok(())
+    }
+
+    /// Allocate `bytes` for `category`. Zero-sized requests get a real (minimum) block too.
+    pub fn alloc(&self, bytes: usize, category: Category) -> Result<Buffer, OomError> {
+        let size = round_up(bytes.max(1), ROUND);
+        let mut inner = self.lock();
+        let (segment, offset, ptr) = inner.alloc_block(size, bytes, category)?;
+        Ok(Buffer { pool: self.clone(), ptr, len: bytes, size, segment, offset, category })
+    }
+
+    /// Release every cached segment that holds no live block.
+    pub fn empty_cache(&self) {
+        self.lock().release_free_segments();
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> MemStats {
+        self.lock().stats.clone()
+    }
+
+    /// Start a new measurement window: window peaks restart from current usage.
+    pub fn reset_window_peaks(&self) {
+        self.lock().stats.reset_window();
+    }
+
+    /// Tell the pool about bytes held in host memory on the device's behalf (offload targets).
+    pub fn set_host_bytes(&self, category: Category, bytes: usize) {
+        self.lock().stats.set_host(category, bytes);
+    }
+
+    /// A human-readable table like `torch.cuda.memory_summary()`.
+    pub fn memory_summary(&self) -> String {
+        let inner = self.lock();
+        let segments = inner.segments.iter().flatten().count();
+        let free_blocks = inner.free_small.len() + inner.free_large.len();
+        inner.stats.summary(&self.name, segments, free_blocks)
+    }
+
+    fn free(&self, segment: usize, offset: usize, size: usize, category: Category) {
+        self.lock().free_block(segment, offset, size, category);
+    }
+}
+
+impl PoolInner {
+    fn new_segment(&mut self, size: usize, small: bool, category: Category) -> Result<usize, OomError> {
+        if self.stats.reserved + size > self.capacity {
+            // Give back cached segments before failing, like the CUDA allocator's retry.
+            self.release_free_segments();
+            if self.stats.reserved + size > self.capacity {
+                self.stats.num_ooms += 1;
+                return Err(OomError { requested_bytes: size, category, stats: Box::new(self.stats.clone()) });
+            }
+        }
+        let layout = Layout::from_size_align(size, SEGMENT_ALIGN).expect("segment layout");
+        // SAFETY: layout has non-zero size (size >= ROUND).
+        let ptr = unsafe { alloc_zeroed(layout) };
+        if ptr.is_null() {
+            self.stats.num_ooms += 1;
+            return Err(OomError { requested_bytes: size, category, stats: Box::new(self.stats.clone()) });
+        }
+        let mut blocks = std::collections::BTreeMap::new();
+        blocks.insert(0, BlockState { size, category: None });
+        let seg = Segment { ptr, size, small, blocks };
+        let index = match self.segments.iter().position(Option::is_none) {
+            Some(i) => {
+                self.segments[i] = Some(seg);
+                i
+            }
+            None => {
+                self.segments.push(Some(seg));
+                self.segments.len() - 1
+            }
+        };
+        self.stats.reserved += size;
+        self.stats.num_segments += 1;
+        self.stats.bump_reserved_peak();
+        Ok(index)
+    }
+
+    fn alloc_block(
+        &mut self,
+        size: usize,
+        requested: usize,
+        category: Category,
+    ) -> Result<(usize, usize, *mut u8), OomError> {
+        let small = size <= SMALL_LIMIT;
+        let probe = FreeKey { size, segment: 0, offset: 0 };
+        let found = {
+            let set = if small { &self.free_small } else { &self.free_large };
+            set.range(probe..).next().copied()
+        };
+        let key = match found {
+            Some(k) => k,
+            None => {
+                let seg_size = if small { SMALL_SEGMENT } else { round_up(size, LARGE_ROUND) };
+                let seg = self.new_segment(seg_size, small, category).map_err(|mut e| {
+                    e.requested_bytes = requested;
+                    e
+                })?;
+                FreeKey { size: seg_size, segment: seg, offset: 0 }
+            }
+        };
+        let set = if small { &mut self.free_small } else { &mut self.free_large };
+        set.remove(&key);
+        let seg = self.segments[key.segment].as_mut().expect("live segment");
+        // Split when the remainder is worth keeping as its own block.
+        let remainder = key.size - size;
+        let split_threshold = if small { ROUND } else { SMALL_LIMIT };
+        let used = if remainder >= split_threshold {
+            let rest = FreeKey { size: remainder, segment: key.segment, offset: key.offset + size };
+            seg.blocks.insert(rest.offset, BlockState { size: remainder, category: None });
+            set.insert(rest);
+            size
+        } else {
+            key.size
+        };
+        seg.blocks.insert(key.offset, BlockState { size: used, category: Some(category) });
+        // SAFETY: offset + used <= segment size by construction of the block map.
+        let ptr = unsafe { seg.ptr.add(key.offset) };
+        // Allocated counts the rounded request; an unsplit tail shows up as fragmentation.
+        self.stats.add(category, size);
+        self.stats.num_allocs += 1;
+        Ok((key.segment, key.offset, ptr))
+    }
+
+    fn free_block(&mut self, segment: usize, offset: usize, size: usize, category: Category) {
+        let seg = self.segments[segment].as_mut().expect("live segment");
+        let state = seg.blocks.get(&offset).copied().expect("live block");
+        self.stats.sub(category, size);
+        self.stats.num_frees += 1;
+        let small = seg.small;
+        let set = if small { &mut self.free_small } else { &mut self.free_large };
+        let mut start = offset;
+        let mut size = state.size;
+        debug_assert!(state.category == Some(category));
+        // Coalesce with the previous block if free.
+        if let Some((&prev_off, &prev)) = seg.blocks.range(..offset).next_back() {
+            if prev.category.is_none() {
+                set.remove(&FreeKey { size: prev.size, segment, offset: prev_off });
+                seg.blocks.remove(&offset);
+                start = prev_off;
+                size += prev.size;
+            }
+        }
+        // Coalesce with the next block if free.
+        let next_off = offset + state.size;
+        if let Some(&next) = seg.blocks.get(&next_off) {
+            if next.category.is_none() {
+                set.remove(&FreeKey { size: next.size, segment, offset: next_off });
+                seg.blocks.remove(&next_off);
+                size += next.size;
+            }
+        }
+        seg.blocks.insert(start, BlockState { size, category: None });
+        set.insert(FreeKey { size, segment, offset: start });
+    }
+
+    fn release_free_segments(&mut self) {
+        for index in 0..self.segments.len() {
+            let whole_free = match &self.segments[index] {
+                Some(seg) => seg.blocks.len() == 1 && seg.blocks.get(&0).is_some_and(|b| b.category.is_none()),
+                None => false,
+            };
+            if !whole_free {
+                continue;
+            }
+            let seg = self.segments[index].take().expect("checked above");
+            let set = if seg.small { &mut self.free_small } else { &mut self.free_large };
+            set.remove(&FreeKey { size: seg.size, segment: index, offset: 0 });
+            let layout = Layout::from_size_align(seg.size, SEGMENT_ALIGN).expect("segment layout");
+            // SAFETY: allocated in new_segment with this exact layout, no live blocks remain.
+            unsafe { dealloc(seg.ptr, layout) };
+            self.stats.reserved -= seg.size;
+            self.stats.num_segments -= 1;
+        }
+    }
+}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        for seg in self.segments.drain(..).flatten() {
+            let layout = Layout::from_size_align(seg.size, SEGMENT_ALIGN).expect("segment layout");
+            // SAFETY: every buffer holds an Arc to the pool, so no block outlives this drop.
+            unsafe { dealloc(seg.ptr, layout) };
+        }
+    }
+}
+
+/// One live block of device memory. Not `Clone`: a buffer is owned once and freed on drop.
+pub struct Buffer {
+    pool: Pool,
+    ptr: *mut u8,
+    /// Requested length in bytes (the block may be larger).
+    len: usize,
+    /// Rounded size of the request.
+    size: usize,
+    segment: usize,
+    offset: usize,
+    category: Category,
+}
+
+// SAFETY: a Buffer is the unique owner of its block; access goes through &self / &mut self.
+unsafe impl Send for Buffer {}
+unsafe impl Sync for Buffer {}
+
+impl fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Buffer").field("len", &self.len).field("category", &self.category).finish()
+    }
+}
+
+impl Buffer {
+    pub fn len_bytes(&self) -> usize {
+        self.len
+    }
+
+    pub fn category(&self) -> Category {
+        self.category
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: ptr..ptr+len lies inside this buffer's block, which nobody else references.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and &mut self guarantees exclusivity.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// View as a slice of plain-old-data elements (f32, bf16, u16...).
+    pub fn as_slice<T: bytemuck::Pod>(&self) -> &[T] {
+        bytemuck::cast_slice(self.bytes())
+    }
+
+    pub fn as_mut_slice<T: bytemuck::Pod>(&mut self) -> &mut [T] {
+        bytemuck::cast_slice_mut(self.bytes_mut())
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        self.pool.free(self.segment, self.offset, self.size, self.category);
+    }
+}

@@ -1,0 +1,118 @@
+//! Unit tests of the caching pool's bookkeeping.
+
+use super::*;
+
+const MIB: usize = 1 << 20;
+
+#[test]
+fn categories_sum_to_allocated_and_peak_is_max_held() {
+    let pool = Pool::new("cpu", 64 * MIB);
+    let a = pool.alloc(3 * MIB, Category::Params).unwrap();
+    let b = pool.alloc(1000, Category::Activations).unwrap();
+    let c = pool.alloc(5 * MIB + 7, Category::Workspace).unwrap();
+    let s = pool.stats();
+    let sum: usize = Category::ALL.iter().map(|&c| s.current(c)).sum();
+    assert_eq!(sum, s.allocated());
+    assert!(s.current(Category::Activations) >= 1000);
+    let peak_before = s.peak_allocated;
+    drop(c);
+    let s = pool.stats();
+    assert_eq!(s.peak_allocated, peak_before, "peak survives a free");
+    assert!(s.allocated() < peak_before);
+    assert_eq!(s.peak(Category::Workspace), round(5 * MIB + 7));
+    assert_eq!(s.current(Category::Workspace), 0);
+    drop((a, b));
+    assert_eq!(pool.stats().allocated(), 0);
+}
+
+fn round(x: usize) -> usize {
+    x.div_ceil(ROUND) * ROUND
+}
+
+#[test]
+fn freed_blocks_are_reused_without_growing_reservation() {
+    let pool = Pool::new("cpu", 64 * MIB);
+    let a = pool.alloc(8 * MIB, Category::Activations).unwrap();
+    let reserved = pool.stats().reserved;
+    drop(a);
+    assert_eq!(pool.stats().reserved, reserved, "freed block stays cached");
+    let b = pool.alloc(8 * MIB, Category::Activations).unwrap();
+    assert_eq!(pool.stats().reserved, reserved, "cached block reused");
+    drop(b);
+    // Small blocks share a segment.
+    let smalls: Vec<_> = (0..16).map(|_| pool.alloc(4096, Category::Workspace).unwrap()).collect();
+    let s = pool.stats();
+    assert_eq!(s.reserved, reserved + SMALL_SEGMENT);
+    drop(smalls);
+    pool.empty_cache();
+    assert_eq!(pool.stats().reserved, 0);
+}
+
+#[test]
+fn split_blocks_coalesce_on_free() {
+    let pool = Pool::new("cpu", 64 * MIB);
+    pool.prereserve(0.5).unwrap();
+    assert_eq!(pool.stats().reserved, 32 * MIB);
+    let a = pool.alloc(10 * MIB, Category::Params).unwrap();
+    let b = pool.alloc(10 * MIB, Category::Grads).unwrap();
+    let c = pool.alloc(10 * MIB, Category::Optimizer).unwrap();
+    assert_eq!(pool.stats().reserved, 32 * MIB, "carved from the pre-reserved segment");
+    drop(b);
+    drop(a);
+    drop(c);
+    // Everything coalesced back: a 30 MiB request fits without a new segment.
+    let d = pool.alloc(30 * MIB, Category::Activations).unwrap();
+    assert_eq!(pool.stats().reserved, 32 * MIB);
+    drop(d);
+}
+
+#[test]
+fn exceeding_capacity_is_a_typed_oom_after_releasing_cache() {
+    let pool = Pool::new("cpu", 16 * MIB);
+    let a = pool.alloc(6 * MIB, Category::Params).unwrap();
+    let cached = pool.alloc(6 * MIB, Category::Workspace).unwrap();
+    drop(cached);
+    // 8 MiB does not fit next to a 6 MiB live block and a 6 MiB cached one, unless the cache goes.
+    let b = pool.alloc(8 * MIB, Category::Activations).expect("cache released to make room");
+    let err = pool.alloc(4 * MIB, Category::Grads).unwrap_err();
+    assert_eq!(err.category, Category::Grads);
+    assert_eq!(err.requested_bytes, 4 * MIB);
+    assert_eq!(err.stats.num_ooms, 1);
+    assert!(err.to_string().contains("grads"));
+    drop((a, b));
+    let summary = pool.memory_summary();
+    assert!(summary.contains("ooms") && summary.contains("activations"), "{summary}");
+}
+
+#[test]
+fn window_peaks_restart() {
+    let pool = Pool::new("cpu", 16 * MIB);
+    let a = pool.alloc(4 * MIB, Category::Activations).unwrap();
+    drop(a);
+    pool.reset_window_peaks();
+    let s = pool.stats();
+    assert_eq!(s.window_peak[3], 0);
+    assert_eq!(s.peak(Category::Activations), 4 * MIB);
+}
+
+#[test]
+fn sizes_parse_and_reject() {
+    assert_eq!(parse_bytes("512MiB").unwrap(), 512 * MIB);
+    assert_eq!(parse_bytes("1.5 GiB").unwrap(), 3 * 512 * MIB);
+    assert_eq!(parse_bytes("300MB").unwrap(), 300_000_000);
+    assert!(parse_bytes("lots").is_err());
+    assert!(parse_bytes("5 parsecs").is_err());
+    assert!(parse_bytes("0").is_err());
+}
+
+#[test]
+fn unsplit_tail_counts_as_fragmentation_not_allocation() {
+    let pool = Pool::new("cpu", 64 * MIB);
+    // 5 MiB + 7 lives in a 6 MiB segment; the < 1 MiB tail is not worth splitting off.
+    let a = pool.alloc(5 * MIB + 7, Category::Workspace).unwrap();
+    let s = pool.stats();
+    assert_eq!(s.allocated(), round(5 * MIB + 7));
+    assert_eq!(s.reserved, 6 * MIB);
+    assert_eq!(s.fragmentation(), 6 * MIB - round(5 * MIB + 7));
+    drop(a);
+}

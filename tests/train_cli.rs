@@ -1,0 +1,168 @@
+//! `headroom train` end to end: learning, OOM exit, resume, control lines, bad input.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+
+use common::*;
+
+#[test]
+fn byte_model_learns_below_unigram_entropy() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = write_job(dir.path(), &job_yaml("learn", 150, 16, 16, "64MiB"));
+    let out = train(&job, &dir.path().join("run"), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let ev = events(&out);
+    let entropy = of_kind(&ev, "started")[0]["unigram_entropy"].as_f64().unwrap();
+    let val = of_kind(&ev, "eval").last().unwrap()["val_loss"].as_f64().unwrap();
+    assert!(val < entropy - 0.3, "val loss {val:.3} should be well below unigram entropy {entropy:.3}");
+    let finished = of_kind(&ev, "finished")[0];
+    assert_eq!(finished["step"], 150);
+    // Every step carries the memory object with the categories summing to at most allocated.
+    for s in of_kind(&ev, "step") {
+        let m = &s["mem"];
+        let cats: u64 =
+            ["params", "grads", "optimizer", "activations", "workspace"].iter().map(|k| m[*k].as_u64().unwrap()).sum();
+        assert!(cats >= m["allocated"].as_u64().unwrap(), "category peaks bound the allocated peak");
+        assert!(m["reserved"].as_u64().unwrap() <= m["capacity"].as_u64().unwrap());
+        assert!(m["activations"].as_u64().unwrap() > 0, "a step's activations are visible");
+    }
+}
+
+#[test]
+fn too_small_device_exits_3_after_an_oom_line_and_enough_memory_finishes() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = write_job(dir.path(), &job_yaml("oom", 4, 16, 16, "6MiB"));
+    let out = train(&job, &dir.path().join("run"), &[]);
+    assert_eq!(out.status.code(), Some(3), "{}", String::from_utf8_lossy(&out.stderr));
+    let ev = events(&out);
+    let oom = of_kind(&ev, "oom");
+    assert_eq!(oom.len(), 1);
+    assert_eq!(oom[0]["category"], "activations", "{}", oom[0]);
+    assert!(oom[0]["requested_bytes"].as_u64().unwrap() > 0);
+    assert!(oom[0]["mem"]["capacity"].as_u64().unwrap() == 6 << 20);
+    assert!(of_kind(&ev, "finished").is_empty());
+
+    let job = write_job(dir.path(), &job_yaml("oom", 4, 16, 16, "32MiB"));
+    let out = train(&job, &dir.path().join("run2"), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let peak = of_kind(&events(&out), "finished")[0]["peak_reserved"].as_u64().unwrap();
+    assert!(peak > 6 << 20 && peak <= 32 << 20, "needs more than the small device: {peak}");
+}
+
+#[test]
+fn resume_reproduces_the_straight_run_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = write_job(dir.path(), &job_yaml("resume", 20, 8, 8, "64MiB"));
+    let straight = train(&job, &dir.path().join("a"), &[]);
+    assert_eq!(straight.status.code(), Some(0));
+    let straight = losses(&events(&straight));
+
+    let first = train(&job, &dir.path().join("b"), &["--stop-after", "10"]);
+    assert_eq!(first.status.code(), Some(4), "stop-after exits as preempted");
+    let ev = events(&first);
+    assert_eq!(of_kind(&ev, "checkpoint").last().unwrap()["step"], 10);
+    let second = train(&job, &dir.path().join("b"), &["--resume"]);
+    assert_eq!(second.status.code(), Some(0), "{}", String::from_utf8_lossy(&second.stderr));
+    let ev2 = events(&second);
+    assert_eq!(of_kind(&ev2, "started")[0]["resumed_from_step"], 10);
+    let mut resumed = losses(&ev);
+    resumed.extend(losses(&ev2));
+    assert_eq!(resumed.len(), 20);
+    for ((s1, l1), (s2, l2)) in straight.iter().zip(&resumed) {
+        assert_eq!(s1, s2);
+        assert_eq!(l1.to_bits(), l2.to_bits(), "step {s1}: {l1} vs {l2}");
+    }
+}
+
+#[test]
+fn resume_without_a_checkpoint_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = write_job(dir.path(), &job_yaml("noresume", 2, 8, 8, "64MiB"));
+    let out = train(&job, &dir.path().join("empty"), &["--resume"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no valid checkpoint"));
+}
+
+#[test]
+fn gradient_accumulation_matches_one_big_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut runs = Vec::new();
+    for micro in [32, 8, 1] {
+        let job = write_job(dir.path(), &job_yaml("accum", 20, 32, micro, "128MiB"));
+        let out = train(&job, &dir.path().join(format!("m{micro}")), &[]);
+        assert_eq!(out.status.code(), Some(0));
+        let ev = events(&out);
+        let acts = of_kind(&ev, "step")[0]["mem"]["activations"].as_u64().unwrap();
+        runs.push((micro, losses(&ev), acts));
+    }
+    let (_, base, base_acts) = &runs[0];
+    for (micro, l, acts) in &runs[1..] {
+        for ((s, a), (_, b)) in base.iter().zip(l) {
+            let rel = (a - b).abs() / a.abs();
+            assert!(rel < 1e-4, "micro_batch {micro}, step {s}: {a} vs {b}");
+        }
+        assert!(acts < base_acts, "micro_batch {micro} holds fewer activation bytes");
+    }
+}
+
+#[test]
+fn checkpoint_and_exit_on_stdin_exits_4_after_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = write_job(dir.path(), &job_yaml("ctl", 100_000, 8, 8, "64MiB"));
+    let mut child = Command::new(bin())
+        .args(["train", "--config"])
+        .arg(&job)
+        .arg("--run-dir")
+        .arg(dir.path().join("run"))
+        .env("HEADROOM_LOG", "warn")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut sent = false;
+    let mut checkpoint_step = None;
+    for line in lines.by_ref() {
+        let v: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+        if v["event"] == "step" && !sent {
+            writeln!(stdin, "{{\"cmd\":\"checkpoint_and_exit\"}}").unwrap();
+            stdin.flush().unwrap();
+            sent = true;
+        }
+        if v["event"] == "checkpoint" {
+            checkpoint_step = v["step"].as_u64();
+        }
+    }
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(4));
+    let step = checkpoint_step.expect("a checkpoint line before exiting");
+    assert!((1..1000).contains(&step));
+}
+
+#[test]
+fn bad_job_files_exit_2_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = job_yaml("bad", 10, 16, 16, "64MiB");
+    let cases: Vec<(String, &str)> = vec![
+        (good.replace("steps: 10", "steps: 10\n  stepz: 3"), "stepz"),
+        (good.replace("steps: 10", "steps: -10"), "train.steps"),
+        (good.replace("micro_batch: 16", "micro_batch: 5"), "train.global_batch"),
+        (good.replace(&data_path().display().to_string(), "/nonexistent/corpus.txt"), "data.path"),
+        (good.replace("model: {", "model: {{ [ "), "line"),
+        (good.replace("64MiB", "64 parsecs"), "device.device_memory"),
+        (good.replace("vocab: bytes", "vocab: words"), "words"),
+        (good.replace("kind: cpu", "kind: cuda"), "cuda"),
+    ];
+    for (yaml, needle) in cases {
+        let job = write_job(dir.path(), &yaml);
+        let out = train(&job, &dir.path().join("run"), &[]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "expected exit 2 for `{needle}`: {stderr}");
+        assert!(stderr.contains(needle), "stderr should name `{needle}`: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
