@@ -7,3 +7,4 @@ pub mod cli;
 pub mod config;
 pub mod engine;
 pub mod memory;
+pub mod supervisor;

@@ -8,6 +8,8 @@ use clap::{Parser, Subcommand};
 use crate::config::{ConfigError, JobSpec};
 use crate::engine::{self, bench, ResumeMode, TrainError, TrainOptions};
 
+mod client;
+
 #[derive(Debug, Parser)]
 #[command(name = "headroom", version, about = "Adaptive training-job supervisor and GPT training engine")]
 pub struct Cli {
@@ -21,6 +23,14 @@ pub enum Command {
     Train(TrainArgs),
     /// Time fp32 training steps on the CPU device and print a table.
     Bench(BenchArgs),
+    /// Run the supervisor daemon: HTTP API, job runner, experiment database, web page.
+    Serve(client::ServeArgs),
+    /// Submit a job file to a running daemon.
+    Submit(client::SubmitArgs),
+    /// List jobs of a running daemon.
+    Jobs(client::JobsArgs),
+    /// Show one job: its attempts and events.
+    Show(client::ShowArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -75,6 +85,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(args) => train(args),
         Command::Bench(args) => run_bench(args),
+        Command::Serve(args) => client::serve(args),
+        Command::Submit(args) => client::submit(args),
+        Command::Jobs(args) => client::jobs(args),
+        Command::Show(args) => client::show(args),
     }
 }
 
@@ -125,7 +139,7 @@ pub fn exit_code(err: &anyhow::Error) -> i32 {
     if let Some(e) = err.downcast_ref::<TrainError>() {
         return e.exit_code();
     }
-    if err.downcast_ref::<ConfigError>().is_some() {
+    if err.downcast_ref::<ConfigError>().is_some() || err.downcast_ref::<client::UsageError>().is_some() {
         return 2;
     }
     if err.chain().any(|e| e.downcast_ref::<crate::memory::OomError>().is_some()) {

@@ -1,0 +1,407 @@
+//! The experiment database (SQLite through sqlx, WAL mode, migrations/): jobs, attempts,
+//! samples and events, and every query the supervisor and the HTTP API make.
+
+use std::path::Path;
+use std::str::FromStr;
+
+use serde::Serialize;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::SqlitePool;
+
+pub type DbResult<T> = Result<T, sqlx::Error>;
+
+pub fn now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64()
+}
+
+#[derive(Clone, Debug)]
+pub struct Db {
+    pub pool: SqlitePool,
+}
+
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct JobRow {
+    pub id: i64,
+    pub name: String,
+    pub policy: String,
+    pub status: String,
+    pub rung: String,
+    pub rung_index: i64,
+    pub steps_requested: i64,
+    pub steps_done: i64,
+    pub capacity: Option<i64>,
+    pub reason: Option<String>,
+    pub created_at: f64,
+    pub updated_at: f64,
+    pub finished_at: Option<f64>,
+    pub attempts: i64,
+    pub peak_allocated: Option<i64>,
+    pub peak_reserved: Option<i64>,
+    pub mean_tokens_per_s: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct JobDetail {
+    pub id: i64,
+    pub name: String,
+    pub policy: String,
+    pub status: String,
+    pub rung: String,
+    pub rung_index: i64,
+    pub steps_requested: i64,
+    pub steps_done: i64,
+    pub capacity: Option<i64>,
+    pub reason: Option<String>,
+    pub created_at: f64,
+    pub updated_at: f64,
+    pub finished_at: Option<f64>,
+    pub spec_yaml: String,
+    pub current_spec: String,
+}
+
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct AttemptRow {
+    pub id: i64,
+    pub job_id: i64,
+    pub number: i64,
+    pub rung: String,
+    pub config_json: String,
+    pub pid: Option<i64>,
+    pub started_at: f64,
+    pub ended_at: Option<f64>,
+    pub outcome: Option<String>,
+    pub exit_code: Option<i64>,
+    pub first_step: Option<i64>,
+    pub last_step: Option<i64>,
+    pub resumed_from_step: Option<i64>,
+    pub capacity: Option<i64>,
+    pub peak_params: Option<i64>,
+    pub peak_grads: Option<i64>,
+    pub peak_optimizer: Option<i64>,
+    pub peak_activations: Option<i64>,
+    pub peak_workspace: Option<i64>,
+    pub peak_allocated: Option<i64>,
+    pub peak_reserved: Option<i64>,
+    pub mean_tokens_per_s: Option<f64>,
+    pub oom_category: Option<String>,
+    pub oom_requested: Option<i64>,
+    pub message: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, sqlx::FromRow)]
+pub struct SampleRow {
+    pub attempt_id: i64,
+    pub step: i64,
+    pub t: f64,
+    pub loss: Option<f64>,
+    pub val_loss: Option<f64>,
+    pub tokens_per_s: Option<f64>,
+    pub step_ms: Option<f64>,
+    pub params: Option<i64>,
+    pub grads: Option<i64>,
+    pub optimizer: Option<i64>,
+    pub activations: Option<i64>,
+    pub workspace: Option<i64>,
+    pub allocated: Option<i64>,
+    pub reserved: Option<i64>,
+    pub fragmentation: Option<i64>,
+    pub capacity: Option<i64>,
+}
+
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct EventRow {
+    pub id: i64,
+    pub job_id: i64,
+    pub attempt_id: Option<i64>,
+    pub t: f64,
+    pub kind: String,
+    pub message: String,
+}
+
+/// How an attempt ended, as recorded in its row.
+#[derive(Debug, Clone, Default)]
+pub struct AttemptEnd {
+    pub outcome: String,
+    pub exit_code: Option<i64>,
+    pub first_step: Option<i64>,
+    pub last_step: Option<i64>,
+    pub resumed_from_step: Option<i64>,
+    pub capacity: Option<i64>,
+    /// params, grads, optimizer, activations, workspace, allocated, reserved
+    pub peaks: [Option<i64>; 7],
+    pub mean_tokens_per_s: Option<f64>,
+    pub oom_category: Option<String>,
+    pub oom_requested: Option<i64>,
+    pub message: Option<String>,
+}
+
+const JOB_LIST_SELECT: &str = "SELECT j.id, j.name, j.policy, j.status, j.rung, j.rung_index, j.steps_requested, \
+    j.steps_done, j.capacity, j.reason, j.created_at, j.updated_at, j.finished_at, \
+    (SELECT COUNT(*) FROM attempts a WHERE a.job_id = j.id) AS attempts, \
+    (SELECT MAX(a.peak_allocated) FROM attempts a WHERE a.job_id = j.id) AS peak_allocated, \
+    (SELECT MAX(a.peak_reserved) FROM attempts a WHERE a.job_id = j.id) AS peak_reserved, \
+    (SELECT a.mean_tokens_per_s FROM attempts a WHERE a.job_id = j.id AND a.mean_tokens_per_s IS NOT NULL \
+       ORDER BY a.number DESC LIMIT 1) AS mean_tokens_per_s \
+    FROM jobs j";
+
+impl Db {
+    /// Open (creating if needed) and migrate. `path` ":memory:" gives a private in-memory DB.
+    pub async fn open(path: &Path) -> DbResult<Db> {
+        let url = format!("sqlite://{}", path.display());
+        let opts = SqliteConnectOptions::from_str(&url)?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(std::time::Duration::from_secs(10))
+            .foreign_keys(true);
+        let pool = SqlitePoolOptions::new().max_connections(4).connect_with(opts).await?;
+        sqlx::migrate!("./migrations").run(&pool).await?;
+        Ok(Db { pool })
+    }
+
+    pub async fn create_job(
+        &self,
+        name: &str,
+        policy: &str,
+        spec_yaml: &str,
+        current_spec: &str,
+        steps: i64,
+        capacity: Option<i64>,
+    ) -> DbResult<i64> {
+        let t = now();
+        let row: (i64,) = sqlx::query_as(
+            "INSERT INTO jobs (name, policy, spec_yaml, current_spec, status, steps_requested, capacity, created_at, updated_at) \
+             VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?) RETURNING id",
+        )
+        .bind(name)
+        .bind(policy)
+        .bind(spec_yaml)
+        .bind(current_spec)
+        .bind(steps)
+        .bind(capacity)
+        .bind(t)
+        .bind(t)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(row.0)
+    }
+
+    pub async fn set_job_status(&self, id: i64, status: &str, reason: Option<&str>) -> DbResult<()> {
+        let t = now();
+        let finished = matches!(status, "finished" | "failed" | "cancelled").then_some(t);
+        sqlx::query(
+            "UPDATE jobs SET status = ?, reason = COALESCE(?, reason), updated_at = ?, finished_at = ? WHERE id = ?",
+        )
+        .bind(status)
+        .bind(reason)
+        .bind(t)
+        .bind(finished)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    pub async fn set_job_rung(&self, id: i64, rung: &str, rung_index: i64, current_spec: &str) -> DbResult<()> {
+        sqlx::query("UPDATE jobs SET rung = ?, rung_index = ?, current_spec = ?, updated_at = ? WHERE id = ?")
+            .bind(rung)
+            .bind(rung_index)
+            .bind(current_spec)
+            .bind(now())
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn set_steps_done(&self, id: i64, steps: i64) -> DbResult<()> {
+        sqlx::query("UPDATE jobs SET steps_done = MAX(steps_done, ?), updated_at = ? WHERE id = ?")
+            .bind(steps)
+            .bind(now())
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn event(&self, job: i64, attempt: Option<i64>, kind: &str, message: &str) -> DbResult<i64> {
+        let row: (i64,) = sqlx::query_as(
+            "INSERT INTO events (job_id, attempt_id, t, kind, message) VALUES (?, ?, ?, ?, ?) RETURNING id",
+        )
+        .bind(job)
+        .bind(attempt)
+        .bind(now())
+        .bind(kind)
+        .bind(message)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(row.0)
+    }
+
+    pub async fn start_attempt(&self, job: i64, rung: &str, config_json: &str) -> DbResult<(i64, i64)> {
+        let mut tx = self.pool.begin().await?;
+        let (n,): (i64,) =
+            sqlx::query_as("SELECT COUNT(*) FROM attempts WHERE job_id = ?").bind(job).fetch_one(&mut *tx).await?;
+        let (id,): (i64,) = sqlx::query_as(
+            "INSERT INTO attempts (job_id, number, rung, config_json, started_at) VALUES (?, ?, ?, ?, ?) RETURNING id",
+        )
+        .bind(job)
+        .bind(n + 1)
+        .bind(rung)
+        .bind(config_json)
+        .bind(now())
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok((id, n + 1))
+    }
+
+    pub async fn set_attempt_pid(&self, id: i64, pid: Option<u32>) -> DbResult<()> {
+        sqlx::query("UPDATE attempts SET pid = ? WHERE id = ?")
+            .bind(pid.map(i64::from))
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn finish_attempt(&self, id: i64, end: &AttemptEnd) -> DbResult<()> {
+        let p = &end.peaks;
+        sqlx::query(
+            "UPDATE attempts SET ended_at = ?, outcome = ?, exit_code = ?, first_step = ?, last_step = ?, \
+             resumed_from_step = ?, capacity = ?, peak_params = ?, peak_grads = ?, peak_optimizer = ?, \
+             peak_activations = ?, peak_workspace = ?, peak_allocated = ?, peak_reserved = ?, \
+             mean_tokens_per_s = ?, oom_category = ?, oom_requested = ?, message = ? WHERE id = ?",
+        )
+        .bind(now())
+        .bind(&end.outcome)
+        .bind(end.exit_code)
+        .bind(end.first_step)
+        .bind(end.last_step)
+        .bind(end.resumed_from_step)
+        .bind(end.capacity)
+        .bind(p[0])
+        .bind(p[1])
+        .bind(p[2])
+        .bind(p[3])
+        .bind(p[4])
+        .bind(p[5])
+        .bind(p[6])
+        .bind(end.mean_tokens_per_s)
+        .bind(&end.oom_category)
+        .bind(end.oom_requested)
+        .bind(&end.message)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Write a batch of samples in one transaction.
+    pub async fn insert_samples(&self, samples: &[SampleRow]) -> DbResult<()> {
+        if samples.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.pool.begin().await?;
+        for s in samples {
+            sqlx::query(
+                "INSERT INTO samples (attempt_id, step, t, loss, val_loss, tokens_per_s, step_ms, params, grads, \
+                 optimizer, activations, workspace, allocated, reserved, fragmentation, capacity) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            )
+            .bind(s.attempt_id)
+            .bind(s.step)
+            .bind(s.t)
+            .bind(s.loss)
+            .bind(s.val_loss)
+            .bind(s.tokens_per_s)
+            .bind(s.step_ms)
+            .bind(s.params)
+            .bind(s.grads)
+            .bind(s.optimizer)
+            .bind(s.activations)
+            .bind(s.workspace)
+            .bind(s.allocated)
+            .bind(s.reserved)
+            .bind(s.fragmentation)
+            .bind(s.capacity)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await
+    }
+
+    pub async fn list_jobs(&self, status: Option<&str>, limit: i64, offset: i64) -> DbResult<Vec<JobRow>> {
+        let sql = match status {
+            Some(_) => format!("{JOB_LIST_SELECT} WHERE j.status = ? ORDER BY j.id DESC LIMIT ? OFFSET ?"),
+            None => format!("{JOB_LIST_SELECT} ORDER BY j.id DESC LIMIT ? OFFSET ?"),
+        };
+        let mut q = sqlx::query_as::<_, JobRow>(&sql);
+        if let Some(s) = status {
+            q = q.bind(s);
+        }
+        q.bind(limit).bind(offset).fetch_all(&self.pool).await
+    }
+
+    pub async fn count_jobs(&self) -> DbResult<Vec<(String, i64)>> {
+        sqlx::query_as("SELECT status, COUNT(*) FROM jobs GROUP BY status ORDER BY status").fetch_all(&self.pool).await
+    }
+
+    pub async fn count_attempts(&self) -> DbResult<Vec<(String, i64)>> {
+        sqlx::query_as("SELECT COALESCE(outcome, 'running'), COUNT(*) FROM attempts GROUP BY 1 ORDER BY 1")
+            .fetch_all(&self.pool)
+            .await
+    }
+
+    pub async fn job(&self, id: i64) -> DbResult<Option<JobDetail>> {
+        sqlx::query_as(
+            "SELECT id, name, policy, status, rung, rung_index, steps_requested, steps_done, capacity, reason, \
+             created_at, updated_at, finished_at, spec_yaml, current_spec FROM jobs WHERE id = ?",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await
+    }
+
+    pub async fn attempts(&self, job: i64) -> DbResult<Vec<AttemptRow>> {
+        sqlx::query_as("SELECT * FROM attempts WHERE job_id = ? ORDER BY number").bind(job).fetch_all(&self.pool).await
+    }
+
+    pub async fn samples(&self, job: i64) -> DbResult<Vec<SampleRow>> {
+        sqlx::query_as(
+            "SELECT s.* FROM samples s JOIN attempts a ON a.id = s.attempt_id WHERE a.job_id = ? ORDER BY s.t, s.step",
+        )
+        .bind(job)
+        .fetch_all(&self.pool)
+        .await
+    }
+
+    pub async fn events(&self, job: i64, after: i64) -> DbResult<Vec<EventRow>> {
+        sqlx::query_as("SELECT * FROM events WHERE job_id = ? AND id > ? ORDER BY id")
+            .bind(job)
+            .bind(after)
+            .fetch_all(&self.pool)
+            .await
+    }
+
+    /// Jobs a previous daemon left queued or running: to be resumed on start.
+    pub async fn unfinished_jobs(&self) -> DbResult<Vec<i64>> {
+        let rows: Vec<(i64,)> = sqlx::query_as("SELECT id FROM jobs WHERE status IN ('queued', 'running') ORDER BY id")
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.into_iter().map(|r| r.0).collect())
+    }
+
+    /// Attempts left open by a daemon that died: closed as crashed (their child is gone).
+    pub async fn close_dangling_attempts(&self, job: i64) -> DbResult<()> {
+        sqlx::query(
+            "UPDATE attempts SET ended_at = ?, outcome = 'crashed', message = 'supervisor restarted while running' \
+             WHERE job_id = ? AND outcome IS NULL",
+        )
+        .bind(now())
+        .bind(job)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+}

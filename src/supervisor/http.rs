@@ -1,0 +1,335 @@
+//! The HTTP API (DESIGN.md "HTTP API"): one AppState, a router per resource, one ApiError that
+//! logs internals and never leaks them, bearer-token auth on mutating routes.
+
+use std::convert::Infallible;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path as UrlPath, Query, Request, State};
+use axum::http::{header, HeaderMap, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::config::JobSpec;
+
+use super::db::Db;
+use super::policy::{self, Policy, PolicyError};
+use super::runner::Supervisor;
+
+/// Largest request body accepted (job specs and policies are small).
+pub const MAX_BODY: usize = 256 * 1024;
+
+#[derive(Clone)]
+pub struct AppState {
+    pub db: Db,
+    pub supervisor: Arc<Supervisor>,
+    pub token: Option<String>,
+    /// Directories a job's `data.path` must lie in (canonicalised).
+    pub data_dirs: Vec<PathBuf>,
+}
+
+/// Every error a handler returns. Internal details are logged, not sent.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("missing or wrong bearer token")]
+    Unauthorized,
+    #[error("{message}")]
+    Rejected { status: StatusCode, message: String },
+    #[error(transparent)]
+    Internal(#[from] anyhow::Error),
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(e: sqlx::Error) -> Self {
+        ApiError::Internal(e.into())
+    }
+}
+
+impl From<BytesRejection> for ApiError {
+    fn from(r: BytesRejection) -> Self {
+        let status = r.status();
+        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            format!("request body larger than {MAX_BODY} bytes")
+        } else {
+            r.body_text()
+        };
+        ApiError::Rejected { status, message }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, message) = match &self {
+            ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, m.clone()),
+            ApiError::NotFound(m) => (StatusCode::NOT_FOUND, m.clone()),
+            ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, self.to_string()),
+            ApiError::Rejected { status, message } => (*status, message.clone()),
+            ApiError::Internal(e) => {
+                tracing::error!("internal error: {e:#}");
+                (StatusCode::INTERNAL_SERVER_ERROR, "internal error".to_string())
+            }
+        };
+        (status, Json(json!({ "error": message }))).into_response()
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .merge(jobs_router())
+        .merge(policies_router())
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/metrics", get(metrics))
+        .route("/", get(|| async { Html(include_str!("../../web/index.html")) }))
+        .layer(middleware::from_fn_with_state(state.clone(), require_token))
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+fn jobs_router() -> Router<AppState> {
+    Router::new()
+        .route("/api/jobs", post(submit_job).get(list_jobs))
+        .route("/api/jobs/{id}", get(get_job))
+        .route("/api/jobs/{id}/cancel", post(cancel_job))
+        .route("/api/jobs/{id}/attempts", get(job_attempts))
+        .route("/api/jobs/{id}/samples", get(job_samples))
+        .route("/api/jobs/{id}/events", get(job_events))
+}
+
+fn policies_router() -> Router<AppState> {
+    Router::new()
+        .route("/api/policies", get(list_policies))
+        .route("/api/policies/{name}", get(get_policy).put(put_policy))
+}
+
+/// Mutating routes need `Authorization: Bearer TOKEN` when a token is configured.
+async fn require_token(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let mutating = matches!(*req.method(), Method::POST | Method::PUT | Method::DELETE | Method::PATCH);
+    if let (true, Some(token)) = (mutating, &state.token) {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(token.as_str()) {
+            return ApiError::Unauthorized.into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Resolve `data.path` and require it to lie inside one of the allowed data directories.
+pub fn check_data_path(path: &Path, allowed: &[PathBuf]) -> Result<PathBuf, String> {
+    let canonical = std::fs::canonicalize(path).map_err(|e| format!("data.path: {}: {e}", path.display()))?;
+    if !canonical.is_file() {
+        return Err(format!("data.path: {} is not a file", path.display()));
+    }
+    if !allowed.iter().any(|dir| canonical.starts_with(dir)) {
+        let dirs: Vec<String> = allowed.iter().map(|d| d.display().to_string()).collect();
+        return Err(format!(
+            "data.path: {} is outside the allowed data directories ({})",
+            path.display(),
+            dirs.join(", ")
+        ));
+    }
+    Ok(canonical)
+}
+
+async fn submit_job(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<impl IntoResponse> {
+    let body = body?;
+    let text = std::str::from_utf8(&body).map_err(|_| ApiError::BadRequest("body is not UTF-8".into()))?;
+    let mut spec = JobSpec::parse(text).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    match policy::load(&state.supervisor.cfg.policies_dir, &spec.policy) {
+        Ok(_) => {}
+        Err(PolicyError::NotFound(n)) => return Err(ApiError::BadRequest(format!("policy: `{n}` does not exist"))),
+        Err(e) => return Err(ApiError::BadRequest(format!("policy: {e}"))),
+    }
+    spec.data.path = check_data_path(&spec.data.path, &state.data_dirs).map_err(ApiError::BadRequest)?;
+    let current = serde_json::to_string(&spec).map_err(anyhow::Error::from)?;
+    let capacity = spec.device_capacity().map(|c| c as i64);
+    let id = state.db.create_job(&spec.name, &spec.policy, text, &current, spec.train.steps, capacity).await?;
+    state.db.event(id, None, "submitted", &format!("job {} submitted with policy {}", spec.name, spec.policy)).await?;
+    state.supervisor.enqueue(id);
+    Ok((StatusCode::CREATED, Json(json!({ "id": id }))))
+}
+
+#[derive(Debug, Deserialize)]
+struct ListQuery {
+    status: Option<String>,
+    limit: Option<i64>,
+    offset: Option<i64>,
+}
+
+async fn list_jobs(State(state): State<AppState>, Query(q): Query<ListQuery>) -> ApiResult<impl IntoResponse> {
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(ApiError::BadRequest(format!("limit: {limit} must be in [1, 1000]")));
+    }
+    let offset = q.offset.unwrap_or(0).max(0);
+    let jobs = state.db.list_jobs(q.status.as_deref(), limit, offset).await?;
+    Ok(Json(jobs))
+}
+
+fn parse_id(raw: &str) -> ApiResult<i64> {
+    raw.parse::<i64>().map_err(|_| ApiError::BadRequest(format!("job id `{raw}` is not an integer")))
+}
+
+async fn existing_job(state: &AppState, raw: &str) -> ApiResult<super::db::JobDetail> {
+    let id = parse_id(raw)?;
+    state.db.job(id).await?.ok_or_else(|| ApiError::NotFound(format!("job {id} does not exist")))
+}
+
+async fn get_job(State(state): State<AppState>, UrlPath(id): UrlPath<String>) -> ApiResult<impl IntoResponse> {
+    Ok(Json(existing_job(&state, &id).await?))
+}
+
+async fn cancel_job(State(state): State<AppState>, UrlPath(id): UrlPath<String>) -> ApiResult<impl IntoResponse> {
+    let job = existing_job(&state, &id).await?;
+    let accepted = state.supervisor.cancel(job.id).await?;
+    if !accepted {
+        return Err(ApiError::Rejected {
+            status: StatusCode::CONFLICT,
+            message: format!("job {} is {} and cannot be cancelled", job.id, job.status),
+        });
+    }
+    Ok((StatusCode::ACCEPTED, Json(json!({ "id": job.id, "cancelling": true }))))
+}
+
+async fn job_attempts(State(state): State<AppState>, UrlPath(id): UrlPath<String>) -> ApiResult<impl IntoResponse> {
+    let job = existing_job(&state, &id).await?;
+    Ok(Json(state.db.attempts(job.id).await?))
+}
+
+async fn job_samples(State(state): State<AppState>, UrlPath(id): UrlPath<String>) -> ApiResult<impl IntoResponse> {
+    let job = existing_job(&state, &id).await?;
+    Ok(Json(state.db.samples(job.id).await?))
+}
+
+#[derive(Debug, Deserialize)]
+struct EventsQuery {
+    after: Option<i64>,
+}
+
+/// Events as JSON, or as a server-sent event stream when the client accepts text/event-stream
+/// (the stream ends once the job is finished, failed or cancelled and every event was sent).
+async fn job_events(
+    State(state): State<AppState>,
+    UrlPath(id): UrlPath<String>,
+    Query(q): Query<EventsQuery>,
+    headers: HeaderMap,
+) -> ApiResult<Response> {
+    let job = existing_job(&state, &id).await?;
+    let after = q.after.unwrap_or(0);
+    let wants_stream =
+        headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|v| v.contains("text/event-stream"));
+    if !wants_stream {
+        return Ok(Json(state.db.events(job.id, after).await?).into_response());
+    }
+    let db = state.db.clone();
+    let job_id = job.id;
+    let stream = futures::stream::unfold((db, after, false), move |(db, last, done)| async move {
+        if done {
+            return None;
+        }
+        loop {
+            let events = db.events(job_id, last).await.unwrap_or_default();
+            if !events.is_empty() {
+                let new_last = events.last().map(|e| e.id).unwrap_or(last);
+                let items: Vec<Result<Event, Infallible>> = events
+                    .iter()
+                    .map(|e| {
+                        Ok(Event::default().id(e.id.to_string()).event(e.kind.clone()).json_data(e).expect("json"))
+                    })
+                    .collect();
+                return Some((futures::stream::iter(items), (db, new_last, false)));
+            }
+            let terminal = matches!(
+                db.job(job_id).await.ok().flatten().map(|j| j.status).as_deref(),
+                Some("finished" | "failed" | "cancelled") | None
+            );
+            if terminal {
+                let end = vec![Ok(Event::default().event("end").data("{}"))];
+                return Some((futures::stream::iter(end), (db, last, true)));
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    });
+    let flat = futures::StreamExt::flatten(stream);
+    Ok(Sse::new(flat).keep_alive(KeepAlive::default()).into_response())
+}
+
+async fn list_policies(State(state): State<AppState>) -> ApiResult<impl IntoResponse> {
+    let dir = &state.supervisor.cfg.policies_dir;
+    let mut out = Vec::new();
+    for name in policy::list(dir) {
+        match policy::load(dir, &name) {
+            Ok((p, _)) => out.push(json!({
+                "name": p.name,
+                "thresholds": p.thresholds,
+                "rungs": p.rungs.iter().map(|r| r.name.clone()).collect::<Vec<_>>(),
+            })),
+            Err(e) => out.push(json!({ "name": name, "error": e.to_string() })),
+        }
+    }
+    Ok(Json(out))
+}
+
+async fn get_policy(State(state): State<AppState>, UrlPath(name): UrlPath<String>) -> ApiResult<impl IntoResponse> {
+    match policy::load(&state.supervisor.cfg.policies_dir, &name) {
+        Ok((p, yaml)) => Ok(Json(json!({ "name": p.name, "yaml": yaml, "policy": p }))),
+        Err(PolicyError::NotFound(n)) => Err(ApiError::NotFound(format!("policy `{n}` does not exist"))),
+        Err(e @ PolicyError::Invalid { .. }) => Err(ApiError::BadRequest(e.to_string())),
+        Err(e) => Err(ApiError::Internal(e.into())),
+    }
+}
+
+async fn put_policy(
+    State(state): State<AppState>,
+    UrlPath(name): UrlPath<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<impl IntoResponse> {
+    let body = body?;
+    if !policy::valid_name(&name) {
+        return Err(ApiError::BadRequest(format!("policy name `{name}` must match [A-Za-z0-9_-]{{1,64}}")));
+    }
+    let text = std::str::from_utf8(&body).map_err(|_| ApiError::BadRequest("body is not UTF-8".into()))?;
+    let p = Policy::parse(text).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    if p.name != name {
+        return Err(ApiError::BadRequest(format!("name: `{}` does not match the URL's `{name}`", p.name)));
+    }
+    let dir = &state.supervisor.cfg.policies_dir;
+    let path = dir.join(format!("{name}.yaml"));
+    let tmp = dir.join(format!(".{name}.yaml.tmp"));
+    std::fs::write(&tmp, text).and_then(|_| std::fs::rename(&tmp, &path)).map_err(anyhow::Error::from)?;
+    Ok(Json(json!({ "name": name, "rungs": p.rungs.len() })))
+}
+
+async fn metrics(State(state): State<AppState>) -> ApiResult<impl IntoResponse> {
+    let mut out = String::new();
+    out.push_str("# HELP headroom_jobs Jobs in the experiment database by status.\n# TYPE headroom_jobs gauge\n");
+    for (status, n) in state.db.count_jobs().await? {
+        out.push_str(&format!("headroom_jobs{{status=\"{status}\"}} {n}\n"));
+    }
+    out.push_str("# HELP headroom_attempts Trainer attempts by outcome.\n# TYPE headroom_attempts gauge\n");
+    for (outcome, n) in state.db.count_attempts().await? {
+        out.push_str(&format!("headroom_attempts{{outcome=\"{outcome}\"}} {n}\n"));
+    }
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out))
+}

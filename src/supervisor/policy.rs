@@ -1,0 +1,381 @@
+//! Policy files (DESIGN.md "Policy file"): validated types, loading from policies/, and the
+//! step-down logic that applies the next applicable rung on top of a job's configuration.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Checkpointing, JobSpec, OffloadTarget, Precision};
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum PolicyError {
+    #[error("invalid policy: {field}: {message}")]
+    Invalid { field: String, message: String },
+    #[error("policy `{0}` does not exist")]
+    NotFound(String),
+    #[error("policy file {path}: {source}")]
+    Io { path: PathBuf, source: std::sync::Arc<std::io::Error> },
+}
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> PolicyError {
+    PolicyError::Invalid { field: field.into(), message: message.into() }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Policy {
+    pub name: String,
+    #[serde(default)]
+    pub thresholds: Thresholds,
+    pub rungs: Vec<Rung>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub swap_bound: Option<SwapBound>,
+    #[serde(default)]
+    pub retries: Retries,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Thresholds {
+    pub warn: f64,
+    pub preempt: f64,
+    pub sustain: u32,
+}
+
+impl Default for Thresholds {
+    fn default() -> Self {
+        Thresholds { warn: 0.85, preempt: 0.95, sustain: 3 }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Rung {
+    pub name: String,
+    pub set: RungSet,
+    #[serde(default)]
+    pub repeat: bool,
+}
+
+/// What a rung changes. Every field optional; present ones are applied.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RungSet {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<Precision>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro_batch: Option<MicroBatchSet>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpointing: Option<Checkpointing>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zero_stage: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offload: Option<OffloadSet>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(untagged, try_from = "serde_yaml::Value")]
+pub enum MicroBatchSet {
+    Value(i64),
+    Keyword(MicroBatchKeyword),
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum MicroBatchKeyword {
+    Half,
+}
+
+impl TryFrom<serde_yaml::Value> for MicroBatchSet {
+    type Error = String;
+    fn try_from(v: serde_yaml::Value) -> Result<Self, String> {
+        match &v {
+            serde_yaml::Value::Number(n) if n.as_i64().is_some() => Ok(MicroBatchSet::Value(n.as_i64().unwrap())),
+            serde_yaml::Value::String(s) if s == "half" => Ok(MicroBatchSet::Keyword(MicroBatchKeyword::Half)),
+            other => Err(format!(
+                "micro_batch must be a positive integer or `half`, not {}",
+                serde_yaml::to_string(other).unwrap_or_default().trim()
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct OffloadSet {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<OffloadTarget>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub params: Option<OffloadTarget>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activations: Option<OffloadTarget>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SwapBound {
+    pub transfer_fraction: f64,
+    pub action: SwapAction,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SwapAction {
+    StepBack,
+    Fail,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Retries {
+    pub crash: u32,
+}
+
+impl Default for Retries {
+    fn default() -> Self {
+        Retries { crash: 2 }
+    }
+}
+
+/// A policy name is a file stem: no slashes, no dots, nothing to climb out of policies/ with.
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 64 && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+impl Policy {
+    pub fn parse(text: &str) -> Result<Policy, PolicyError> {
+        let p: Policy = serde_yaml::from_str(text).map_err(|e| invalid("policy", e.to_string()))?;
+        p.validate()?;
+        Ok(p)
+    }
+
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        if !valid_name(&self.name) {
+            return Err(invalid("name", format!("`{}` must match [A-Za-z0-9_-]{{1,64}}", self.name)));
+        }
+        let t = &self.thresholds;
+        if !(t.warn > 0.0 && t.warn <= 1.0) {
+            return Err(invalid("thresholds.warn", format!("{} must be in (0, 1]", t.warn)));
+        }
+        if !(t.preempt > 0.0 && t.preempt <= 1.0 && t.preempt >= t.warn) {
+            return Err(invalid("thresholds.preempt", format!("{} must be in [warn, 1]", t.preempt)));
+        }
+        if t.sustain == 0 || t.sustain > 1000 {
+            return Err(invalid("thresholds.sustain", format!("{} must be in [1, 1000]", t.sustain)));
+        }
+        for (i, r) in self.rungs.iter().enumerate() {
+            if r.name.is_empty() {
+                return Err(invalid(format!("rungs[{i}].name"), "must not be empty"));
+            }
+            if r.set == RungSet::default() {
+                return Err(invalid(format!("rungs[{i}].set"), "must change at least one knob"));
+            }
+            if let Some(MicroBatchSet::Value(v)) = r.set.micro_batch {
+                if v < 1 {
+                    return Err(invalid(format!("rungs[{i}].set.micro_batch"), format!("{v} must be >= 1 or `half`")));
+                }
+            }
+            if let Some(z) = r.set.zero_stage {
+                if !(0..=3).contains(&z) {
+                    return Err(invalid(format!("rungs[{i}].set.zero_stage"), format!("{z} must be in [0, 3]")));
+                }
+            }
+        }
+        if let Some(s) = &self.swap_bound {
+            if !(s.transfer_fraction > 0.0 && s.transfer_fraction <= 1.0) {
+                return Err(invalid(
+                    "swap_bound.transfer_fraction",
+                    format!("{} must be in (0, 1]", s.transfer_fraction),
+                ));
+            }
+        }
+        if self.retries.crash > 100 {
+            return Err(invalid("retries.crash", format!("{} must be in [0, 100]", self.retries.crash)));
+        }
+        Ok(())
+    }
+
+    pub fn to_yaml(&self) -> String {
+        serde_yaml::to_string(self).expect("policy serialises")
+    }
+}
+
+/// policies/NAME.yaml, read and validated.
+pub fn load(dir: &Path, name: &str) -> Result<(Policy, String), PolicyError> {
+    if !valid_name(name) {
+        return Err(invalid("name", format!("`{name}` must match [A-Za-z0-9_-]{{1,64}}")));
+    }
+    let path = dir.join(format!("{name}.yaml"));
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(PolicyError::NotFound(name.into())),
+        Err(e) => return Err(PolicyError::Io { path, source: e.into() }),
+    };
+    let policy = Policy::parse(&text)?;
+    if policy.name != name {
+        return Err(invalid("name", format!("`{}` does not match the file name `{name}`", policy.name)));
+    }
+    Ok((policy, text))
+}
+
+/// Names of every policy file in `dir`, sorted.
+pub fn list(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let p = e.path();
+            (p.extension()? == "yaml").then(|| p.file_stem()?.to_str().map(str::to_owned))?
+        })
+        .filter(|n| valid_name(n))
+        .collect();
+    names.sort();
+    names
+}
+
+/// Where a job stands on its ladder: the index of the last rung applied (-1: none), and whether
+/// that rung may repeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LadderPosition {
+    pub rung_index: i64,
+}
+
+/// The outcome of asking for the next rung.
+#[derive(Debug, Clone)]
+pub struct StepDown {
+    pub rung_index: i64,
+    pub rung_name: String,
+    pub spec: JobSpec,
+    /// Rungs passed over on the way, with the reason each could not apply.
+    pub skipped: Vec<(String, String)>,
+}
+
+/// Apply one rung to `spec`, or say why it cannot apply.
+pub fn apply_rung(rung: &Rung, spec: &JobSpec) -> Result<JobSpec, String> {
+    let mut next = spec.clone();
+    let set = &rung.set;
+    if let Some(p) = set.precision {
+        next.memory.precision = p;
+    }
+    if let Some(mb) = &set.micro_batch {
+        let cur = spec.train.micro_batch;
+        let target = match mb {
+            MicroBatchSet::Keyword(MicroBatchKeyword::Half) => {
+                if cur <= 1 {
+                    return Err("micro_batch is already 1".into());
+                }
+                // The largest divisor of global/world below or at half keeps global_batch exact.
+                let per_rank = spec.train.global_batch / spec.memory.world_size;
+                (1..=cur / 2).rev().find(|d| per_rank % d == 0).unwrap_or(1)
+            }
+            MicroBatchSet::Value(v) => *v,
+        };
+        next.train.micro_batch = target;
+    }
+    if let Some(c) = set.checkpointing {
+        next.memory.checkpointing = c;
+    }
+    if let Some(z) = set.zero_stage {
+        if z > 0 && spec.memory.world_size <= 1 {
+            return Err(format!("zero_stage {z} needs world_size > 1 (it is {})", spec.memory.world_size));
+        }
+        next.memory.zero_stage = z;
+    }
+    if let Some(o) = &set.offload {
+        if let Some(t) = o.optimizer {
+            next.memory.offload.optimizer = t;
+        }
+        if let Some(t) = o.params {
+            next.memory.offload.params = t;
+        }
+        if let Some(t) = o.activations {
+            next.memory.offload.activations = t;
+        }
+    }
+    if next == *spec {
+        return Err("already in effect".into());
+    }
+    next.validate().map_err(|e| e.to_string())?;
+    next.check_supported().map_err(|e| format!("not supported by this engine build: {}", e.message))?;
+    Ok(next)
+}
+
+/// The next applicable rung after `from` (repeating rungs are retried first).
+pub fn step_down(policy: &Policy, spec: &JobSpec, from: LadderPosition) -> Result<StepDown, Vec<(String, String)>> {
+    let mut skipped = Vec::new();
+    let start = if from.rung_index >= 0 && policy.rungs[from.rung_index as usize].repeat {
+        from.rung_index as usize
+    } else {
+        (from.rung_index + 1) as usize
+    };
+    for (i, rung) in policy.rungs.iter().enumerate().skip(start) {
+        match apply_rung(rung, spec) {
+            Ok(next) => {
+                return Ok(StepDown { rung_index: i as i64, rung_name: rung.name.clone(), spec: next, skipped });
+            }
+            Err(reason) => {
+                // A repeating rung that ran out (micro_batch 1) is not a "skip" worth recording
+                // twice; still list it so the reason is visible.
+                skipped.push((rung.name.clone(), reason));
+            }
+        }
+    }
+    Err(skipped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(micro: i64) -> JobSpec {
+        JobSpec::parse(&format!(
+            "name: t\nmodel: {{ n_layer: 1, n_head: 1, n_embd: 8, block_size: 8, vocab: bytes }}\n\
+             data: {{ path: x.txt }}\ntrain: {{ steps: 10, global_batch: 8, micro_batch: {micro} }}\n\
+             device: {{ kind: cpu, device_memory: 8MiB }}\n"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn shipped_policies_parse() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies");
+        let names = list(&dir);
+        assert!(names.contains(&"default".to_string()) && names.contains(&"no-offload".to_string()));
+        for n in names {
+            load(&dir, &n).unwrap();
+        }
+    }
+
+    #[test]
+    fn bad_policies_name_the_field() {
+        let e = Policy::parse("name: x\nrungs: []\nthresholds: { warn: 0.9, preempt: 0.5, sustain: 3 }").unwrap_err();
+        assert!(e.to_string().contains("thresholds.preempt"), "{e}");
+        let e = Policy::parse("name: x\nrungs: [{ name: a, set: { micro_batch: third } }]").unwrap_err();
+        assert!(e.to_string().contains("micro_batch"), "{e}");
+        let e = Policy::parse("name: x\nrungs: []\nbogus: 1").unwrap_err();
+        assert!(e.to_string().contains("bogus"), "{e}");
+        assert!(matches!(load(Path::new("policies"), "../etc"), Err(PolicyError::Invalid { .. })));
+    }
+
+    #[test]
+    fn step_down_halves_micro_batch_keeping_global_batch_and_skips_what_cannot_apply() {
+        let policy = Policy::parse(
+            &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/policies/default.yaml")).unwrap(),
+        )
+        .unwrap();
+        let s = spec(8);
+        let d = step_down(&policy, &s, LadderPosition { rung_index: -1 }).unwrap();
+        assert_eq!(d.rung_name, "halve-micro-batch");
+        assert_eq!(d.spec.train.micro_batch, 4);
+        assert_eq!(d.spec.train.global_batch, 8);
+        assert_eq!(d.spec.grad_accum(), 2);
+        assert_eq!(d.skipped.len(), 1, "bf16 skipped: {:?}", d.skipped);
+        let d2 = step_down(&policy, &d.spec, LadderPosition { rung_index: d.rung_index }).unwrap();
+        assert_eq!(d2.spec.train.micro_batch, 2);
+        let d3 = step_down(&policy, &d2.spec, LadderPosition { rung_index: d2.rung_index }).unwrap();
+        assert_eq!(d3.spec.train.micro_batch, 1);
+        let exhausted = step_down(&policy, &d3.spec, LadderPosition { rung_index: d3.rung_index }).unwrap_err();
+        assert!(exhausted.iter().any(|(n, r)| n == "zero-2" && r.contains("world_size")), "{exhausted:?}");
+    }
+}

@@ -1,0 +1,337 @@
+//! The supervisor end to end: a daemon on port 0 with a fresh database runs real trainer children.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use headroom::supervisor::{self, RunningServer, ServeConfig};
+use serde_json::Value;
+
+struct Harness {
+    dir: tempfile::TempDir,
+    policies: PathBuf,
+}
+
+impl Harness {
+    fn new() -> Harness {
+        let dir = tempfile::tempdir().unwrap();
+        let policies = dir.path().join("policies");
+        std::fs::create_dir_all(&policies).unwrap();
+        let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies");
+        for e in std::fs::read_dir(shipped).unwrap() {
+            let p = e.unwrap().path();
+            std::fs::copy(&p, policies.join(p.file_name().unwrap())).unwrap();
+        }
+        Harness { dir, policies }
+    }
+
+    async fn start(&self, token: Option<&str>) -> RunningServer {
+        supervisor::start(ServeConfig {
+            addr: "127.0.0.1:0".parse().unwrap(),
+            db_path: self.dir.path().join("headroom.db"),
+            policies_dir: self.policies.clone(),
+            runs_dir: self.dir.path().join("runs"),
+            data_dirs: vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("data")],
+            token: token.map(str::to_owned),
+            slots: 1,
+            trainer_exe: common::bin(),
+        })
+        .await
+        .unwrap()
+    }
+}
+
+fn url(s: &RunningServer, path: &str) -> String {
+    format!("http://{}{path}", s.addr)
+}
+
+async fn get(s: &RunningServer, path: &str) -> Value {
+    let r = reqwest::get(url(s, path)).await.unwrap();
+    assert!(r.status().is_success(), "GET {path}: {}", r.status());
+    r.json().await.unwrap()
+}
+
+async fn post(s: &RunningServer, path: &str, body: &str) -> (u16, Value) {
+    let r = reqwest::Client::new().post(url(s, path)).body(body.to_string()).send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+async fn submit(s: &RunningServer, yaml: &str) -> i64 {
+    let (status, body) = post(s, "/api/jobs", yaml).await;
+    assert_eq!(status, 201, "{body}");
+    body["id"].as_i64().unwrap()
+}
+
+async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !check().await {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn wait_terminal(s: &RunningServer, id: i64) -> Value {
+    let start = Instant::now();
+    loop {
+        let job = get(s, &format!("/api/jobs/{id}")).await;
+        if matches!(job["status"].as_str(), Some("finished" | "failed" | "cancelled")) {
+            return job;
+        }
+        assert!(start.elapsed() < Duration::from_secs(240), "timed out waiting for job {id} to end: {job}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The demo's shape: micro_batch 32 needs ~31 MiB, 16 needs ~16 MiB, 8 fits in 12 MiB.
+fn squeezed_job(name: &str, steps: u64, micro: u64, policy: &str, ckpt_every: u64) -> String {
+    common::job_yaml(name, steps, 32, micro, "12MiB")
+        .replace("checkpoint_every: 50", &format!("checkpoint_every: {ckpt_every}"))
+        .replace("eval_every: 50", "eval_every: 10")
+        + &format!("policy: {policy}\n")
+}
+
+fn kinds(events: &Value) -> Vec<String> {
+    events.as_array().unwrap().iter().map(|e| e["kind"].as_str().unwrap().to_string()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oom_steps_down_the_ladder_resumes_and_finishes() {
+    let h = Harness::new();
+    let s = h.start(None).await;
+    let id = submit(&s, &squeezed_job("squeeze", 20, 32, "default", 10)).await;
+    let job = wait_terminal(&s, id).await;
+    assert_eq!(job["status"], "finished", "{job}");
+    assert_eq!(job["rung"], "halve-micro-batch");
+
+    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    let a = attempts.as_array().unwrap();
+    let summary: Vec<(String, String, i64)> = a
+        .iter()
+        .map(|a| {
+            (
+                a["rung"].as_str().unwrap().into(),
+                a["outcome"].as_str().unwrap().into(),
+                a["exit_code"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            ("base".into(), "oom".into(), 3),
+            ("halve-micro-batch".into(), "oom".into(), 3),
+            ("halve-micro-batch".into(), "finished".into(), 0)
+        ]
+    );
+    let cfg = |i: usize| -> Value { serde_json::from_str(a[i]["config_json"].as_str().unwrap()).unwrap() };
+    assert_eq!(
+        [0, 1, 2].map(|i| cfg(i)["train"]["micro_batch"].as_i64().unwrap()),
+        [32, 16, 8],
+        "micro-batch halves with the same global batch"
+    );
+    assert!((0..3).all(|i| cfg(i)["train"]["global_batch"] == 32));
+    for oom in &a[..2] {
+        assert_eq!(oom["oom_category"], "activations");
+        assert!(oom["oom_requested"].as_i64().unwrap() > 0);
+        assert_eq!(oom["capacity"], 12 << 20);
+    }
+    let done = &a[2];
+    assert!(done["peak_reserved"].as_i64().unwrap() <= 12 << 20);
+    assert!(done["peak_activations"].as_i64().unwrap() > 0 && done["mean_tokens_per_s"].as_f64().unwrap() > 0.0);
+
+    // Steps trained add up to the request, each exactly once.
+    let samples = get(&s, &format!("/api/jobs/{id}/samples")).await;
+    let mut steps: Vec<i64> = samples
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["loss"].is_number())
+        .map(|s| s["step"].as_i64().unwrap())
+        .collect();
+    steps.sort();
+    assert_eq!(steps, (1..=20).collect::<Vec<_>>());
+
+    let events = get(&s, &format!("/api/jobs/{id}/events")).await;
+    let k = kinds(&events);
+    assert_eq!(k.iter().filter(|k| *k == "oom").count(), 2, "{k:?}");
+    assert_eq!(k.iter().filter(|k| *k == "step_down").count(), 2, "{k:?}");
+    let text = events.to_string();
+    assert!(text.contains("rung bf16 skipped"), "the skipped rung is recorded: {text}");
+    assert!(text.contains("micro_batch 32 → 16"), "{text}");
+    assert!(text.contains("for activations did not fit in 12.00 MiB"), "{text}");
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crossing_preempt_checkpoints_and_steps_down_without_an_oom() {
+    let h = Harness::new();
+    std::fs::write(
+        h.policies.join("tight.yaml"),
+        "name: tight\nthresholds: { warn: 0.75, preempt: 0.8, sustain: 3 }\n\
+         rungs:\n  - { name: halve-micro-batch, set: { micro_batch: half }, repeat: true }\n",
+    )
+    .unwrap();
+    let s = h.start(None).await;
+    // micro_batch 8 reserves 10 MiB of 12 MiB: 83%, above the 80% preempt line.
+    let id = submit(&s, &squeezed_job("preempt", 12, 8, "tight", 0)).await;
+    let job = wait_terminal(&s, id).await;
+    assert_eq!(job["status"], "finished", "{job}");
+    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    let a = attempts.as_array().unwrap();
+    assert_eq!(a.len(), 2, "{attempts}");
+    assert_eq!(a[0]["outcome"], "preempted");
+    assert_eq!(a[0]["exit_code"], 4);
+    // Preempted once `sustain` samples were above the line (the child may finish one more step
+    // before it reads the control line).
+    let stopped = a[0]["last_step"].as_i64().unwrap();
+    assert!((3..=5).contains(&stopped), "{stopped}");
+    assert_eq!(a[1]["outcome"], "finished");
+    assert_eq!(a[1]["resumed_from_step"], stopped, "the next rung resumes from the checkpoint");
+    assert_eq!(a[1]["first_step"], stopped + 1);
+    let cfg: Value = serde_json::from_str(a[1]["config_json"].as_str().unwrap()).unwrap();
+    assert_eq!(cfg["train"]["micro_batch"], 4);
+    let k = kinds(&get(&s, &format!("/api/jobs/{id}/events")).await);
+    assert!(k.contains(&"warn".to_string()) && k.contains(&"preempt".to_string()), "{k:?}");
+    assert!(!k.contains(&"oom".to_string()), "{k:?}");
+    s.shutdown().await.unwrap();
+}
+
+async fn max_step(s: &RunningServer, id: i64) -> i64 {
+    get(s, &format!("/api/jobs/{id}")).await["steps_done"].as_i64().unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_trainer_is_retried_and_resumes_from_its_checkpoint() {
+    let h = Harness::new();
+    let s = h.start(None).await;
+    let id = submit(&s, &squeezed_job("killed", 100_000, 4, "default", 5)).await;
+    wait_until("a checkpoint", Duration::from_secs(120), || async { max_step(&s, id).await >= 7 }).await;
+    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    let pid = attempts[0]["pid"].as_i64().unwrap();
+    let status = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
+    assert!(status.success());
+    wait_until("a second attempt with steps", Duration::from_secs(120), || async {
+        let a = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+        a.as_array().unwrap().len() >= 2 && a[1]["pid"].is_number()
+    })
+    .await;
+    let (code, _) = post(&s, &format!("/api/jobs/{id}/cancel"), "").await;
+    assert_eq!(code, 202);
+    let job = wait_terminal(&s, id).await;
+    assert_eq!(job["status"], "cancelled");
+    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    let a = attempts.as_array().unwrap();
+    assert_eq!(a[0]["outcome"], "crashed");
+    assert!(a[0]["exit_code"].is_null(), "killed by a signal");
+    assert_eq!(a[1]["rung"], a[0]["rung"], "retried on the same rung");
+    let resumed = a[1]["resumed_from_step"].as_i64().expect("second attempt resumed");
+    assert!(resumed >= 5 && resumed % 5 == 0, "resumed from a checkpoint: {resumed}");
+    assert_eq!(a[1]["outcome"], "cancelled");
+    assert!(kinds(&get(&s, &format!("/api/jobs/{id}/events")).await).contains(&"retry".to_string()));
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarting_the_daemon_resumes_a_running_job() {
+    let h = Harness::new();
+    let s = h.start(None).await;
+    let id = submit(&s, &squeezed_job("restart", 100_000, 4, "default", 1000)).await;
+    wait_until("some steps", Duration::from_secs(120), || async { max_step(&s, id).await >= 4 }).await;
+    s.shutdown().await.unwrap();
+
+    let s = h.start(None).await;
+    wait_until("the job to resume", Duration::from_secs(120), || async {
+        let a = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+        a.as_array().unwrap().len() >= 2 && a[1]["pid"].is_number()
+    })
+    .await;
+    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    assert_eq!(attempts[0]["outcome"], "preempted", "graceful shutdown checkpoints the child");
+    let stopped_at = attempts[0]["last_step"].as_i64().unwrap();
+    wait_until("the resumed attempt to report", Duration::from_secs(60), || async {
+        get(&s, &format!("/api/jobs/{id}/attempts")).await[1]["resumed_from_step"].is_number()
+            || max_step(&s, id).await > stopped_at
+    })
+    .await;
+    let (code, _) = post(&s, &format!("/api/jobs/{id}/cancel"), "").await;
+    assert_eq!(code, 202);
+    wait_terminal(&s, id).await;
+    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    assert_eq!(attempts[1]["resumed_from_step"], stopped_at, "{attempts}");
+    assert!(kinds(&get(&s, &format!("/api/jobs/{id}/events")).await).contains(&"resumed".to_string()));
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_a_4xx_and_writes_nothing() {
+    let h = Harness::new();
+    let s = h.start(None).await;
+    let good = squeezed_job("fine", 5, 8, "default", 0);
+    let cases: Vec<(String, u16, &str)> = vec![
+        ("name: [unclosed".into(), 400, "line"),
+        (good.replace("steps: 5", "steps: 5\n  stepz: 1"), 400, "stepz"),
+        (good.replace("policy: default", "policy: nonexistent"), 400, "nonexistent"),
+        (good.replace("name: fine", "name: ../../etc"), 400, "name"),
+        (good.replace("name: fine", "name: a/b"), 400, "name"),
+        (good.replace(&common::data_path().display().to_string(), "/etc/passwd"), 400, "outside the allowed"),
+        (good.replace(&common::data_path().display().to_string(), "data/../Cargo.toml"), 400, "outside the allowed"),
+        ("{\"name\": 3}".into(), 400, "job"),
+        ("x".repeat(300 * 1024), 413, "larger than"),
+    ];
+    for (body, status, needle) in cases {
+        let (got, err) = post(&s, "/api/jobs", &body).await;
+        assert_eq!(got, status, "{needle}: {err}");
+        assert!(err["error"].as_str().unwrap().contains(needle), "{needle}: {err}");
+    }
+    assert_eq!(get(&s, "/api/jobs").await.as_array().unwrap().len(), 0, "nothing written");
+    let r = reqwest::get(url(&s, "/api/jobs/999")).await.unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    let r = reqwest::get(url(&s, "/api/jobs/abc")).await.unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+
+    // Policies: list, read, reject invalid, accept valid.
+    let list = get(&s, "/api/policies").await;
+    assert!(list.as_array().unwrap().iter().any(|p| p["name"] == "default"));
+    assert!(get(&s, "/api/policies/default").await["yaml"].as_str().unwrap().contains("halve-micro-batch"));
+    let client = reqwest::Client::new();
+    let put =
+        |name: &str, body: &str| client.put(url(&s, &format!("/api/policies/{name}"))).body(body.to_string()).send();
+    let r = put("mine", "name: mine\nrungs: [{ name: x, set: { zero_stage: 9 } }]").await.unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    assert!(r.text().await.unwrap().contains("zero_stage"));
+    let r = put("..", "name: x\nrungs: []").await.unwrap();
+    assert!(r.status().is_client_error());
+    let r = put("mine", "name: mine\nrungs: [{ name: small, set: { micro_batch: half } }]").await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(get(&s, "/api/policies/mine").await["policy"]["rungs"][0]["name"], "small");
+    let metrics = reqwest::get(url(&s, "/metrics")).await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("# TYPE headroom_jobs gauge"));
+    assert_eq!(reqwest::get(url(&s, "/healthz")).await.unwrap().text().await.unwrap(), "ok");
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_token_mutating_routes_need_it() {
+    let h = Harness::new();
+    let s = h.start(Some("s3cret")).await;
+    let body = squeezed_job("tok", 2, 8, "default", 0);
+    let client = reqwest::Client::new();
+    let r = client.post(url(&s, "/api/jobs")).body(body.clone()).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    let r = client.post(url(&s, "/api/jobs")).bearer_auth("wrong").body(body.clone()).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    let r = client.put(url(&s, "/api/policies/default")).body("name: default\nrungs: []").send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    assert_eq!(get(&s, "/api/jobs").await.as_array().unwrap().len(), 0, "reads need no token");
+    let r = client.post(url(&s, "/api/jobs")).bearer_auth("s3cret").body(body).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 201);
+    let id = r.json::<Value>().await.unwrap()["id"].as_i64().unwrap();
+    assert_eq!(wait_terminal(&s, id).await["status"], "finished");
+    s.shutdown().await.unwrap();
+}
