@@ -327,12 +327,6 @@ impl JobSpec {
         if mem.precision != Precision::Fp32 {
             return Err(bad("memory.precision", "only fp32 is implemented by this engine build (bf16/fp16: issue #3)"));
         }
-        if mem.checkpointing != Checkpointing::None {
-            return Err(bad(
-                "memory.checkpointing",
-                "only `none` is implemented by this engine build (selective/full: issue #3)",
-            ));
-        }
         if mem.world_size != 1 {
             return Err(bad("memory.world_size", "only 1 is implemented by this engine build (ranks: issue #4)"));
         }

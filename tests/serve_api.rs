@@ -136,6 +136,15 @@ async fn oom_steps_down_the_ladder_resumes_and_finishes() {
         "micro-batch halves with the same global batch"
     );
     assert!((0..3).all(|i| cfg(i)["train"]["global_batch"] == 32));
+    // The ladder stopped exactly where the estimator says the configuration starts to fit.
+    let verdicts: Vec<&str> = (0..3)
+        .map(|i| {
+            let spec: headroom::config::JobSpec = serde_json::from_value(cfg(i)).unwrap();
+            let e = headroom::engine::estimate::estimate_job(&spec);
+            headroom::engine::estimate::verdict(&e, 12 << 20)
+        })
+        .collect();
+    assert_eq!(verdicts, ["no", "no", "yes"]);
     for oom in &a[..2] {
         assert_eq!(oom["oom_category"], "activations");
         assert!(oom["oom_requested"].as_i64().unwrap() > 0);

@@ -23,6 +23,8 @@ pub enum Command {
     Train(TrainArgs),
     /// Time fp32 training steps on the CPU device and print a table.
     Bench(BenchArgs),
+    /// Predict peak device memory per category for a job (and each rung of a policy).
+    Estimate(EstimateArgs),
     /// Run the supervisor daemon: HTTP API, job runner, experiment database, web page.
     Serve(client::ServeArgs),
     /// Submit a job file to a running daemon.
@@ -53,8 +55,24 @@ pub struct TrainArgs {
 }
 
 #[derive(Debug, clap::Args)]
+pub struct EstimateArgs {
+    /// Job spec (YAML or JSON).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Also estimate every rung of this policy, in ladder order.
+    #[arg(long)]
+    pub policy: Option<String>,
+    /// Directory of policy files.
+    #[arg(long, default_value = "policies")]
+    pub policies: PathBuf,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// Preset shapes: tiny, small (d4-256, GPT-2 vocab), gpt2 (124M), all.
+    /// Preset shapes: tiny, small (d4-256, GPT-2 vocab), gpt2 (124M), d4-128 (bytes, T 256), all.
     #[arg(long, default_value = "small")]
     pub preset: String,
     /// Timed steps per case.
@@ -69,6 +87,10 @@ pub struct BenchArgs {
     /// Override the sequence length of the preset.
     #[arg(long)]
     pub seq: Option<usize>,
+    /// Print the memory-technique table (peak per category for checkpointing and micro-batch
+    /// settings at the same global batch) instead of the speed table.
+    #[arg(long)]
+    pub techniques: bool,
 }
 
 pub fn init_logging() {
@@ -85,6 +107,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(args) => train(args),
         Command::Bench(args) => run_bench(args),
+        Command::Estimate(args) => estimate(args),
         Command::Serve(args) => client::serve(args),
         Command::Submit(args) => client::submit(args),
         Command::Jobs(args) => client::jobs(args),
@@ -110,10 +133,81 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
+    use crate::engine::estimate::{estimate_job, verdict};
+    use crate::memory::format_bytes;
+    use crate::supervisor::policy::{self, LadderPosition};
+    let spec = JobSpec::load(&args.config)?;
+    let capacity = spec.device_capacity();
+    let mut rows = vec![("base".to_string(), spec.clone())];
+    if let Some(name) = &args.policy {
+        let (pol, _) = policy::load(&args.policies, name)
+            .map_err(|e| ConfigError { field: "--policy".into(), message: e.to_string() })?;
+        let (mut cur, mut pos) = (spec.clone(), LadderPosition { rung_index: -1 });
+        while let Ok(down) = policy::step_down(&pol, &cur, pos) {
+            pos = LadderPosition { rung_index: down.rung_index };
+            cur = down.spec;
+            rows.push((down.rung_name, cur.clone()));
+        }
+    }
+    let estimates: Vec<_> = rows.iter().map(|(rung, s)| (rung, s, estimate_job(s))).collect();
+    if args.json {
+        let out: Vec<_> = estimates
+            .iter()
+            .map(|(rung, s, e)| {
+                serde_json::json!({
+                    "rung": rung, "micro_batch": s.train.micro_batch, "grad_accum": s.grad_accum(),
+                    "checkpointing": s.memory.checkpointing, "precision": s.memory.precision,
+                    "estimate": e, "capacity": capacity, "fits": capacity.map(|c| verdict(e, c)),
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!(
+        "{:<20} {:>5} {:>5} {:<10} {:>11} {:>11} {:>11} {:>12} {:>11} {:>12} {:>12} {:>5}",
+        "rung",
+        "mb",
+        "accum",
+        "ckpt",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "workspace",
+        "peak alloc",
+        "reserved≤",
+        "fits"
+    );
+    for (rung, s, e) in &estimates {
+        let ckpt = serde_json::to_value(s.memory.checkpointing)?;
+        println!(
+            "{:<20} {:>5} {:>5} {:<10} {:>11} {:>11} {:>11} {:>12} {:>11} {:>12} {:>12} {:>5}",
+            rung,
+            s.train.micro_batch,
+            s.grad_accum(),
+            ckpt.as_str().unwrap_or(""),
+            format_bytes(e.params),
+            format_bytes(e.grads),
+            format_bytes(e.optimizer),
+            format_bytes(e.activations),
+            format_bytes(e.workspace),
+            format_bytes(e.peak_allocated),
+            format_bytes(e.reserved_allowance),
+            capacity.map(|c| verdict(e, c)).unwrap_or("?")
+        );
+    }
+    if let Some(c) = capacity {
+        println!("capacity: {}", format_bytes(c));
+    }
+    Ok(())
+}
+
 fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     let mut cases = bench::preset(&args.preset).ok_or_else(|| ConfigError {
         field: "--preset".into(),
-        message: format!("unknown preset `{}` (tiny, small, gpt2, all)", args.preset),
+        message: format!("unknown preset `{}` (tiny, small, gpt2, d4-128, all)", args.preset),
     })?;
     for case in &mut cases {
         if let Some(b) = args.batch {
@@ -125,6 +219,12 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         }
     }
     println!("threads: {}", rayon::current_num_threads());
+    if args.techniques {
+        for case in &cases {
+            print!("{}", bench::techniques_table(case, args.warmup, args.steps)?);
+        }
+        return Ok(());
+    }
     let mut results = Vec::new();
     for case in &cases {
         let r = bench::run_case(case, args.warmup, args.steps).with_context(|| format!("bench case {}", case.label))?;

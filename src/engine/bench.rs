@@ -1,7 +1,10 @@
 //! `headroom bench`: ms/step and tokens/s of fp32 training steps on the CPU device for given
 //! model shapes, on synthetic tokens (no data file needed).
 
-use crate::memory::{format_bytes, Pool};
+use crate::config::Checkpointing;
+use crate::memory::{format_bytes, Category, MemStats, Pool};
+
+use super::estimate::estimate_step;
 
 use super::model::GptConfig;
 use super::rng::mix64;
@@ -45,7 +48,14 @@ pub fn preset(name: &str) -> Option<Vec<BenchCase>> {
         batch: 16,
         seq: 64,
     };
+    let d4_128 = BenchCase {
+        label: "d4-128 bytes".into(),
+        cfg: GptConfig { n_layer: 4, n_head: 4, n_embd: 128, block_size: 256, vocab: 256 },
+        batch: 16,
+        seq: 256,
+    };
     match name {
+        "d4-128" => Some(vec![d4_128]),
         "small" => Some(vec![small]),
         "gpt2" => Some(vec![gpt2]),
         "tiny" => Some(vec![tiny]),
@@ -56,17 +66,30 @@ pub fn preset(name: &str) -> Option<Vec<BenchCase>> {
 
 /// Time `steps` optimizer steps after `warmup` untimed ones.
 pub fn run_case(case: &BenchCase, warmup: usize, steps: usize) -> Result<BenchResult, crate::memory::OomError> {
+    run_configured(case, case.batch, Checkpointing::None, warmup, steps).map(|(r, _)| r)
+}
+
+/// Like [`run_case`] with `micro_batch` (accumulating to `case.batch`) and a checkpointing mode;
+/// also returns the pool's final statistics.
+pub fn run_configured(
+    case: &BenchCase,
+    micro_batch: usize,
+    checkpointing: Checkpointing,
+    warmup: usize,
+    steps: usize,
+) -> Result<(BenchResult, MemStats), crate::memory::OomError> {
     let hyper = Hyper {
         steps: (warmup + steps) as u64,
         global_batch: case.batch,
-        micro_batch: case.batch,
-        grad_accum: 1,
+        micro_batch,
+        grad_accum: case.batch / micro_batch,
         seq_len: case.seq,
         lr: 3e-4,
         warmup_steps: 0,
         weight_decay: 0.1,
         grad_clip: 1.0,
         seed: 1,
+        checkpointing,
     };
     let pool = Pool::new("cpu", usize::MAX / 2);
     let mut trainer = Trainer::new(case.cfg, hyper, pool.clone())?;
@@ -86,14 +109,66 @@ pub fn run_case(case: &BenchCase, warmup: usize, steps: usize) -> Result<BenchRe
     }
     let mean = times.iter().sum::<f64>() / times.len() as f64;
     let min = times.iter().copied().fold(f64::INFINITY, f64::min);
-    Ok(BenchResult {
+    let stats = pool.stats();
+    let result = BenchResult {
         case: case.clone(),
         params: case.cfg.num_params(),
         ms_per_step: mean,
         min_ms: min,
         tokens_per_s: (case.batch * case.seq) as f64 / (mean / 1e3),
-        peak_allocated: pool.stats().peak_allocated,
-    })
+        peak_allocated: stats.peak_allocated,
+    };
+    Ok((result, stats))
+}
+
+/// The memory-technique table: measured peak per category and step time for each knob setting
+/// at the same global batch, with the estimator's prediction beside the measurement.
+pub fn techniques_table(case: &BenchCase, warmup: usize, steps: usize) -> Result<String, crate::memory::OomError> {
+    let settings = [
+        ("fp32 baseline", case.batch, Checkpointing::None),
+        ("fp32 + selective", case.batch, Checkpointing::Selective),
+        ("fp32 + full", case.batch, Checkpointing::Full),
+        ("fp32 + full, micro/4", (case.batch / 4).max(1), Checkpointing::Full),
+    ];
+    let mut s = format!(
+        "{} (params {}), global batch {}, T {}\n{:<22} {:>5} {:>11} {:>11} {:>11} {:>12} {:>11} {:>12} {:>12} {:>7} {:>9}\n",
+        case.label,
+        case.cfg.num_params(),
+        case.batch,
+        case.seq,
+        "setting",
+        "mb",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "workspace",
+        "peak alloc",
+        "estimated",
+        "ratio",
+        "ms/step"
+    );
+    let mut baseline = None;
+    for (label, micro, mode) in settings {
+        let (r, st) = run_configured(case, micro, mode, warmup, steps)?;
+        let est = estimate_step(&case.cfg, micro, case.seq, mode, case.batch / micro);
+        let base = *baseline.get_or_insert(st.peak_allocated);
+        s.push_str(&format!(
+            "{:<22} {:>5} {:>11} {:>11} {:>11} {:>12} {:>11} {:>12} {:>12} {:>7.2} {:>9.1}\n",
+            label,
+            micro,
+            format_bytes(st.peak(Category::Params)),
+            format_bytes(st.peak(Category::Grads)),
+            format_bytes(st.peak(Category::Optimizer)),
+            format_bytes(st.peak(Category::Activations)),
+            format_bytes(st.peak(Category::Workspace)),
+            format_bytes(st.peak_allocated),
+            format_bytes(est.peak_allocated),
+            st.peak_allocated as f64 / base as f64,
+            r.ms_per_step
+        ));
+    }
+    Ok(s)
 }
 
 pub fn print_table(results: &[BenchResult]) -> String {

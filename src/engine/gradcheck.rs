@@ -4,6 +4,7 @@
 use super::layers::*;
 use super::model::{self, GptConfig};
 use super::rng::Rng;
+use crate::config::Checkpointing;
 use crate::memory::{Category, Pool};
 
 fn randn(rng: &mut Rng, n: usize, scale: f64) -> Vec<f32> {
@@ -154,9 +155,11 @@ fn whole_model_gradients_match_finite_differences() {
     }
     let inputs: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 7 + 3) % 11).collect();
     let targets: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 5 + 1) % 11).collect();
-    let loss = |p: &[f32]| model::forward(&cfg, p, &pool, &inputs, &targets, b, t).unwrap().mean_loss() as f64;
+    let loss = |p: &[f32]| {
+        model::forward(&cfg, p, &pool, &inputs, &targets, b, t, Checkpointing::None).unwrap().mean_loss() as f64
+    };
     let mut grads = vec![0.0f32; cfg.num_params()];
-    let acts = model::forward(&cfg, &params, &pool, &inputs, &targets, b, t).unwrap();
+    let acts = model::forward(&cfg, &params, &pool, &inputs, &targets, b, t, Checkpointing::None).unwrap();
     model::backward(&cfg, &params, &mut grads, &pool, acts, 1.0 / (b * t) as f32).unwrap();
     assert_eq!(pool.stats().current(Category::Activations), 0, "backward frees every activation");
     assert_eq!(pool.stats().current(Category::Workspace), 0, "and its workspace");
@@ -168,4 +171,30 @@ fn whole_model_gradients_match_finite_differences() {
             loss(&p)
         });
     }
+}
+
+#[test]
+fn checkpointing_gives_the_same_gradients_with_fewer_activation_bytes() {
+    let cfg = GptConfig { n_layer: 3, n_head: 2, n_embd: 16, block_size: 8, vocab: 13 };
+    let (b, t) = (4, 8);
+    let mut params = vec![0.0f32; cfg.num_params()];
+    cfg.init_params(&mut params, 3);
+    let inputs: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 7 + 3) % 13).collect();
+    let targets: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 5 + 1) % 13).collect();
+    let mut results = Vec::new();
+    for mode in [Checkpointing::None, Checkpointing::Selective, Checkpointing::Full] {
+        let pool = Pool::new("cpu", 64 << 20);
+        let mut grads = vec![0.0f32; cfg.num_params()];
+        let acts = model::forward(&cfg, &params, &pool, &inputs, &targets, b, t, mode).unwrap();
+        let loss = acts.mean_loss();
+        model::backward(&cfg, &params, &mut grads, &pool, acts, 1.0 / (b * t) as f32).unwrap();
+        results.push((mode, loss, grads, pool.stats().peak(Category::Activations)));
+    }
+    let (_, loss0, grads0, peak0) = &results[0];
+    for (mode, loss, grads, peak) in &results[1..] {
+        assert_eq!(loss.to_bits(), loss0.to_bits(), "{mode:?}: same forward");
+        assert!(grads.iter().zip(grads0).all(|(a, b)| a.to_bits() == b.to_bits()), "{mode:?}: recomputation is exact");
+        assert!(peak < peak0, "{mode:?}: {peak} activation bytes at peak vs {peak0}");
+    }
+    assert!(results[2].3 < results[1].3, "full keeps less than selective");
 }

@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod checkpoint;
 pub mod data;
+pub mod estimate;
 pub mod layers;
 pub mod model;
 pub mod optim;

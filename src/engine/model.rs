@@ -6,6 +6,7 @@
 //! `ln1w ln1b qkvw qkvb attprojw attprojb ln2w ln2b fcw fcb fcprojw fcprojb`. The same order is
 //! the checkpoint's canonical layout.
 
+use crate::config::Checkpointing;
 use crate::memory::{Buffer, Category, OomError, Pool};
 
 use super::layers::*;
@@ -70,6 +71,17 @@ pub fn layer_activation_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'static
         ("fch_gelu", bt * 4 * c),
         ("residual3", bt * c),
     ]
+}
+
+/// Which per-layer activations a checkpointing mode keeps from forward to backward; the rest
+/// are recomputed in backward. `selective` drops the cheap ones (LayerNorm outputs, GELU output;
+/// their statistics stay), `full` keeps only the block output, the next block's input.
+pub fn kept_in(mode: Checkpointing, name: &str) -> bool {
+    match mode {
+        Checkpointing::None => true,
+        Checkpointing::Selective => !matches!(name, "ln1" | "ln2" | "fch_gelu"),
+        Checkpointing::Full => name == "residual3",
+    }
 }
 
 /// Activations outside the blocks: (name, elements, element bytes).
@@ -270,6 +282,58 @@ pub struct LayerActs {
     pub residual3: Buffer,
 }
 
+/// What `selective` checkpointing keeps of a block: all but ln1, ln2 and fch_gelu.
+pub struct SelectiveActs {
+    pub ln1_mean: Buffer,
+    pub ln1_rstd: Buffer,
+    pub qkv: Buffer,
+    pub att: Buffer,
+    pub atty: Buffer,
+    pub residual2: Buffer,
+    pub ln2_mean: Buffer,
+    pub ln2_rstd: Buffer,
+    pub fch: Buffer,
+    pub residual3: Buffer,
+}
+
+/// A block's activations as kept between forward and backward.
+pub enum KeptLayer {
+    All(Box<LayerActs>),
+    Selective(Box<SelectiveActs>),
+    /// Only the block output (`full` checkpointing).
+    Output(Buffer),
+}
+
+impl KeptLayer {
+    fn keep(a: LayerActs, mode: Checkpointing) -> KeptLayer {
+        match mode {
+            Checkpointing::None => KeptLayer::All(Box::new(a)),
+            Checkpointing::Selective => KeptLayer::Selective(Box::new(SelectiveActs {
+                ln1_mean: a.ln1_mean,
+                ln1_rstd: a.ln1_rstd,
+                qkv: a.qkv,
+                att: a.att,
+                atty: a.atty,
+                residual2: a.residual2,
+                ln2_mean: a.ln2_mean,
+                ln2_rstd: a.ln2_rstd,
+                fch: a.fch,
+                residual3: a.residual3,
+            })),
+            Checkpointing::Full => KeptLayer::Output(a.residual3),
+        }
+    }
+
+    /// The block output: the next block's input.
+    pub fn output(&self) -> &[f32] {
+        match self {
+            KeptLayer::All(a) => a.residual3.as_slice(),
+            KeptLayer::Selective(s) => s.residual3.as_slice(),
+            KeptLayer::Output(o) => o.as_slice(),
+        }
+    }
+}
+
 /// Everything a forward pass keeps: inputs, per-layer activations, head outputs, losses.
 pub struct Activations {
     pub b: usize,
@@ -277,7 +341,7 @@ pub struct Activations {
     pub inputs: Buffer,
     pub targets: Buffer,
     pub encoded: Buffer,
-    pub layers: Vec<LayerActs>,
+    pub layers: Vec<KeptLayer>,
     pub lnf: Buffer,
     pub lnf_mean: Buffer,
     pub lnf_rstd: Buffer,
@@ -320,6 +384,7 @@ fn alloc_layer_acts(cfg: &GptConfig, pool: &Pool, b: usize, t: usize) -> Result<
 }
 
 /// Forward pass. inputs, targets: (B,T) token ids. Returns the activations with losses filled.
+#[allow(clippy::too_many_arguments)]
 pub fn forward(
     cfg: &GptConfig,
     params: &[f32],
@@ -328,6 +393,7 @@ pub fn forward(
     targets: &[u32],
     b: usize,
     t: usize,
+    mode: Checkpointing,
 ) -> Result<Activations, OomError> {
     let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab);
     let bt = b * t;
@@ -340,21 +406,18 @@ pub fn forward(
     let mut encoded = alloc_f32(pool, g[2].1, Category::Activations)?;
     encoder_forward(encoded.as_mut_slice(), inputs, p.wte, p.wpe, t, c);
 
-    let mut layers: Vec<LayerActs> = Vec::with_capacity(cfg.n_layer);
+    let mut layers: Vec<KeptLayer> = Vec::with_capacity(cfg.n_layer);
     for l in 0..cfg.n_layer {
         let mut a = alloc_layer_acts(cfg, pool, b, t)?;
-        let x = match layers.last() {
-            Some(prev) => prev.residual3.as_slice::<f32>(),
-            None => encoded.as_slice::<f32>(),
-        };
+        let x = layers.last().map(KeptLayer::output).unwrap_or(encoded.as_slice());
         layer_forward(&p.layers[l], &mut a, x, b, t, c, nh);
-        layers.push(a);
+        layers.push(KeptLayer::keep(a, mode));
     }
 
     let mut lnf = alloc_f32(pool, g[3].1, Category::Activations)?;
     let mut lnf_mean = alloc_f32(pool, g[4].1, Category::Activations)?;
     let mut lnf_rstd = alloc_f32(pool, g[5].1, Category::Activations)?;
-    let last = layers.last().map(|a| a.residual3.as_slice::<f32>()).unwrap_or(encoded.as_slice());
+    let last = layers.last().map(KeptLayer::output).unwrap_or(encoded.as_slice());
     layernorm_forward(lnf.as_mut_slice(), lnf_mean.as_mut_slice(), lnf_rstd.as_mut_slice(), last, p.lnfw, p.lnfb, c);
     let mut logits = alloc_f32(pool, g[6].1, Category::Activations)?;
     matmul_forward(logits.as_mut_slice(), lnf.as_slice(), p.wte, None, bt, c, v);
@@ -373,6 +436,62 @@ pub fn forward(
         logits: Some(logits),
         losses,
     })
+}
+
+/// Rebuild a block's full activations from what checkpointing kept (bitwise the same values,
+/// since the recomputation runs the same kernels on the same inputs).
+fn recompute(
+    cfg: &GptConfig,
+    pool: &Pool,
+    p: &LayerTensors<&[f32]>,
+    kept: KeptLayer,
+    x: &[f32],
+    b: usize,
+    t: usize,
+) -> Result<LayerActs, OomError> {
+    let (c, nh) = (cfg.n_embd, cfg.n_head);
+    match kept {
+        KeptLayer::All(a) => Ok(*a),
+        KeptLayer::Selective(s) => {
+            let sizes = layer_activation_sizes(cfg, b, t);
+            let size = |name: &str| sizes.iter().find(|e| e.0 == name).expect("size table entry").1;
+            let mut ln1 = alloc_f32(pool, size("ln1"), Category::Activations)?;
+            layernorm_recompute(ln1.as_mut_slice(), x, p.ln1w, p.ln1b, s.ln1_mean.as_slice(), s.ln1_rstd.as_slice(), c);
+            let mut ln2 = alloc_f32(pool, size("ln2"), Category::Activations)?;
+            layernorm_recompute(
+                ln2.as_mut_slice(),
+                s.residual2.as_slice(),
+                p.ln2w,
+                p.ln2b,
+                s.ln2_mean.as_slice(),
+                s.ln2_rstd.as_slice(),
+                c,
+            );
+            let mut fch_gelu = alloc_f32(pool, size("fch_gelu"), Category::Activations)?;
+            gelu_forward(fch_gelu.as_mut_slice(), s.fch.as_slice());
+            Ok(LayerActs {
+                ln1,
+                ln1_mean: s.ln1_mean,
+                ln1_rstd: s.ln1_rstd,
+                qkv: s.qkv,
+                att: s.att,
+                atty: s.atty,
+                residual2: s.residual2,
+                ln2,
+                ln2_mean: s.ln2_mean,
+                ln2_rstd: s.ln2_rstd,
+                fch: s.fch,
+                fch_gelu,
+                residual3: s.residual3,
+            })
+        }
+        KeptLayer::Output(out) => {
+            drop(out);
+            let mut a = alloc_layer_acts(cfg, pool, b, t)?;
+            layer_forward(p, &mut a, x, b, t, c, nh);
+            Ok(a)
+        }
+    }
 }
 
 /// One transformer block forward. x: (B,T,C) block input; fills every tensor of `a`.
@@ -428,7 +547,7 @@ pub fn backward(
     drop(logits);
     dres.as_mut_slice::<f32>().fill(0.0);
     {
-        let last = acts.layers.last().map(|a| a.residual3.as_slice::<f32>()).unwrap_or(acts.encoded.as_slice());
+        let last = acts.layers.last().map(KeptLayer::output).unwrap_or(acts.encoded.as_slice());
         layernorm_backward(
             dres.as_mut_slice(),
             g.lnfw,
@@ -443,12 +562,10 @@ pub fn backward(
     }
 
     for l in (0..cfg.n_layer).rev() {
-        let a = acts.layers.pop().expect("one LayerActs per layer");
-        let x = match acts.layers.last() {
-            Some(prev) => prev.residual3.as_slice::<f32>(),
-            None => acts.encoded.as_slice::<f32>(),
-        };
+        let kept = acts.layers.pop().expect("one KeptLayer per layer");
+        let x = acts.layers.last().map(KeptLayer::output).unwrap_or(acts.encoded.as_slice());
         let (pl, gl) = (&p.layers[l], &mut g.layers[l]);
+        let a = recompute(cfg, pool, pl, kept, x, b, t)?;
         // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
         matmul_backward(
             dfch.as_mut_slice(),

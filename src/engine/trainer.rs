@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::config::JobSpec;
+use crate::config::{Checkpointing, JobSpec};
 use crate::memory::{Buffer, Category, OomError, Pool};
 
 use super::checkpoint::{self, Checkpoint, CheckpointError, CheckpointHeader};
@@ -24,6 +24,7 @@ pub struct Hyper {
     pub weight_decay: f64,
     pub grad_clip: f64,
     pub seed: u64,
+    pub checkpointing: Checkpointing,
 }
 
 impl Hyper {
@@ -40,6 +41,7 @@ impl Hyper {
             weight_decay: t.weight_decay,
             grad_clip: t.grad_clip,
             seed: t.seed,
+            checkpointing: spec.memory.checkpointing,
         }
     }
 }
@@ -130,7 +132,16 @@ impl Trainer {
             for i in 0..b {
                 batch(self.step, (micro * b + i) as u64, &mut inputs, &mut targets);
             }
-            let acts = model::forward(&self.cfg, self.params.as_slice(), &self.pool, &inputs, &targets, b, t)?;
+            let acts = model::forward(
+                &self.cfg,
+                self.params.as_slice(),
+                &self.pool,
+                &inputs,
+                &targets,
+                b,
+                t,
+                h.checkpointing,
+            )?;
             loss_sum += acts.mean_loss() as f64;
             model::backward(&self.cfg, self.params.as_slice(), self.grads.as_mut_slice(), &self.pool, acts, dloss)?;
         }
@@ -168,7 +179,17 @@ impl Trainer {
             for i in 0..n {
                 batch(done + i, &mut inputs, &mut targets);
             }
-            let acts = model::forward(&self.cfg, self.params.as_slice(), &self.pool, &inputs, &targets, n, t)?;
+            // Evaluation keeps nothing for backward: the acts are dropped right away.
+            let acts = model::forward(
+                &self.cfg,
+                self.params.as_slice(),
+                &self.pool,
+                &inputs,
+                &targets,
+                n,
+                t,
+                Checkpointing::Full,
+            )?;
             total += acts.mean_loss() as f64 * n as f64;
             done += n;
         }

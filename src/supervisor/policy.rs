@@ -375,7 +375,11 @@ mod tests {
         assert_eq!(d2.spec.train.micro_batch, 2);
         let d3 = step_down(&policy, &d2.spec, LadderPosition { rung_index: d2.rung_index }).unwrap();
         assert_eq!(d3.spec.train.micro_batch, 1);
-        let exhausted = step_down(&policy, &d3.spec, LadderPosition { rung_index: d3.rung_index }).unwrap_err();
+        let d4 = step_down(&policy, &d3.spec, LadderPosition { rung_index: d3.rung_index }).unwrap();
+        assert_eq!(d4.rung_name, "checkpointing");
+        assert_eq!(d4.spec.memory.checkpointing, Checkpointing::Full);
+        assert_eq!(d4.spec.train.micro_batch, 1, "rungs apply on top of the previous ones");
+        let exhausted = step_down(&policy, &d4.spec, LadderPosition { rung_index: d4.rung_index }).unwrap_err();
         assert!(exhausted.iter().any(|(n, r)| n == "zero-2" && r.contains("world_size")), "{exhausted:?}");
     }
 }

@@ -1,0 +1,279 @@
+//! The analytic memory model behind `headroom estimate`: peak device bytes per category for a
+//! job's configuration, derived from the model's own size tables and the pool's rounding, so the
+//! prediction follows the engine whenever a tensor changes.
+//!
+//! A training step's allocated bytes peak at one of three moments:
+//! - **backward start**: every kept activation, the head's outputs and all backward workspace;
+//! - **first block of backward** (checkpointing): the kept activations plus that block's
+//!   recomputed tensors (the logits are freed by then);
+//! - **forward / evaluation**: the transient full activations of the block being computed.
+
+use serde::Serialize;
+
+use crate::config::{Checkpointing, JobSpec};
+use crate::memory::{Category, LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT};
+
+use super::model::{backward_workspace_sizes, global_activation_sizes, kept_in, layer_activation_sizes, GptConfig};
+use super::trainer::gpt_config;
+
+/// Bytes the pool accounts for one request of `bytes` (its rounding).
+pub fn pool_bytes(bytes: usize) -> usize {
+    bytes.max(1).div_ceil(ROUND) * ROUND
+}
+
+/// Predicted peak of one configuration.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Estimate {
+    pub params: usize,
+    pub grads: usize,
+    pub optimizer: usize,
+    /// Activations and workspace at the moment of the peak.
+    pub activations: usize,
+    pub workspace: usize,
+    /// Sum of the above: the predicted `peak_allocated`.
+    pub peak_allocated: usize,
+    /// An upper allowance for `peak_reserved`: the live set at the peak placed in the pool's
+    /// segments (large blocks rounded to 2 MiB, small ones packed into 2 MiB segments).
+    pub reserved_allowance: usize,
+    /// Which moment sets the peak.
+    pub peak_at: &'static str,
+    pub micro_batch: usize,
+    pub grad_accum: usize,
+}
+
+/// A live set of buffers (bytes as requested), to total and to place in segments.
+#[derive(Default, Clone)]
+struct Live {
+    buffers: Vec<(Category, usize)>,
+}
+
+impl Live {
+    fn add(&mut self, c: Category, bytes: usize) {
+        self.buffers.push((c, bytes));
+    }
+    fn total(&self) -> usize {
+        self.buffers.iter().map(|&(_, b)| pool_bytes(b)).sum()
+    }
+    fn of(&self, c: Category) -> usize {
+        self.buffers.iter().filter(|b| b.0 == c).map(|&(_, b)| pool_bytes(b)).sum()
+    }
+    fn reserved_allowance(&self) -> usize {
+        let mut small = 0;
+        let mut large = 0;
+        for &(_, b) in &self.buffers {
+            let r = pool_bytes(b);
+            if r <= SMALL_LIMIT {
+                small += r;
+            } else {
+                large += r.div_ceil(LARGE_ROUND) * LARGE_ROUND;
+            }
+        }
+        large + small.div_ceil(SMALL_SEGMENT) * SMALL_SEGMENT
+    }
+}
+
+/// Peak allocated bytes of one training step (plus evaluation) for this model and micro-batch.
+pub fn estimate_step(
+    cfg: &GptConfig,
+    micro_batch: usize,
+    seq_len: usize,
+    mode: Checkpointing,
+    grad_accum: usize,
+) -> Estimate {
+    let (b, t) = (micro_batch, seq_len);
+    let n = cfg.num_params() * 4;
+    let mut base = Live::default();
+    base.add(Category::Params, n);
+    base.add(Category::Grads, n);
+    base.add(Category::Optimizer, n);
+    base.add(Category::Optimizer, n);
+
+    let layer = layer_activation_sizes(cfg, b, t);
+    let globals = global_activation_sizes(cfg, b, t);
+    let add_layer = |live: &mut Live, keep: &dyn Fn(&str) -> bool| {
+        for (name, elems) in layer {
+            if keep(name) {
+                live.add(Category::Activations, elems * 4);
+            }
+        }
+    };
+    let add_globals = |live: &mut Live, skip_logits: bool| {
+        for (name, elems, width) in globals {
+            if !(skip_logits && name == "logits") {
+                live.add(Category::Activations, elems * width);
+            }
+        }
+    };
+    let add_workspace = |live: &mut Live| {
+        for (_, elems) in backward_workspace_sizes(cfg, b, t) {
+            live.add(Category::Workspace, elems * 4);
+        }
+    };
+    let kept = |name: &str| kept_in(mode, name);
+    let all = |_: &str| true;
+    let mut candidates: Vec<(&'static str, Live)> = Vec::new();
+
+    // Backward start: everything kept, head outputs, all workspace.
+    let mut start = base.clone();
+    add_globals(&mut start, false);
+    for _ in 0..cfg.n_layer {
+        add_layer(&mut start, &kept);
+    }
+    add_workspace(&mut start);
+    candidates.push(("backward start", start));
+
+    // Last block's backward: its kept part is rebuilt to the full set; the logits are gone.
+    if mode != Checkpointing::None && cfg.n_layer > 0 {
+        let mut rec = base.clone();
+        add_globals(&mut rec, true);
+        for _ in 0..cfg.n_layer - 1 {
+            add_layer(&mut rec, &kept);
+        }
+        add_layer(&mut rec, &all);
+        add_workspace(&mut rec);
+        candidates.push(("block recompute", rec));
+    }
+
+    // Forward through the last block: the earlier ones kept, this one in full.
+    let mut fwd = base.clone();
+    for (name, elems, width) in globals.iter().take(3) {
+        let _ = name;
+        fwd.add(Category::Activations, elems * width);
+    }
+    for _ in 0..cfg.n_layer.saturating_sub(1) {
+        add_layer(&mut fwd, &kept);
+    }
+    add_layer(&mut fwd, &all);
+    candidates.push(("forward", fwd));
+
+    let (peak_at, live) = candidates.into_iter().max_by_key(|(_, l)| l.total()).expect("candidates");
+    Estimate {
+        params: live.of(Category::Params),
+        grads: live.of(Category::Grads),
+        optimizer: live.of(Category::Optimizer),
+        activations: live.of(Category::Activations),
+        workspace: live.of(Category::Workspace),
+        peak_allocated: live.total(),
+        reserved_allowance: live.reserved_allowance(),
+        peak_at,
+        micro_batch,
+        grad_accum,
+    }
+}
+
+pub fn estimate_job(spec: &JobSpec) -> Estimate {
+    let cfg = gpt_config(spec);
+    estimate_step(
+        &cfg,
+        spec.train.micro_batch as usize,
+        spec.model.block_size as usize,
+        spec.memory.checkpointing,
+        spec.grad_accum(),
+    )
+}
+
+/// Whether an estimate fits a capacity: "yes" (even the reserved allowance fits), "tight"
+/// (allocated fits, the allowance does not), "no".
+pub fn verdict(e: &Estimate, capacity: usize) -> &'static str {
+    if e.reserved_allowance <= capacity {
+        "yes"
+    } else if e.peak_allocated <= capacity {
+        "tight"
+    } else {
+        "no"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::rng::mix64;
+    use crate::engine::trainer::{Hyper, Trainer};
+    use crate::memory::{format_bytes, Pool};
+
+    /// Measured peak of one optimizer step and one evaluation pass.
+    fn measure(cfg: GptConfig, micro: usize, global: usize, t: usize, mode: Checkpointing) -> (usize, [usize; 3]) {
+        let hyper = Hyper {
+            steps: 2,
+            global_batch: global,
+            micro_batch: micro,
+            grad_accum: global / micro,
+            seq_len: t,
+            lr: 1e-3,
+            warmup_steps: 0,
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+            seed: 1,
+            checkpointing: mode,
+        };
+        let pool = Pool::new("cpu", 1 << 32);
+        let mut trainer = Trainer::new(cfg, hyper, pool.clone()).unwrap();
+        let v = cfg.vocab as u64;
+        let mut batch = |s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
+            for p in 0..t as u64 {
+                inp.push((mix64(s ^ (i << 20) ^ p) % v) as u32);
+                tgt.push((mix64(s ^ (i << 20) ^ (p + 7)) % v) as u32);
+            }
+        };
+        trainer.train_step(&mut batch).unwrap();
+        trainer
+            .evaluate(micro, &mut |i, inp, tgt| {
+                for p in 0..t as u64 {
+                    inp.push(((i as u64 + p) % v) as u32);
+                    tgt.push(((i as u64 + p + 1) % v) as u32);
+                }
+            })
+            .unwrap();
+        let s = pool.stats();
+        (s.peak_allocated, [s.peak(Category::Params), s.peak(Category::Grads), s.peak(Category::Optimizer)])
+    }
+
+    #[test]
+    fn estimates_match_the_pool_within_five_percent_over_a_grid() {
+        let models = [
+            GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 64, vocab: 256 },
+            GptConfig { n_layer: 3, n_head: 2, n_embd: 32, block_size: 32, vocab: 512 },
+        ];
+        let mut rows = Vec::new();
+        for cfg in models {
+            for mode in [Checkpointing::None, Checkpointing::Selective, Checkpointing::Full] {
+                for micro in [1, 4, 8] {
+                    let t = cfg.block_size;
+                    let (measured, static_peaks) = measure(cfg, micro, 8, t, mode);
+                    let e = estimate_step(&cfg, micro, t, mode, 8 / micro);
+                    let err = (e.peak_allocated as f64 - measured as f64).abs() / measured as f64;
+                    rows.push(format!(
+                        "L{} C{} {mode:?} mb{micro}: predicted {} measured {} ({:+.2}%) at {}",
+                        cfg.n_layer,
+                        cfg.n_embd,
+                        format_bytes(e.peak_allocated),
+                        format_bytes(measured),
+                        err * 100.0,
+                        e.peak_at
+                    ));
+                    assert!(err < 0.05, "{}", rows.last().unwrap());
+                    assert_eq!([e.params, e.grads, e.optimizer], static_peaks, "static categories are exact");
+                }
+            }
+        }
+        assert!(rows.len() >= 12);
+        println!("{}", rows.join("\n"));
+    }
+
+    #[test]
+    fn knobs_lower_the_estimate() {
+        let cfg = GptConfig { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab: 256 };
+        let none = estimate_step(&cfg, 16, 128, Checkpointing::None, 1);
+        let sel = estimate_step(&cfg, 16, 128, Checkpointing::Selective, 1);
+        let full = estimate_step(&cfg, 16, 128, Checkpointing::Full, 1);
+        let small = estimate_step(&cfg, 4, 128, Checkpointing::Full, 4);
+        assert!(none.activations > sel.activations && sel.activations > full.activations);
+        assert!(small.peak_allocated < full.peak_allocated);
+        assert_eq!(verdict(&none, none.reserved_allowance), "yes");
+        assert_eq!(
+            verdict(&none, none.peak_allocated),
+            if none.reserved_allowance > none.peak_allocated { "tight" } else { "yes" }
+        );
+        assert_eq!(verdict(&none, none.peak_allocated - 1), "no");
+    }
+}
