@@ -135,6 +135,52 @@ pub struct AttemptEnd {
     pub message: Option<String>,
 }
 
+/// Columns the jobs list can be sorted by (a closed set: never interpolate user text into SQL).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum JobSort {
+    #[default]
+    Id,
+    Name,
+    Status,
+    Policy,
+    Rung,
+    Attempts,
+    StepsDone,
+    PeakReserved,
+    MeanTokensPerS,
+    CreatedAt,
+    UpdatedAt,
+}
+
+impl JobSort {
+    fn column(self) -> &'static str {
+        match self {
+            JobSort::Id => "j.id",
+            JobSort::Name => "j.name",
+            JobSort::Status => "j.status",
+            JobSort::Policy => "j.policy",
+            JobSort::Rung => "j.rung",
+            JobSort::Attempts => "attempts",
+            JobSort::StepsDone => "j.steps_done",
+            JobSort::PeakReserved => "peak_reserved",
+            JobSort::MeanTokensPerS => "mean_tokens_per_s",
+            JobSort::CreatedAt => "j.created_at",
+            JobSort::UpdatedAt => "j.updated_at",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct JobFilter {
+    pub status: Option<String>,
+    pub name_contains: Option<String>,
+    pub sort: JobSort,
+    pub descending: bool,
+    pub limit: i64,
+    pub offset: i64,
+}
+
 const JOB_LIST_SELECT: &str = "SELECT j.id, j.name, j.policy, j.status, j.rung, j.rung_index, j.steps_requested, \
     j.steps_done, j.capacity, j.reason, j.created_at, j.updated_at, j.finished_at, \
     (SELECT COUNT(*) FROM attempts a WHERE a.job_id = j.id) AS attempts, \
@@ -331,16 +377,32 @@ impl Db {
         tx.commit().await
     }
 
-    pub async fn list_jobs(&self, status: Option<&str>, limit: i64, offset: i64) -> DbResult<Vec<JobRow>> {
-        let sql = match status {
-            Some(_) => format!("{JOB_LIST_SELECT} WHERE j.status = ? ORDER BY j.id DESC LIMIT ? OFFSET ?"),
-            None => format!("{JOB_LIST_SELECT} ORDER BY j.id DESC LIMIT ? OFFSET ?"),
-        };
-        let mut q = sqlx::query_as::<_, JobRow>(&sql);
-        if let Some(s) = status {
-            q = q.bind(s);
+    /// One page of jobs, filtered and sorted; also the number of jobs matching the filter.
+    pub async fn list_jobs(&self, f: &JobFilter) -> DbResult<(Vec<JobRow>, i64)> {
+        let mut conds = Vec::new();
+        if f.status.is_some() {
+            conds.push("j.status = ?");
         }
-        q.bind(limit).bind(offset).fetch_all(&self.pool).await
+        if f.name_contains.is_some() {
+            conds.push("instr(lower(j.name), lower(?)) > 0");
+        }
+        let filter = if conds.is_empty() { String::new() } else { format!(" WHERE {}", conds.join(" AND ")) };
+        let order = format!("{} {}, j.id DESC", f.sort.column(), if f.descending { "DESC" } else { "ASC" });
+        let sql = format!("{JOB_LIST_SELECT}{filter} ORDER BY {order} LIMIT ? OFFSET ?");
+        let mut q = sqlx::query_as::<_, JobRow>(&sql);
+        let count_sql = format!("SELECT COUNT(*) FROM jobs j{filter}");
+        let mut cq = sqlx::query_as::<_, (i64,)>(&count_sql);
+        if let Some(s) = &f.status {
+            q = q.bind(s);
+            cq = cq.bind(s);
+        }
+        if let Some(n) = &f.name_contains {
+            q = q.bind(n);
+            cq = cq.bind(n);
+        }
+        let rows = q.bind(f.limit).bind(f.offset).fetch_all(&self.pool).await?;
+        let (total,) = cq.fetch_one(&self.pool).await?;
+        Ok((rows, total))
     }
 
     pub async fn count_jobs(&self) -> DbResult<Vec<(String, i64)>> {

@@ -20,7 +20,7 @@ use serde_json::json;
 
 use crate::config::JobSpec;
 
-use super::db::Db;
+use super::db::{Db, JobFilter, JobSort};
 use super::policy::{self, Policy, PolicyError};
 use super::runner::Supervisor;
 
@@ -93,11 +93,27 @@ pub fn router(state: AppState) -> Router {
         .merge(policies_router())
         .route("/healthz", get(|| async { "ok" }))
         .route("/metrics", get(metrics))
-        .route("/", get(|| async { Html(include_str!("../../web/index.html")) }))
+        .merge(web_router())
         .layer(middleware::from_fn_with_state(state.clone(), require_token))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(tower_http::trace::TraceLayer::new_for_http())
         .with_state(state)
+}
+
+/// The experiment-history page: static files embedded in the binary (no CDN, works offline).
+fn web_router() -> Router<AppState> {
+    fn asset(body: &'static str, content_type: &'static str) -> impl Fn() -> std::future::Ready<Response> + Clone {
+        move || std::future::ready(([(header::CONTENT_TYPE, content_type)], body).into_response())
+    }
+    Router::new()
+        .route("/", get(|| async { Html(include_str!("../../web/index.html")) }))
+        .route("/app.js", get(asset(include_str!("../../web/app.js"), "text/javascript; charset=utf-8")))
+        .route("/app.css", get(asset(include_str!("../../web/app.css"), "text/css; charset=utf-8")))
+        .route(
+            "/vendor/uPlot.iife.min.js",
+            get(asset(include_str!("../../web/uPlot.iife.min.js"), "text/javascript; charset=utf-8")),
+        )
+        .route("/vendor/uPlot.min.css", get(asset(include_str!("../../web/uPlot.min.css"), "text/css; charset=utf-8")))
 }
 
 fn jobs_router() -> Router<AppState> {
@@ -173,18 +189,44 @@ async fn submit_job(
 #[derive(Debug, Deserialize)]
 struct ListQuery {
     status: Option<String>,
+    /// Case-insensitive substring of the job name.
+    q: Option<String>,
+    sort: Option<String>,
+    order: Option<String>,
     limit: Option<i64>,
     offset: Option<i64>,
 }
 
+/// A page of jobs; the total matching the filter is in the `X-Total-Count` header.
 async fn list_jobs(State(state): State<AppState>, Query(q): Query<ListQuery>) -> ApiResult<impl IntoResponse> {
     let limit = q.limit.unwrap_or(100);
     if !(1..=1000).contains(&limit) {
         return Err(ApiError::BadRequest(format!("limit: {limit} must be in [1, 1000]")));
     }
-    let offset = q.offset.unwrap_or(0).max(0);
-    let jobs = state.db.list_jobs(q.status.as_deref(), limit, offset).await?;
-    Ok(Json(jobs))
+    let sort = match q.sort.as_deref() {
+        None | Some("") => JobSort::Id,
+        Some(s) => serde_json::from_value(json!(s)).map_err(|_| {
+            ApiError::BadRequest(format!(
+                "sort: `{s}` is not one of id, name, status, policy, rung, attempts, steps_done, peak_reserved, \
+                 mean_tokens_per_s, created_at, updated_at"
+            ))
+        })?,
+    };
+    let descending = match q.order.as_deref() {
+        None | Some("") | Some("desc") => true,
+        Some("asc") => false,
+        Some(o) => return Err(ApiError::BadRequest(format!("order: `{o}` must be asc or desc"))),
+    };
+    let filter = JobFilter {
+        status: q.status.filter(|s| !s.is_empty()),
+        name_contains: q.q.filter(|s| !s.is_empty()),
+        sort,
+        descending,
+        limit,
+        offset: q.offset.unwrap_or(0).max(0),
+    };
+    let (jobs, total) = state.db.list_jobs(&filter).await?;
+    Ok(([("x-total-count", total.to_string())], Json(jobs)))
 }
 
 fn parse_id(raw: &str) -> ApiResult<i64> {
