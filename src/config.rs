@@ -324,9 +324,6 @@ impl JobSpec {
     /// so the supervisor can accept a spec whose later rungs need features a rung may add).
     pub fn check_supported(&self) -> Result<(), ConfigError> {
         let mem = &self.memory;
-        if mem.precision != Precision::Fp32 {
-            return Err(bad("memory.precision", "only fp32 is implemented by this engine build (bf16/fp16: issue #3)"));
-        }
         if mem.world_size != 1 {
             return Err(bad("memory.world_size", "only 1 is implemented by this engine build (ranks: issue #4)"));
         }

@@ -88,7 +88,8 @@ async fn wait_terminal(s: &RunningServer, id: i64) -> Value {
     }
 }
 
-/// The demo's shape: micro_batch 32 needs ~31 MiB, 16 needs ~16 MiB, 8 fits in 12 MiB.
+/// The demo's shape: in fp32 micro_batch 32 needs ~29 MiB, in bf16 ~17 MiB, bf16 with micro_batch
+/// 16 ~10 MiB, which fits in 12 MiB; fp32 with micro_batch 8 reserves 10 MiB.
 fn squeezed_job(name: &str, steps: u64, micro: u64, policy: &str, ckpt_every: u64) -> String {
     common::job_yaml(name, steps, 32, micro, "12MiB")
         .replace("checkpoint_every: 50", &format!("checkpoint_every: {ckpt_every}"))
@@ -125,14 +126,19 @@ async fn oom_steps_down_the_ladder_resumes_and_finishes() {
         summary,
         vec![
             ("base".into(), "oom".into(), 3),
-            ("halve-micro-batch".into(), "oom".into(), 3),
+            ("bf16".into(), "oom".into(), 3),
             ("halve-micro-batch".into(), "finished".into(), 0)
         ]
     );
     let cfg = |i: usize| -> Value { serde_json::from_str(a[i]["config_json"].as_str().unwrap()).unwrap() };
     assert_eq!(
+        [0, 1, 2].map(|i| cfg(i)["memory"]["precision"].as_str().unwrap().to_string()),
+        ["fp32", "bf16", "bf16"],
+        "bf16 first, then kept by the next rung"
+    );
+    assert_eq!(
         [0, 1, 2].map(|i| cfg(i)["train"]["micro_batch"].as_i64().unwrap()),
-        [32, 16, 8],
+        [32, 32, 16],
         "micro-batch halves with the same global batch"
     );
     assert!((0..3).all(|i| cfg(i)["train"]["global_batch"] == 32));
@@ -171,7 +177,7 @@ async fn oom_steps_down_the_ladder_resumes_and_finishes() {
     assert_eq!(k.iter().filter(|k| *k == "oom").count(), 2, "{k:?}");
     assert_eq!(k.iter().filter(|k| *k == "step_down").count(), 2, "{k:?}");
     let text = events.to_string();
-    assert!(text.contains("rung bf16 skipped"), "the skipped rung is recorded: {text}");
+    assert!(text.contains("precision fp32 → bf16"), "{text}");
     assert!(text.contains("micro_batch 32 → 16"), "{text}");
     assert!(text.contains("for activations did not fit in 12.00 MiB"), "{text}");
     s.shutdown().await.unwrap();

@@ -156,6 +156,7 @@ fn bad_job_files_exit_2_naming_the_field() {
         (good.replace("64MiB", "64 parsecs"), "device.device_memory"),
         (good.replace("vocab: bytes", "vocab: words"), "words"),
         (good.replace("kind: cpu", "kind: cuda"), "cuda"),
+        (good.replace("steps: 10\n", "steps: 10\n") + "memory: { precision: fp8 }\n", "fp8"),
     ];
     for (yaml, needle) in cases {
         let job = write_job(dir.path(), &yaml);
@@ -165,4 +166,35 @@ fn bad_job_files_exit_2_naming_the_field() {
         assert!(stderr.contains(needle), "stderr should name `{needle}`: {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
+}
+
+#[test]
+fn bf16_and_fp16_learn_like_fp32_with_smaller_tensors() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut runs = Vec::new();
+    for precision in ["fp32", "bf16", "fp16"] {
+        let yaml = job_yaml("mixed", 150, 16, 16, "64MiB") + &format!("memory: {{ precision: {precision} }}\n");
+        let job = write_job(dir.path(), &yaml);
+        let out = train(&job, &dir.path().join(precision), &[]);
+        assert_eq!(out.status.code(), Some(0), "{precision}: {}", String::from_utf8_lossy(&out.stderr));
+        let ev = events(&out);
+        let val = of_kind(&ev, "eval").last().unwrap()["val_loss"].as_f64().unwrap();
+        let step = of_kind(&ev, "step")[0].clone();
+        runs.push((precision, val, step));
+    }
+    let (_, val32, step32) = &runs[0];
+    for (precision, val, step) in &runs[1..] {
+        // Stated tolerance: within 0.1 nats of fp32's validation loss after 150 steps
+        // (measured: fp32 2.749, bf16 2.734, fp16 2.739).
+        assert!((val - val32).abs() < 0.1, "{precision}: val loss {val:.4} vs fp32 {val32:.4}");
+        for cat in ["params", "grads"] {
+            let (a, b) = (step["mem"][cat].as_u64().unwrap(), step32["mem"][cat].as_u64().unwrap());
+            assert!(a * 2 <= b + 1024, "{precision} {cat}: {a} vs fp32 {b}");
+        }
+        let (a, b) = (step["mem"]["activations"].as_u64().unwrap(), step32["mem"]["activations"].as_u64().unwrap());
+        assert!((a as f64) < b as f64 * 0.6, "{precision} activations {a} vs fp32 {b}");
+        assert_eq!(step["precision"], *precision);
+    }
+    let fp16 = &runs[2].2;
+    assert_eq!(fp16["loss_scale"], 65536.0, "fp16 telemetry carries the loss scale");
 }

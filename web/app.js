@@ -178,7 +178,7 @@ function chart(container, id, title, opts, data) {
   container.appendChild(el('h2', {}, title));
   container.appendChild(box);
   const width = Math.min(900, app.clientWidth - 20);
-  const plot = new uPlot({ width, height: 260, ...opts }, data, box);
+  const plot = new uPlot({ width, height: opts.height || 260, ...opts }, data, box);
   box.dataset.drawn = String(data[0].length);
   cleanup.push(() => plot.destroy());
   return plot;
@@ -267,7 +267,7 @@ async function jobPage(id) {
     const cap = steps.map((s) => s.capacity || job.capacity);
     const mib = (v) => (v === null ? '' : (v / 1048576).toFixed(1) + ' MiB');
     const memSeries = [{ label: 'seconds' }];
-    CATEGORIES.forEach((c, i) => memSeries.push({ label: c, stroke: COLORS[c], fill: COLORS[c] + '99', value: (u, v, si, di) => (di === null ? '' : mib(layers[i][di])) }));
+    CATEGORIES.forEach((c, i) => memSeries.push({ label: c, stroke: COLORS[c], width: 2, fill: COLORS[c] + '99', value: (u, v, si, di) => (di === null ? '' : mib(layers[i][di])) }));
     memSeries.push({ label: 'capacity', stroke: COLORS.capacity, width: 2, value: (u, v) => mib(v) });
     const memData = [x, ...cumulative, cap];
     if (thresholds) {
@@ -276,6 +276,7 @@ async function jobPage(id) {
       memData.push(cap.map((c) => c * thresholds.warn), cap.map((c) => c * thresholds.preempt));
     }
     chart(container, 'chart-memory', 'Device memory by category (stacked)', {
+      height: 340,
       series: memSeries, scales: { x: { time: false } },
       axes: [{ label: 'seconds since the first step' }, { values: (u, vals) => vals.map((v) => (v / 1048576).toFixed(0) + ' MiB'), size: 70 }],
       bands: CATEGORIES.slice(1).map((_, i) => ({ series: [i + 2, i + 1] })),

@@ -1,10 +1,11 @@
 //! `headroom bench`: ms/step and tokens/s of fp32 training steps on the CPU device for given
 //! model shapes, on synthetic tokens (no data file needed).
 
-use crate::config::Checkpointing;
+use crate::config::{Checkpointing, Precision};
 use crate::memory::{format_bytes, Category, MemStats, Pool};
 
 use super::estimate::estimate_step;
+use super::layers::Elem;
 
 use super::model::GptConfig;
 use super::rng::mix64;
@@ -66,12 +67,12 @@ pub fn preset(name: &str) -> Option<Vec<BenchCase>> {
 
 /// Time `steps` optimizer steps after `warmup` untimed ones.
 pub fn run_case(case: &BenchCase, warmup: usize, steps: usize) -> Result<BenchResult, crate::memory::OomError> {
-    run_configured(case, case.batch, Checkpointing::None, warmup, steps).map(|(r, _)| r)
+    run_configured::<f32>(case, case.batch, Checkpointing::None, warmup, steps).map(|(r, _)| r)
 }
 
 /// Like [`run_case`] with `micro_batch` (accumulating to `case.batch`) and a checkpointing mode;
 /// also returns the pool's final statistics.
-pub fn run_configured(
+pub fn run_configured<E: Elem>(
     case: &BenchCase,
     micro_batch: usize,
     checkpointing: Checkpointing,
@@ -92,7 +93,7 @@ pub fn run_configured(
         checkpointing,
     };
     let pool = Pool::new("cpu", usize::MAX / 2);
-    let mut trainer = Trainer::new(case.cfg, hyper, pool.clone())?;
+    let mut trainer = Trainer::<E>::new(case.cfg, hyper, pool.clone())?;
     let vocab = case.cfg.vocab as u64;
     let mut batch = |s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
         for p in 0..case.seq as u64 {
@@ -124,11 +125,14 @@ pub fn run_configured(
 /// The memory-technique table: measured peak per category and step time for each knob setting
 /// at the same global batch, with the estimator's prediction beside the measurement.
 pub fn techniques_table(case: &BenchCase, warmup: usize, steps: usize) -> Result<String, crate::memory::OomError> {
+    let quarter = (case.batch / 4).max(1);
     let settings = [
-        ("fp32 baseline", case.batch, Checkpointing::None),
-        ("fp32 + selective", case.batch, Checkpointing::Selective),
-        ("fp32 + full", case.batch, Checkpointing::Full),
-        ("fp32 + full, micro/4", (case.batch / 4).max(1), Checkpointing::Full),
+        ("fp32 baseline", Precision::Fp32, case.batch, Checkpointing::None),
+        ("bf16", Precision::Bf16, case.batch, Checkpointing::None),
+        ("bf16 + selective", Precision::Bf16, case.batch, Checkpointing::Selective),
+        ("bf16 + full", Precision::Bf16, case.batch, Checkpointing::Full),
+        ("bf16 + full, micro/4", Precision::Bf16, quarter, Checkpointing::Full),
+        ("fp32 + full, micro/4", Precision::Fp32, quarter, Checkpointing::Full),
     ];
     let mut s = format!(
         "{} (params {}), global batch {}, T {}\n{:<22} {:>5} {:>11} {:>11} {:>11} {:>12} {:>11} {:>12} {:>12} {:>7} {:>9}\n",
@@ -149,9 +153,13 @@ pub fn techniques_table(case: &BenchCase, warmup: usize, steps: usize) -> Result
         "ms/step"
     );
     let mut baseline = None;
-    for (label, micro, mode) in settings {
-        let (r, st) = run_configured(case, micro, mode, warmup, steps)?;
-        let est = estimate_step(&case.cfg, micro, case.seq, mode, case.batch / micro);
+    for (label, precision, micro, mode) in settings {
+        let (r, st) = match precision {
+            Precision::Fp32 => run_configured::<f32>(case, micro, mode, warmup, steps)?,
+            Precision::Bf16 => run_configured::<half::bf16>(case, micro, mode, warmup, steps)?,
+            Precision::Fp16 => run_configured::<half::f16>(case, micro, mode, warmup, steps)?,
+        };
+        let est = estimate_step(&case.cfg, micro, case.seq, mode, precision, case.batch / micro);
         let base = *baseline.get_or_insert(st.peak_allocated);
         s.push_str(&format!(
             "{:<22} {:>5} {:>11} {:>11} {:>11} {:>12} {:>11} {:>12} {:>12} {:>7.2} {:>9.1}\n",

@@ -10,10 +10,14 @@
 
 use serde::Serialize;
 
-use crate::config::{Checkpointing, JobSpec};
+use crate::config::{Checkpointing, JobSpec, Precision};
 use crate::memory::{Category, LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT};
 
-use super::model::{backward_workspace_sizes, global_activation_sizes, kept_in, layer_activation_sizes, GptConfig};
+use super::layers::Elem;
+use super::model::{
+    activation_width, backward_scratch_elems, backward_workspace_sizes, forward_scratch_elems, global_activation_sizes,
+    kept_in, layer_activation_sizes, GptConfig,
+};
 use super::trainer::gpt_config;
 
 /// Bytes the pool accounts for one request of `bytes` (its rounding).
@@ -72,8 +76,24 @@ impl Live {
     }
 }
 
-/// Peak allocated bytes of one training step (plus evaluation) for this model and micro-batch.
+/// Peak allocated bytes of one training step (plus evaluation) for this model, micro-batch,
+/// checkpointing mode and precision.
 pub fn estimate_step(
+    cfg: &GptConfig,
+    micro_batch: usize,
+    seq_len: usize,
+    mode: Checkpointing,
+    precision: Precision,
+    grad_accum: usize,
+) -> Estimate {
+    match precision {
+        Precision::Fp32 => estimate_for::<f32>(cfg, micro_batch, seq_len, mode, grad_accum),
+        Precision::Bf16 => estimate_for::<half::bf16>(cfg, micro_batch, seq_len, mode, grad_accum),
+        Precision::Fp16 => estimate_for::<half::f16>(cfg, micro_batch, seq_len, mode, grad_accum),
+    }
+}
+
+fn estimate_for<E: Elem>(
     cfg: &GptConfig,
     micro_batch: usize,
     seq_len: usize,
@@ -81,33 +101,40 @@ pub fn estimate_step(
     grad_accum: usize,
 ) -> Estimate {
     let (b, t) = (micro_batch, seq_len);
-    let n = cfg.num_params() * 4;
+    let n = cfg.num_params();
     let mut base = Live::default();
-    base.add(Category::Params, n);
-    base.add(Category::Grads, n);
-    base.add(Category::Optimizer, n);
-    base.add(Category::Optimizer, n);
+    base.add(Category::Params, n * E::BYTES);
+    base.add(Category::Grads, n * E::BYTES);
+    if !E::is_f32() {
+        base.add(Category::Optimizer, n * 4); // fp32 master weights
+    }
+    base.add(Category::Optimizer, n * 4);
+    base.add(Category::Optimizer, n * 4);
 
     let layer = layer_activation_sizes(cfg, b, t);
     let globals = global_activation_sizes(cfg, b, t);
+    let act = |live: &mut Live, name: &str, elems: usize| {
+        live.add(Category::Activations, elems * activation_width(name, E::BYTES))
+    };
     let add_layer = |live: &mut Live, keep: &dyn Fn(&str) -> bool| {
         for (name, elems) in layer {
             if keep(name) {
-                live.add(Category::Activations, elems * 4);
+                act(live, name, elems);
             }
         }
     };
     let add_globals = |live: &mut Live, skip_logits: bool| {
-        for (name, elems, width) in globals {
+        for (name, elems) in globals {
             if !(skip_logits && name == "logits") {
-                live.add(Category::Activations, elems * width);
+                act(live, name, elems);
             }
         }
     };
     let add_workspace = |live: &mut Live| {
         for (_, elems) in backward_workspace_sizes(cfg, b, t) {
-            live.add(Category::Workspace, elems * 4);
+            live.add(Category::Workspace, elems * E::BYTES);
         }
+        live.add(Category::Workspace, backward_scratch_elems::<E>(cfg, b, t) * 4);
     };
     let kept = |name: &str| kept_in(mode, name);
     let all = |_: &str| true;
@@ -134,17 +161,26 @@ pub fn estimate_step(
         candidates.push(("block recompute", rec));
     }
 
-    // Forward through the last block: the earlier ones kept, this one in full.
+    // Forward: through the last block (the earlier ones kept, this one in full), and the head
+    // (every block kept, lnf and the logits, forward scratch still held).
     let mut fwd = base.clone();
-    for (name, elems, width) in globals.iter().take(3) {
-        let _ = name;
-        fwd.add(Category::Activations, elems * width);
+    for &(name, elems) in globals.iter().take(3) {
+        act(&mut fwd, name, elems);
     }
+    fwd.add(Category::Workspace, forward_scratch_elems::<E>(cfg, b, t) * 4);
+    let mut head = fwd.clone();
     for _ in 0..cfg.n_layer.saturating_sub(1) {
         add_layer(&mut fwd, &kept);
     }
     add_layer(&mut fwd, &all);
     candidates.push(("forward", fwd));
+    for _ in 0..cfg.n_layer {
+        add_layer(&mut head, &kept);
+    }
+    for &(name, elems) in globals.iter().skip(3).take(4) {
+        act(&mut head, name, elems);
+    }
+    candidates.push(("forward head", head));
 
     let (peak_at, live) = candidates.into_iter().max_by_key(|(_, l)| l.total()).expect("candidates");
     Estimate {
@@ -168,6 +204,7 @@ pub fn estimate_job(spec: &JobSpec) -> Estimate {
         spec.train.micro_batch as usize,
         spec.model.block_size as usize,
         spec.memory.checkpointing,
+        spec.memory.precision,
         spec.grad_accum(),
     )
 }
@@ -192,7 +229,13 @@ mod tests {
     use crate::memory::{format_bytes, Pool};
 
     /// Measured peak of one optimizer step and one evaluation pass.
-    fn measure(cfg: GptConfig, micro: usize, global: usize, t: usize, mode: Checkpointing) -> (usize, [usize; 3]) {
+    fn measure<E: Elem>(
+        cfg: GptConfig,
+        micro: usize,
+        global: usize,
+        t: usize,
+        mode: Checkpointing,
+    ) -> (usize, [usize; 3]) {
         let hyper = Hyper {
             steps: 2,
             global_batch: global,
@@ -207,7 +250,7 @@ mod tests {
             checkpointing: mode,
         };
         let pool = Pool::new("cpu", 1 << 32);
-        let mut trainer = Trainer::new(cfg, hyper, pool.clone()).unwrap();
+        let mut trainer = Trainer::<E>::new(cfg, hyper, pool.clone()).unwrap();
         let v = cfg.vocab as u64;
         let mut batch = |s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
             for p in 0..t as u64 {
@@ -236,14 +279,20 @@ mod tests {
         ];
         let mut rows = Vec::new();
         for cfg in models {
-            for mode in [Checkpointing::None, Checkpointing::Selective, Checkpointing::Full] {
+            for (precision, mode) in [Precision::Fp32, Precision::Bf16]
+                .into_iter()
+                .flat_map(|p| [Checkpointing::None, Checkpointing::Selective, Checkpointing::Full].map(|m| (p, m)))
+            {
                 for micro in [1, 4, 8] {
                     let t = cfg.block_size;
-                    let (measured, static_peaks) = measure(cfg, micro, 8, t, mode);
-                    let e = estimate_step(&cfg, micro, t, mode, 8 / micro);
+                    let (measured, static_peaks) = match precision {
+                        Precision::Fp32 => measure::<f32>(cfg, micro, 8, t, mode),
+                        _ => measure::<half::bf16>(cfg, micro, 8, t, mode),
+                    };
+                    let e = estimate_step(&cfg, micro, t, mode, precision, 8 / micro);
                     let err = (e.peak_allocated as f64 - measured as f64).abs() / measured as f64;
                     rows.push(format!(
-                        "L{} C{} {mode:?} mb{micro}: predicted {} measured {} ({:+.2}%) at {}",
+                        "L{} C{} {precision:?} {mode:?} mb{micro}: predicted {} measured {} ({:+.2}%) at {}",
                         cfg.n_layer,
                         cfg.n_embd,
                         format_bytes(e.peak_allocated),
@@ -256,18 +305,22 @@ mod tests {
                 }
             }
         }
-        assert!(rows.len() >= 12);
+        assert!(rows.len() >= 24);
         println!("{}", rows.join("\n"));
     }
 
     #[test]
     fn knobs_lower_the_estimate() {
         let cfg = GptConfig { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab: 256 };
-        let none = estimate_step(&cfg, 16, 128, Checkpointing::None, 1);
-        let sel = estimate_step(&cfg, 16, 128, Checkpointing::Selective, 1);
-        let full = estimate_step(&cfg, 16, 128, Checkpointing::Full, 1);
-        let small = estimate_step(&cfg, 4, 128, Checkpointing::Full, 4);
+        let none = estimate_step(&cfg, 16, 128, Checkpointing::None, Precision::Fp32, 1);
+        let sel = estimate_step(&cfg, 16, 128, Checkpointing::Selective, Precision::Fp32, 1);
+        let full = estimate_step(&cfg, 16, 128, Checkpointing::Full, Precision::Fp32, 1);
+        let small = estimate_step(&cfg, 4, 128, Checkpointing::Full, Precision::Fp32, 4);
+        let bf16 = estimate_step(&cfg, 16, 128, Checkpointing::None, Precision::Bf16, 1);
         assert!(none.activations > sel.activations && sel.activations > full.activations);
+        assert!(bf16.activations < none.activations * 6 / 10, "bf16 roughly halves activations");
+        assert_eq!(bf16.params * 2, none.params);
+        assert_eq!(bf16.optimizer, none.optimizer * 3 / 2, "fp32 master weights join the moments");
         assert!(small.peak_allocated < full.peak_allocated);
         assert_eq!(verdict(&none, none.reserved_allowance), "yes");
         assert_eq!(

@@ -1,6 +1,8 @@
 //! Gradient checks: every layer's backward and the whole model's against central finite
 //! differences of its forward.
 
+#[allow(unused_imports)]
+use super::layers::Elem;
 use super::layers::*;
 use super::model::{self, GptConfig};
 use super::rng::Rng;
@@ -47,11 +49,11 @@ fn matmul_backward_matches_finite_differences() {
     );
     let f = |x: &[f32], w: &[f32], b: &[f32]| {
         let mut out = vec![0.0; n * oc];
-        matmul_forward(&mut out, x, w, Some(b), n, c, oc);
+        matmul_forward(&mut out, x, w, Some(b), n, c, oc, &mut []);
         dot64(&out, &r)
     };
     let (mut dx, mut dw, mut db) = (vec![0.0; n * c], vec![0.0; oc * c], vec![0.0; oc]);
-    matmul_backward(&mut dx, &mut dw, Some(&mut db), &r, &x, &w, n, c, oc);
+    matmul_backward(&mut dx, &mut dw, Some(&mut db), &r, &x, &w, n, c, oc, &mut []);
     check("matmul.dinp", &x, &dx, &|x| f(x, &w, &b));
     check("matmul.dweight", &w, &dw, &|w| f(&x, w, &b));
     check("matmul.dbias", &b, &db, &|b| f(&x, &w, b));
@@ -84,11 +86,11 @@ fn attention_backward_matches_finite_differences() {
     let (qkv, r) = (randn(&mut rng, b * t * 3 * c, 1.0), randn(&mut rng, b * t * c, 1.0));
     let f = |qkv: &[f32]| {
         let (mut out, mut att) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
-        attention_forward(&mut out, &mut att, qkv, b, t, c, nh);
+        attention_forward(&mut out, &mut att, qkv, &mut vec![0.0; b * nh * t], b, t, c, nh);
         dot64(&out, &r)
     };
     let (mut out, mut att) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
-    attention_forward(&mut out, &mut att, &qkv, b, t, c, nh);
+    attention_forward(&mut out, &mut att, &qkv, &mut vec![0.0; b * nh * t], b, t, c, nh);
     // Causality: row 0 attends only to itself.
     assert_eq!(att[0], 1.0);
     assert!(att[1..t].iter().all(|&a| a == 0.0));
@@ -197,4 +199,91 @@ fn checkpointing_gives_the_same_gradients_with_fewer_activation_bytes() {
         assert!(peak < peak0, "{mode:?}: {peak} activation bytes at peak vs {peak0}");
     }
     assert!(results[2].3 < results[1].3, "full keeps less than selective");
+}
+
+/// Relative error ‖a − b‖ / ‖b‖ of a 16-bit result against the fp32 reference.
+fn rel_err<E: Elem>(a: &[E], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (x.to_f32() as f64 - *y as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn to<E: Elem>(x: &[f32]) -> Vec<E> {
+    x.iter().map(|&v| E::from_f32(v)).collect()
+}
+
+#[test]
+fn sixteen_bit_layers_match_the_fp32_reference() {
+    let (b, t, c, nh, oc) = (2, 8, 16, 2, 24);
+    let n = b * t;
+    let mut rng = Rng::new(11);
+    let x = randn(&mut rng, n * c, 1.0);
+    let w = randn(&mut rng, oc * c, 0.3);
+    let bias = randn(&mut rng, oc, 0.1);
+    let mut ref_out = vec![0.0f32; n * oc];
+    matmul_forward(&mut ref_out, &x, &w, Some(&bias), n, c, oc, &mut []);
+    let mut out16 = vec![half::bf16::ZERO; n * oc];
+    let mut scratch = vec![0.0f32; matmul_forward_scratch::<half::bf16>(n, c, oc)];
+    matmul_forward(&mut out16, &to(&x), &to(&w), Some(&to(&bias)), n, c, oc, &mut scratch);
+    assert!(rel_err(&out16, &ref_out) < 1e-2, "bf16 matmul: {}", rel_err(&out16, &ref_out));
+
+    let dout = randn(&mut rng, n * oc, 1.0);
+    let (mut dx, mut dw, mut db) = (vec![0.0f32; n * c], vec![0.0f32; oc * c], vec![0.0f32; oc]);
+    matmul_backward(&mut dx, &mut dw, Some(&mut db), &dout, &x, &w, n, c, oc, &mut []);
+    let (mut dx16, mut dw16, mut db16) =
+        (vec![half::f16::ZERO; n * c], vec![half::f16::ZERO; oc * c], vec![half::f16::ZERO; oc]);
+    let mut scratch = vec![0.0f32; matmul_backward_scratch::<half::f16>(n, c, oc)];
+    matmul_backward(&mut dx16, &mut dw16, Some(&mut db16), &to(&dout), &to(&x), &to(&w), n, c, oc, &mut scratch);
+    for (name, e) in [("dinp", rel_err(&dx16, &dx)), ("dweight", rel_err(&dw16, &dw)), ("dbias", rel_err(&db16, &db))] {
+        assert!(e < 5e-3, "fp16 matmul {name}: {e}");
+    }
+
+    let qkv = randn(&mut rng, n * 3 * c, 1.0);
+    let (mut o, mut att) = (vec![0.0f32; n * c], vec![0.0f32; b * nh * t * t]);
+    attention_forward(&mut o, &mut att, &qkv, &mut vec![0.0; b * nh * t], b, t, c, nh);
+    let (mut o16, mut att16) = (vec![half::bf16::ZERO; n * c], vec![half::bf16::ZERO; b * nh * t * t]);
+    attention_forward(&mut o16, &mut att16, &to(&qkv), &mut vec![0.0; b * nh * t], b, t, c, nh);
+    assert!(rel_err(&o16, &o) < 2e-2 && rel_err(&att16, &att) < 1e-2);
+    let d = randn(&mut rng, n * c, 1.0);
+    let mut dqkv = vec![0.0f32; n * 3 * c];
+    attention_backward(
+        &mut dqkv,
+        &mut vec![0.0; attention_backward_scratch::<f32>(b, t, c, nh)],
+        &d,
+        &qkv,
+        &att,
+        b,
+        t,
+        c,
+        nh,
+    );
+    let mut dqkv16 = vec![half::bf16::ZERO; n * 3 * c];
+    let mut scratch = vec![0.0; attention_backward_scratch::<half::bf16>(b, t, c, nh)];
+    attention_backward(&mut dqkv16, &mut scratch, &to(&d), &to(&qkv), &att16, b, t, c, nh);
+    assert!(rel_err(&dqkv16, &dqkv) < 3e-2, "bf16 attention backward: {}", rel_err(&dqkv16, &dqkv));
+}
+
+#[test]
+fn bf16_model_gradients_track_fp32() {
+    let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab: 13 };
+    let (b, t) = (4, 8);
+    let mut params = vec![0.0f32; cfg.num_params()];
+    cfg.init_params(&mut params, 5);
+    let inputs: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 7 + 3) % 13).collect();
+    let targets: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 5 + 1) % 13).collect();
+    let pool = Pool::new("cpu", 64 << 20);
+    let mut g32 = vec![0.0f32; cfg.num_params()];
+    let acts = model::forward(&cfg, &params, &pool, &inputs, &targets, b, t, Checkpointing::None).unwrap();
+    let l32 = acts.mean_loss();
+    let act32 = pool.stats().current(Category::Activations);
+    model::backward(&cfg, &params, &mut g32, &pool, acts, 1.0 / (b * t) as f32).unwrap();
+    let p16: Vec<half::bf16> = to(&params);
+    let mut g16 = vec![half::bf16::ZERO; cfg.num_params()];
+    let acts = model::forward(&cfg, &p16, &pool, &inputs, &targets, b, t, Checkpointing::None).unwrap();
+    let l16 = acts.mean_loss();
+    let act16 = pool.stats().current(Category::Activations);
+    model::backward(&cfg, &p16, &mut g16, &pool, acts, 1.0 / (b * t) as f32).unwrap();
+    assert!((l16 - l32).abs() / l32 < 1e-2, "loss {l16} vs {l32}");
+    assert!(rel_err(&g16, &g32) < 5e-2, "gradients: {}", rel_err(&g16, &g32));
+    assert!((act16 as f64) < act32 as f64 * 0.7, "bf16 activations {act16} vs fp32 {act32}");
 }

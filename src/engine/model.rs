@@ -73,6 +73,16 @@ pub fn layer_activation_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'static
     ]
 }
 
+/// Bytes per element of an activation tensor: statistics, losses and token ids are always 4
+/// bytes (f32 / u32); everything else is stored in the compute precision.
+pub fn activation_width(name: &str, elem_bytes: usize) -> usize {
+    match name {
+        "ln1_mean" | "ln1_rstd" | "ln2_mean" | "ln2_rstd" | "lnf_mean" | "lnf_rstd" | "losses" | "inputs"
+        | "targets" => 4,
+        _ => elem_bytes,
+    }
+}
+
 /// Which per-layer activations a checkpointing mode keeps from forward to backward; the rest
 /// are recomputed in backward. `selective` drops the cheap ones (LayerNorm outputs, GELU output;
 /// their statistics stay), `full` keeps only the block output, the next block's input.
@@ -84,27 +94,47 @@ pub fn kept_in(mode: Checkpointing, name: &str) -> bool {
     }
 }
 
-/// Activations outside the blocks: (name, elements, element bytes).
-pub fn global_activation_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'static str, usize, usize); 8] {
+/// Activations outside the blocks: (name, elements).
+pub fn global_activation_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'static str, usize); 8] {
     let bt = b * t;
     [
-        ("inputs", bt, 4),
-        ("targets", bt, 4),
-        ("encoded", bt * cfg.n_embd, 4),
-        ("lnf", bt * cfg.n_embd, 4),
-        ("lnf_mean", bt, 4),
-        ("lnf_rstd", bt, 4),
-        ("logits", bt * cfg.vocab, 4),
-        ("losses", bt, 4),
+        ("inputs", bt),
+        ("targets", bt),
+        ("encoded", bt * cfg.n_embd),
+        ("lnf", bt * cfg.n_embd),
+        ("lnf_mean", bt),
+        ("lnf_rstd", bt),
+        ("logits", bt * cfg.vocab),
+        ("losses", bt),
     ]
 }
 
-/// Backward temporaries (elements): running residual gradient, a (BT,C) scratch, the MLP
-/// gradient, the qkv gradient and the attention softmax scratch.
-pub fn backward_workspace_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'static str, usize); 5] {
-    let (c, nh) = (cfg.n_embd, cfg.n_head);
+/// Backward temporaries in the compute precision (elements): running residual gradient, a
+/// (BT,C) scratch, the MLP gradient and the qkv gradient.
+pub fn backward_workspace_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'static str, usize); 4] {
+    let c = cfg.n_embd;
     let bt = b * t;
-    [("dresidual", bt * c), ("dsmall", bt * c), ("dfch", bt * 4 * c), ("dqkv", bt * 3 * c), ("datt_row", b * nh * t)]
+    [("dresidual", bt * c), ("dsmall", bt * c), ("dfch", bt * 4 * c), ("dqkv", bt * 3 * c)]
+}
+
+/// The (in, out) feature sizes of every matmul of the model.
+fn matmul_shapes(cfg: &GptConfig) -> [(usize, usize); 5] {
+    let c = cfg.n_embd;
+    [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c), (c, cfg.vocab)]
+}
+
+/// f32 scratch elements a forward pass needs (attention score rows, widened matmul operands).
+pub fn forward_scratch_elems<E: Elem>(cfg: &GptConfig, b: usize, t: usize) -> usize {
+    let bt = b * t;
+    let mm = matmul_shapes(cfg).iter().map(|&(i, o)| matmul_forward_scratch::<E>(bt, i, o)).max().unwrap_or(0);
+    mm.max(attention_forward_scratch(b, t, cfg.n_head))
+}
+
+/// f32 scratch elements a backward pass needs (including recomputing a block's forward).
+pub fn backward_scratch_elems<E: Elem>(cfg: &GptConfig, b: usize, t: usize) -> usize {
+    let bt = b * t;
+    let mm = matmul_shapes(cfg).iter().map(|&(i, o)| matmul_backward_scratch::<E>(bt, i, o)).max().unwrap_or(0);
+    mm.max(attention_backward_scratch::<E>(b, t, cfg.n_embd, cfg.n_head)).max(forward_scratch_elems::<E>(cfg, b, t))
 }
 
 impl GptConfig {
@@ -238,7 +268,7 @@ impl GptConfig {
         layer_param_sizes(self.n_embd).iter().map(|t| t.1).collect()
     }
 
-    pub fn view<'a>(&self, flat: &'a [f32]) -> ModelTensors<&'a [f32]> {
+    pub fn view<'a, T>(&self, flat: &'a [T]) -> ModelTensors<&'a [T]> {
         let mut top = split_sizes(flat, &self.top_sizes()).into_iter();
         let wte = top.next().unwrap();
         let wpe = top.next().unwrap();
@@ -248,7 +278,7 @@ impl GptConfig {
         ModelTensors { wte, wpe, layers, lnfw: top.next().unwrap(), lnfb: top.next().unwrap() }
     }
 
-    pub fn view_mut<'a>(&self, flat: &'a mut [f32]) -> ModelTensors<&'a mut [f32]> {
+    pub fn view_mut<'a, T>(&self, flat: &'a mut [T]) -> ModelTensors<&'a mut [T]> {
         let mut top = split_sizes_mut(flat, &self.top_sizes()).into_iter();
         let wte = top.next().unwrap();
         let wpe = top.next().unwrap();
@@ -265,7 +295,12 @@ pub fn alloc_f32(pool: &Pool, n: usize, category: Category) -> Result<Buffer, Oo
     pool.alloc(n * 4, category)
 }
 
-/// Activations one block keeps for its backward pass.
+/// A buffer of `n` elements of `E` from the pool.
+pub fn alloc_elems<E: Elem>(pool: &Pool, n: usize, category: Category) -> Result<Buffer, OomError> {
+    pool.alloc(n * E::BYTES, category)
+}
+
+/// Activations one block keeps for its backward pass (statistics f32, the rest in `E`).
 pub struct LayerActs {
     pub ln1: Buffer,
     pub ln1_mean: Buffer,
@@ -325,7 +360,7 @@ impl KeptLayer {
     }
 
     /// The block output: the next block's input.
-    pub fn output(&self) -> &[f32] {
+    pub fn output<E: Elem>(&self) -> &[E] {
         match self {
             KeptLayer::All(a) => a.residual3.as_slice(),
             KeptLayer::Selective(s) => s.residual3.as_slice(),
@@ -358,11 +393,16 @@ impl Activations {
     }
 }
 
-fn alloc_layer_acts(cfg: &GptConfig, pool: &Pool, b: usize, t: usize) -> Result<LayerActs, OomError> {
+/// One activation tensor by name, sized from the tables.
+fn alloc_act<E: Elem>(pool: &Pool, name: &str, elems: usize) -> Result<Buffer, OomError> {
+    pool.alloc(elems * activation_width(name, E::BYTES), Category::Activations)
+}
+
+fn alloc_layer_acts<E: Elem>(cfg: &GptConfig, pool: &Pool, b: usize, t: usize) -> Result<LayerActs, OomError> {
     let sizes = layer_activation_sizes(cfg, b, t);
     let mut bufs = Vec::with_capacity(sizes.len());
-    for (_, n) in sizes {
-        bufs.push(alloc_f32(pool, n, Category::Activations)?);
+    for (name, n) in sizes {
+        bufs.push(alloc_act::<E>(pool, name, n)?);
     }
     let mut it = bufs.into_iter();
     let mut next = || it.next().expect("13 activation tensors");
@@ -383,11 +423,12 @@ fn alloc_layer_acts(cfg: &GptConfig, pool: &Pool, b: usize, t: usize) -> Result<
     })
 }
 
-/// Forward pass. inputs, targets: (B,T) token ids. Returns the activations with losses filled.
+/// Forward pass. params: the compute copy in `E`; inputs, targets: (B,T) token ids. Returns
+/// the activations with losses filled.
 #[allow(clippy::too_many_arguments)]
-pub fn forward(
+pub fn forward<E: Elem>(
     cfg: &GptConfig,
-    params: &[f32],
+    params: &[E],
     pool: &Pool,
     inputs: &[u32],
     targets: &[u32],
@@ -399,30 +440,40 @@ pub fn forward(
     let bt = b * t;
     let p = cfg.view(params);
     let g = global_activation_sizes(cfg, b, t);
-    let mut input_buf = pool.alloc(g[0].1 * g[0].2, Category::Activations)?;
+    let mut input_buf = alloc_act::<E>(pool, g[0].0, g[0].1)?;
     input_buf.as_mut_slice::<u32>().copy_from_slice(inputs);
-    let mut target_buf = pool.alloc(g[1].1 * g[1].2, Category::Activations)?;
+    let mut target_buf = alloc_act::<E>(pool, g[1].0, g[1].1)?;
     target_buf.as_mut_slice::<u32>().copy_from_slice(targets);
-    let mut encoded = alloc_f32(pool, g[2].1, Category::Activations)?;
-    encoder_forward(encoded.as_mut_slice(), inputs, p.wte, p.wpe, t, c);
+    let mut encoded = alloc_act::<E>(pool, g[2].0, g[2].1)?;
+    encoder_forward::<E>(encoded.as_mut_slice(), inputs, p.wte, p.wpe, t, c);
+    let mut scratch = alloc_f32(pool, forward_scratch_elems::<E>(cfg, b, t), Category::Workspace)?;
 
     let mut layers: Vec<KeptLayer> = Vec::with_capacity(cfg.n_layer);
     for l in 0..cfg.n_layer {
-        let mut a = alloc_layer_acts(cfg, pool, b, t)?;
-        let x = layers.last().map(KeptLayer::output).unwrap_or(encoded.as_slice());
-        layer_forward(&p.layers[l], &mut a, x, b, t, c, nh);
+        let mut a = alloc_layer_acts::<E>(cfg, pool, b, t)?;
+        let x = layers.last().map(KeptLayer::output::<E>).unwrap_or(encoded.as_slice());
+        layer_forward(&p.layers[l], &mut a, x, scratch.as_mut_slice(), b, t, c, nh);
         layers.push(KeptLayer::keep(a, mode));
     }
 
-    let mut lnf = alloc_f32(pool, g[3].1, Category::Activations)?;
-    let mut lnf_mean = alloc_f32(pool, g[4].1, Category::Activations)?;
-    let mut lnf_rstd = alloc_f32(pool, g[5].1, Category::Activations)?;
-    let last = layers.last().map(KeptLayer::output).unwrap_or(encoded.as_slice());
-    layernorm_forward(lnf.as_mut_slice(), lnf_mean.as_mut_slice(), lnf_rstd.as_mut_slice(), last, p.lnfw, p.lnfb, c);
-    let mut logits = alloc_f32(pool, g[6].1, Category::Activations)?;
-    matmul_forward(logits.as_mut_slice(), lnf.as_slice(), p.wte, None, bt, c, v);
-    let mut losses = alloc_f32(pool, g[7].1, Category::Activations)?;
-    crossentropy_forward(logits.as_mut_slice(), losses.as_mut_slice(), targets, v);
+    let mut lnf = alloc_act::<E>(pool, g[3].0, g[3].1)?;
+    let mut lnf_mean = alloc_act::<E>(pool, g[4].0, g[4].1)?;
+    let mut lnf_rstd = alloc_act::<E>(pool, g[5].0, g[5].1)?;
+    let last = layers.last().map(KeptLayer::output::<E>).unwrap_or(encoded.as_slice());
+    layernorm_forward::<E>(
+        lnf.as_mut_slice(),
+        lnf_mean.as_mut_slice(),
+        lnf_rstd.as_mut_slice(),
+        last,
+        p.lnfw,
+        p.lnfb,
+        c,
+    );
+    let mut logits = alloc_act::<E>(pool, g[6].0, g[6].1)?;
+    matmul_forward::<E>(logits.as_mut_slice(), lnf.as_slice(), p.wte, None, bt, c, v, scratch.as_mut_slice());
+    drop(scratch);
+    let mut losses = alloc_act::<E>(pool, g[7].0, g[7].1)?;
+    crossentropy_forward::<E>(logits.as_mut_slice(), losses.as_mut_slice(), targets, v);
     Ok(Activations {
         b,
         t,
@@ -440,12 +491,14 @@ pub fn forward(
 
 /// Rebuild a block's full activations from what checkpointing kept (bitwise the same values,
 /// since the recomputation runs the same kernels on the same inputs).
-fn recompute(
+#[allow(clippy::too_many_arguments)]
+fn recompute<E: Elem>(
     cfg: &GptConfig,
     pool: &Pool,
-    p: &LayerTensors<&[f32]>,
+    p: &LayerTensors<&[E]>,
     kept: KeptLayer,
-    x: &[f32],
+    x: &[E],
+    scratch: &mut [f32],
     b: usize,
     t: usize,
 ) -> Result<LayerActs, OomError> {
@@ -455,10 +508,18 @@ fn recompute(
         KeptLayer::Selective(s) => {
             let sizes = layer_activation_sizes(cfg, b, t);
             let size = |name: &str| sizes.iter().find(|e| e.0 == name).expect("size table entry").1;
-            let mut ln1 = alloc_f32(pool, size("ln1"), Category::Activations)?;
-            layernorm_recompute(ln1.as_mut_slice(), x, p.ln1w, p.ln1b, s.ln1_mean.as_slice(), s.ln1_rstd.as_slice(), c);
-            let mut ln2 = alloc_f32(pool, size("ln2"), Category::Activations)?;
-            layernorm_recompute(
+            let mut ln1 = alloc_act::<E>(pool, "ln1", size("ln1"))?;
+            layernorm_recompute::<E>(
+                ln1.as_mut_slice(),
+                x,
+                p.ln1w,
+                p.ln1b,
+                s.ln1_mean.as_slice(),
+                s.ln1_rstd.as_slice(),
+                c,
+            );
+            let mut ln2 = alloc_act::<E>(pool, "ln2", size("ln2"))?;
+            layernorm_recompute::<E>(
                 ln2.as_mut_slice(),
                 s.residual2.as_slice(),
                 p.ln2w,
@@ -467,8 +528,8 @@ fn recompute(
                 s.ln2_rstd.as_slice(),
                 c,
             );
-            let mut fch_gelu = alloc_f32(pool, size("fch_gelu"), Category::Activations)?;
-            gelu_forward(fch_gelu.as_mut_slice(), s.fch.as_slice());
+            let mut fch_gelu = alloc_act::<E>(pool, "fch_gelu", size("fch_gelu"))?;
+            gelu_forward::<E>(fch_gelu.as_mut_slice(), s.fch.as_slice());
             Ok(LayerActs {
                 ln1,
                 ln1_mean: s.ln1_mean,
@@ -487,22 +548,40 @@ fn recompute(
         }
         KeptLayer::Output(out) => {
             drop(out);
-            let mut a = alloc_layer_acts(cfg, pool, b, t)?;
-            layer_forward(p, &mut a, x, b, t, c, nh);
+            let mut a = alloc_layer_acts::<E>(cfg, pool, b, t)?;
+            layer_forward(p, &mut a, x, scratch, b, t, c, nh);
             Ok(a)
         }
     }
 }
 
 /// One transformer block forward. x: (B,T,C) block input; fills every tensor of `a`.
-fn layer_forward(p: &LayerTensors<&[f32]>, a: &mut LayerActs, x: &[f32], b: usize, t: usize, c: usize, nh: usize) {
+#[allow(clippy::too_many_arguments)]
+fn layer_forward<E: Elem>(
+    p: &LayerTensors<&[E]>,
+    a: &mut LayerActs,
+    x: &[E],
+    scratch: &mut [f32],
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+) {
     let bt = b * t;
-    layernorm_forward(a.ln1.as_mut_slice(), a.ln1_mean.as_mut_slice(), a.ln1_rstd.as_mut_slice(), x, p.ln1w, p.ln1b, c);
-    matmul_forward(a.qkv.as_mut_slice(), a.ln1.as_slice(), p.qkvw, Some(p.qkvb), bt, c, 3 * c);
-    attention_forward(a.atty.as_mut_slice(), a.att.as_mut_slice(), a.qkv.as_slice(), b, t, c, nh);
-    matmul_forward(a.residual2.as_mut_slice(), a.atty.as_slice(), p.attprojw, Some(p.attprojb), bt, c, c);
-    residual_forward_inplace(a.residual2.as_mut_slice(), x);
-    layernorm_forward(
+    layernorm_forward::<E>(
+        a.ln1.as_mut_slice(),
+        a.ln1_mean.as_mut_slice(),
+        a.ln1_rstd.as_mut_slice(),
+        x,
+        p.ln1w,
+        p.ln1b,
+        c,
+    );
+    matmul_forward::<E>(a.qkv.as_mut_slice(), a.ln1.as_slice(), p.qkvw, Some(p.qkvb), bt, c, 3 * c, scratch);
+    attention_forward::<E>(a.atty.as_mut_slice(), a.att.as_mut_slice(), a.qkv.as_slice(), scratch, b, t, c, nh);
+    matmul_forward::<E>(a.residual2.as_mut_slice(), a.atty.as_slice(), p.attprojw, Some(p.attprojb), bt, c, c, scratch);
+    residual_forward_inplace::<E>(a.residual2.as_mut_slice(), x);
+    layernorm_forward::<E>(
         a.ln2.as_mut_slice(),
         a.ln2_mean.as_mut_slice(),
         a.ln2_rstd.as_mut_slice(),
@@ -511,19 +590,28 @@ fn layer_forward(p: &LayerTensors<&[f32]>, a: &mut LayerActs, x: &[f32], b: usiz
         p.ln2b,
         c,
     );
-    matmul_forward(a.fch.as_mut_slice(), a.ln2.as_slice(), p.fcw, Some(p.fcb), bt, c, 4 * c);
-    gelu_forward(a.fch_gelu.as_mut_slice(), a.fch.as_slice());
-    matmul_forward(a.residual3.as_mut_slice(), a.fch_gelu.as_slice(), p.fcprojw, Some(p.fcprojb), bt, 4 * c, c);
-    residual_forward_inplace(a.residual3.as_mut_slice(), a.residual2.as_slice());
+    matmul_forward::<E>(a.fch.as_mut_slice(), a.ln2.as_slice(), p.fcw, Some(p.fcb), bt, c, 4 * c, scratch);
+    gelu_forward::<E>(a.fch_gelu.as_mut_slice(), a.fch.as_slice());
+    matmul_forward::<E>(
+        a.residual3.as_mut_slice(),
+        a.fch_gelu.as_slice(),
+        p.fcprojw,
+        Some(p.fcprojb),
+        bt,
+        4 * c,
+        c,
+        scratch,
+    );
+    residual_forward_inplace::<E>(a.residual3.as_mut_slice(), a.residual2.as_slice());
 }
 
 /// Backward pass: consumes the activations (freeing each block's as soon as it is done) and
 /// accumulates parameter gradients into `grads`. `dloss` is d(objective)/d(loss at one position),
-/// e.g. 1 / (B·T·grad_accum) for a mean over the global batch.
-pub fn backward(
+/// e.g. 1 / (B·T·grad_accum) for a mean over the global batch (times the loss scale for fp16).
+pub fn backward<E: Elem>(
     cfg: &GptConfig,
-    params: &[f32],
-    grads: &mut [f32],
+    params: &[E],
+    grads: &mut [E],
     pool: &Pool,
     mut acts: Activations,
     dloss: f32,
@@ -534,21 +622,33 @@ pub fn backward(
     let p = cfg.view(params);
     let mut g = cfg.view_mut(grads);
     let ws = backward_workspace_sizes(cfg, b, t);
-    let mut dres = alloc_f32(pool, ws[0].1, Category::Workspace)?;
-    let mut dsmall = alloc_f32(pool, ws[1].1, Category::Workspace)?;
-    let mut dfch = alloc_f32(pool, ws[2].1, Category::Workspace)?;
-    let mut dqkv = alloc_f32(pool, ws[3].1, Category::Workspace)?;
-    let mut datt_row = alloc_f32(pool, ws[4].1, Category::Workspace)?;
+    let mut dres = alloc_elems::<E>(pool, ws[0].1, Category::Workspace)?;
+    let mut dsmall = alloc_elems::<E>(pool, ws[1].1, Category::Workspace)?;
+    let mut dfch = alloc_elems::<E>(pool, ws[2].1, Category::Workspace)?;
+    let mut dqkv = alloc_elems::<E>(pool, ws[3].1, Category::Workspace)?;
+    let mut scratch_buf = alloc_f32(pool, backward_scratch_elems::<E>(cfg, b, t), Category::Workspace)?;
+    let scratch = scratch_buf.as_mut_slice::<f32>();
 
     // Head: loss -> logits -> lnf.
     let mut logits = acts.logits.take().expect("forward fills logits");
-    crossentropy_backward_inplace(logits.as_mut_slice(), acts.targets.as_slice(), dloss, v);
-    matmul_backward(dsmall.as_mut_slice(), g.wte, None, logits.as_slice(), acts.lnf.as_slice(), p.wte, bt, c, v);
+    crossentropy_backward_inplace::<E>(logits.as_mut_slice(), acts.targets.as_slice(), dloss, v);
+    matmul_backward::<E>(
+        dsmall.as_mut_slice(),
+        g.wte,
+        None,
+        logits.as_slice(),
+        acts.lnf.as_slice(),
+        p.wte,
+        bt,
+        c,
+        v,
+        scratch,
+    );
     drop(logits);
-    dres.as_mut_slice::<f32>().fill(0.0);
+    dres.as_mut_slice::<E>().fill(E::default());
     {
-        let last = acts.layers.last().map(KeptLayer::output).unwrap_or(acts.encoded.as_slice());
-        layernorm_backward(
+        let last = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(acts.encoded.as_slice());
+        layernorm_backward::<E>(
             dres.as_mut_slice(),
             g.lnfw,
             g.lnfb,
@@ -563,11 +663,11 @@ pub fn backward(
 
     for l in (0..cfg.n_layer).rev() {
         let kept = acts.layers.pop().expect("one KeptLayer per layer");
-        let x = acts.layers.last().map(KeptLayer::output).unwrap_or(acts.encoded.as_slice());
+        let x = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(acts.encoded.as_slice());
         let (pl, gl) = (&p.layers[l], &mut g.layers[l]);
-        let a = recompute(cfg, pool, pl, kept, x, b, t)?;
+        let a = recompute::<E>(cfg, pool, pl, kept, x, scratch, b, t)?;
         // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
-        matmul_backward(
+        matmul_backward::<E>(
             dfch.as_mut_slice(),
             gl.fcprojw,
             Some(gl.fcprojb),
@@ -577,9 +677,10 @@ pub fn backward(
             bt,
             4 * c,
             c,
+            scratch,
         );
-        gelu_backward_inplace(dfch.as_mut_slice(), a.fch.as_slice());
-        matmul_backward(
+        gelu_backward_inplace::<E>(dfch.as_mut_slice(), a.fch.as_slice());
+        matmul_backward::<E>(
             dsmall.as_mut_slice(),
             gl.fcw,
             Some(gl.fcb),
@@ -589,8 +690,9 @@ pub fn backward(
             bt,
             c,
             4 * c,
+            scratch,
         );
-        layernorm_backward(
+        layernorm_backward::<E>(
             dres.as_mut_slice(),
             gl.ln2w,
             gl.ln2b,
@@ -602,7 +704,7 @@ pub fn backward(
             c,
         );
         // Attention: residual2 = x + attproj(attention(qkv(ln1(x))))
-        matmul_backward(
+        matmul_backward::<E>(
             dsmall.as_mut_slice(),
             gl.attprojw,
             Some(gl.attprojb),
@@ -612,10 +714,11 @@ pub fn backward(
             bt,
             c,
             c,
+            scratch,
         );
-        attention_backward(
+        attention_backward::<E>(
             dqkv.as_mut_slice(),
-            datt_row.as_mut_slice(),
+            scratch,
             dsmall.as_slice(),
             a.qkv.as_slice(),
             a.att.as_slice(),
@@ -624,7 +727,7 @@ pub fn backward(
             c,
             nh,
         );
-        matmul_backward(
+        matmul_backward::<E>(
             dsmall.as_mut_slice(),
             gl.qkvw,
             Some(gl.qkvb),
@@ -634,8 +737,9 @@ pub fn backward(
             bt,
             c,
             3 * c,
+            scratch,
         );
-        layernorm_backward(
+        layernorm_backward::<E>(
             dres.as_mut_slice(),
             gl.ln1w,
             gl.ln1b,
@@ -649,6 +753,6 @@ pub fn backward(
         drop(a);
     }
     let inputs = acts.inputs.as_slice::<u32>();
-    encoder_backward(g.wte, g.wpe, dres.as_slice(), inputs, t, c);
+    encoder_backward::<E>(g.wte, g.wpe, dres.as_slice(), inputs, t, c);
     Ok(())
 }

@@ -3,6 +3,7 @@
 
 use rayon::prelude::*;
 
+use super::layers::Elem;
 use super::model::TensorInfo;
 
 pub const BETA1: f32 = 0.9;
@@ -24,22 +25,23 @@ pub fn lr_at(step: usize, max_lr: f64, warmup: usize, total: usize) -> f64 {
     min_lr + 0.5 * (max_lr - min_lr) * (1.0 + (std::f64::consts::PI * progress).cos())
 }
 
-/// Sum of squares of `grads` in a fixed reduction order (f64).
-pub fn sum_squares(grads: &[f32]) -> f64 {
-    let partial: Vec<f64> =
-        grads.par_chunks(CHUNK).map(|c| c.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>()).collect();
+/// Sum of squares of `grads` in a fixed reduction order (f64). Infinite or NaN if any
+/// gradient is.
+pub fn sum_squares<E: Elem>(grads: &[E]) -> f64 {
+    let partial: Vec<f64> = grads
+        .par_chunks(CHUNK)
+        .map(|c| c.iter().map(|&g| (g.to_f32() as f64) * (g.to_f32() as f64)).sum::<f64>())
+        .collect();
     partial.iter().sum()
 }
 
-/// Scale gradients so their global norm is at most `max_norm` (0 disables). Returns the norm
-/// before clipping.
-pub fn clip_grad_norm(grads: &mut [f32], max_norm: f64) -> f64 {
-    let norm = sum_squares(grads).sqrt();
+/// The factor that brings a gradient of global norm `norm` down to `max_norm` (0 disables).
+pub fn clip_coefficient(norm: f64, max_norm: f64) -> f32 {
     if max_norm > 0.0 && norm > max_norm {
-        let scale = (max_norm / (norm + 1e-6)) as f32;
-        grads.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|g| *g *= scale));
+        (max_norm / (norm + 1e-6)) as f32
+    } else {
+        1.0
     }
-    norm
 }
 
 /// Hyper-parameters of one AdamW update.
@@ -52,9 +54,17 @@ pub struct AdamW {
 }
 
 impl AdamW {
-    /// Update `params` in place from `grads` with moments `m`, `v`, tensor by tensor so that
-    /// only matrices are decayed.
-    pub fn update(&self, tensors: &[TensorInfo], params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32]) {
+    /// Update the fp32 `params` in place from `grads × grad_mult` (unscaling and clipping folded
+    /// in) with moments `m`, `v`, tensor by tensor so that only matrices are decayed.
+    pub fn update<E: Elem>(
+        &self,
+        tensors: &[TensorInfo],
+        params: &mut [f32],
+        grads: &[E],
+        grad_mult: f32,
+        m: &mut [f32],
+        v: &mut [f32],
+    ) {
         let bc1 = 1.0 - BETA1.powi(self.t as i32);
         let bc2 = 1.0 - BETA2.powi(self.t as i32);
         for info in tensors {
@@ -67,7 +77,7 @@ impl AdamW {
                 .zip(m[r.clone()].par_chunks_mut(CHUNK).zip(v[r].par_chunks_mut(CHUNK)))
                 .for_each(|((p, g), (m, v))| {
                     for i in 0..p.len() {
-                        let gi = g[i];
+                        let gi = g[i].to_f32() * grad_mult;
                         m[i] = BETA1 * m[i] + (1.0 - BETA1) * gi;
                         v[i] = BETA2 * v[i] + (1.0 - BETA2) * gi * gi;
                         let mhat = m[i] / bc1;
@@ -94,17 +104,21 @@ mod tests {
 
     #[test]
     fn clipping_bounds_the_norm() {
-        let mut g = vec![3.0f32, 4.0];
-        let n = clip_grad_norm(&mut g, 1.0);
+        let g = vec![3.0f32, 4.0];
+        let n = sum_squares(&g).sqrt();
         assert!((n - 5.0).abs() < 1e-9);
-        assert!((sum_squares(&g).sqrt() - 1.0).abs() < 1e-5);
+        let coef = clip_coefficient(n, 1.0);
+        assert!(((n * coef as f64) - 1.0).abs() < 1e-5);
+        assert_eq!(clip_coefficient(0.5, 1.0), 1.0);
+        assert_eq!(clip_coefficient(5.0, 0.0), 1.0, "0 disables clipping");
+        assert!(!sum_squares(&[half::f16::INFINITY]).is_finite());
     }
 
     #[test]
     fn adamw_first_step_moves_by_lr_against_the_gradient() {
         let tensors = vec![TensorInfo { name: "w".into(), offset: 0, len: 2, decay: false }];
         let (mut p, g, mut m, mut v) = (vec![1.0f32, 1.0], vec![0.5f32, -2.0], vec![0.0; 2], vec![0.0; 2]);
-        AdamW { lr: 0.1, weight_decay: 0.0, t: 1 }.update(&tensors, &mut p, &g, &mut m, &mut v);
+        AdamW { lr: 0.1, weight_decay: 0.0, t: 1 }.update(&tensors, &mut p, &g, 1.0, &mut m, &mut v);
         // Bias-corrected first step: m̂/√v̂ = sign(g).
         assert!((p[0] - 0.9).abs() < 1e-5 && (p[1] - 1.1).abs() < 1e-5, "{p:?}");
     }

@@ -8,11 +8,13 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 
-use crate::config::{ConfigError, DeviceKind, JobSpec};
+use crate::config::{ConfigError, DeviceKind, JobSpec, Precision};
 use crate::memory::{OomError, Pool};
 
 use super::checkpoint::{self, CheckpointError};
 use super::data::{load_tokens, DataError, Dataset};
+use super::layers::Elem;
+use super::model::GptConfig;
 use super::trainer::{gpt_config, Hyper, Trainer};
 
 /// Why `headroom train` did not finish, mapped to the protocol's exit codes.
@@ -142,73 +144,96 @@ pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result
 
     let control = if opts.listen_stdin { Some(spawn_control_reader()) } else { None };
     let pool = Pool::new("cpu", capacity);
-    let mut trainer = match Trainer::new(cfg, hyper.clone(), pool.clone()) {
-        Ok(t) => t,
-        Err(oom) => return Err(report_oom(events, oom, 0)),
-    };
+    let run = Run { spec, opts, data: &data, control, cfg, hyper, pool };
+    match spec.memory.precision {
+        Precision::Fp32 => run.go::<f32>(events),
+        Precision::Bf16 => run.go::<half::bf16>(events),
+        Precision::Fp16 => run.go::<half::f16>(events),
+    }
+}
 
-    let resumed = match opts.resume {
-        ResumeMode::Fresh => None,
-        mode => match checkpoint::load_latest(&opts.run_dir, |e| tracing::warn!("skipping checkpoint: {e}")) {
-            Some((path, ckpt)) => {
-                trainer.restore(&path, ckpt)?;
-                tracing::info!(step = trainer.step, path = %path.display(), "resumed");
-                Some(trainer.step)
-            }
-            None if mode == ResumeMode::Require => {
-                return Err(TrainError::Config(ConfigError {
-                    field: "--resume".into(),
-                    message: format!("no valid checkpoint in {}", opts.run_dir.display()),
-                }))
-            }
-            None => None,
-        },
-    };
+/// Everything a run needs once the job is validated and the data loaded.
+struct Run<'a> {
+    spec: &'a JobSpec,
+    opts: &'a TrainOptions,
+    data: &'a Dataset,
+    control: Option<Arc<AtomicU8>>,
+    cfg: GptConfig,
+    hyper: Hyper,
+    pool: Pool,
+}
 
-    let stats = pool.stats();
-    tracing::info!(
-        params = cfg.num_params(),
-        grad_accum = hyper.grad_accum,
-        "model allocated:\n{}",
-        pool.memory_summary()
-    );
-    events.emit(
-        "started",
-        json!({
-            "config": spec,
-            "world_size": spec.memory.world_size,
-            "device": "cpu",
-            "capacity": stats.capacity,
-            "resumed_from_step": resumed,
-            "num_params": cfg.num_params(),
-            "grad_accum": hyper.grad_accum,
-            "unigram_entropy": data.unigram_entropy(),
-        }),
-    )?;
-
-    let progress = progress_bar(hyper.steps, trainer.step);
-    let eval_count = spec.train.eval_batches as usize * hyper.micro_batch;
-    let (eval_every, ckpt_every) = (spec.train.eval_every as u64, spec.train.checkpoint_every as u64);
-    let mut last_loss = f32::NAN;
-    let (mut tokens_done, mut secs_done) = (0f64, 0f64);
-    while trainer.step < hyper.steps {
-        if let Some(flag) = &control {
-            let cmd = flag.load(Ordering::SeqCst);
-            if cmd != CONTROL_NONE {
-                let path = save(&trainer, opts, events)?;
-                tracing::info!(step = trainer.step, stop = (cmd == CONTROL_STOP), "exiting on request");
-                return Err(TrainError::Preempted { step: trainer.step, path });
-            }
-        }
-        pool.reset_window_peaks();
-        let step = match trainer.train_step(&mut |s, i, inp, tgt| data.train_sequence(s, i, inp, tgt)) {
-            Ok(s) => s,
-            Err(oom) => return Err(report_oom(events, oom, trainer.step)),
+impl Run<'_> {
+    /// The training loop in compute precision `E`.
+    fn go<E: Elem>(self, events: &mut Events) -> Result<(), TrainError> {
+        let Run { spec, opts, data, control, cfg, hyper, pool } = self;
+        let mut trainer = match Trainer::<E>::new(cfg, hyper.clone(), pool.clone()) {
+            Ok(t) => t,
+            Err(oom) => return Err(report_oom(events, oom, 0)),
         };
-        last_loss = step.loss;
-        tokens_done += step.tokens_per_s * step.step_ms / 1e3;
-        secs_done += step.step_ms / 1e3;
+
+        let resumed = match opts.resume {
+            ResumeMode::Fresh => None,
+            mode => match checkpoint::load_latest(&opts.run_dir, |e| tracing::warn!("skipping checkpoint: {e}")) {
+                Some((path, ckpt)) => {
+                    trainer.restore(&path, ckpt)?;
+                    tracing::info!(step = trainer.step, path = %path.display(), "resumed");
+                    Some(trainer.step)
+                }
+                None if mode == ResumeMode::Require => {
+                    return Err(TrainError::Config(ConfigError {
+                        field: "--resume".into(),
+                        message: format!("no valid checkpoint in {}", opts.run_dir.display()),
+                    }))
+                }
+                None => None,
+            },
+        };
+
+        let stats = pool.stats();
+        tracing::info!(
+            params = cfg.num_params(),
+            grad_accum = hyper.grad_accum,
+            "model allocated:\n{}",
+            pool.memory_summary()
+        );
         events.emit(
+            "started",
+            json!({
+                "config": spec,
+                "world_size": spec.memory.world_size,
+                "device": "cpu",
+                "capacity": stats.capacity,
+                "resumed_from_step": resumed,
+                "num_params": cfg.num_params(),
+                "grad_accum": hyper.grad_accum,
+                "unigram_entropy": data.unigram_entropy(),
+            }),
+        )?;
+
+        let progress = progress_bar(hyper.steps, trainer.step);
+        let eval_count = spec.train.eval_batches as usize * hyper.micro_batch;
+        let (eval_every, ckpt_every) = (spec.train.eval_every as u64, spec.train.checkpoint_every as u64);
+        let mut last_loss = f32::NAN;
+        let (mut tokens_done, mut secs_done) = (0f64, 0f64);
+        while trainer.step < hyper.steps {
+            if let Some(flag) = &control {
+                let cmd = flag.load(Ordering::SeqCst);
+                if cmd != CONTROL_NONE {
+                    let path = save(&trainer, opts, events)?;
+                    tracing::info!(step = trainer.step, stop = (cmd == CONTROL_STOP), "exiting on request");
+                    return Err(TrainError::Preempted { step: trainer.step, path });
+                }
+            }
+            pool.reset_window_peaks();
+            let step = match trainer.train_step(&mut |s, i, inp, tgt| data.train_sequence(s, i, inp, tgt)) {
+                Ok(s) => s,
+                Err(oom) => return Err(report_oom(events, oom, trainer.step)),
+            };
+            last_loss = step.loss;
+            tokens_done += step.tokens_per_s * step.step_ms / 1e3;
+            secs_done += step.step_ms / 1e3;
+            events.emit(
             "step",
             json!({
                 "step": step.step,
@@ -218,48 +243,53 @@ pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result
                 "tokens_per_s": step.tokens_per_s,
                 "step_ms": step.step_ms,
                 "mem": pool.stats().to_json(),
+                "precision": E::NAME,
+                "loss_scale": if trainer.skipped_steps > 0 || E::NAME == "fp16" { json!(step.loss_scale) } else { Value::Null },
+                "skipped": step.skipped,
+                "skipped_steps": trainer.skipped_steps,
             }),
         )?;
-        progress.set_position(step.step);
-        progress.set_message(format!("loss {:.4}", step.loss));
+            progress.set_position(step.step);
+            progress.set_message(format!("loss {:.4}", step.loss));
 
-        let last = trainer.step == hyper.steps;
-        if eval_every > 0 && (trainer.step % eval_every == 0 || last) {
-            let val = match trainer.evaluate(eval_count, &mut |i, inp, tgt| data.val_sequence(i, eval_count, inp, tgt))
-            {
-                Ok(v) => v,
-                Err(oom) => return Err(report_oom(events, oom, trainer.step)),
-            };
-            tracing::info!(step = trainer.step, val_loss = val, "eval");
-            events.emit("eval", json!({ "step": trainer.step, "val_loss": val }))?;
+            let last = trainer.step == hyper.steps;
+            if eval_every > 0 && (trainer.step % eval_every == 0 || last) {
+                let val =
+                    match trainer.evaluate(eval_count, &mut |i, inp, tgt| data.val_sequence(i, eval_count, inp, tgt)) {
+                        Ok(v) => v,
+                        Err(oom) => return Err(report_oom(events, oom, trainer.step)),
+                    };
+                tracing::info!(step = trainer.step, val_loss = val, "eval");
+                events.emit("eval", json!({ "step": trainer.step, "val_loss": val }))?;
+            }
+            if ckpt_every > 0 && trainer.step % ckpt_every == 0 && !last {
+                save(&trainer, opts, events)?;
+            }
+            if opts.stop_after == Some(trainer.step) && !last {
+                let path = save(&trainer, opts, events)?;
+                return Err(TrainError::Preempted { step: trainer.step, path });
+            }
         }
-        if ckpt_every > 0 && trainer.step % ckpt_every == 0 && !last {
-            save(&trainer, opts, events)?;
-        }
-        if opts.stop_after == Some(trainer.step) && !last {
-            let path = save(&trainer, opts, events)?;
-            return Err(TrainError::Preempted { step: trainer.step, path });
-        }
+        progress.finish_and_clear();
+        save(&trainer, opts, events)?;
+        let stats = pool.stats();
+        tracing::info!("finished:\n{}", pool.memory_summary());
+        events.emit(
+            "finished",
+            json!({
+                "step": trainer.step,
+                "final_loss": if last_loss.is_nan() { Value::Null } else { json!(last_loss) },
+                "peak_allocated": stats.peak_allocated,
+                "peak_reserved": stats.peak_reserved,
+                "mean_tokens_per_s": if secs_done > 0.0 { json!(tokens_done / secs_done) } else { Value::Null },
+                "mem": stats.lifetime_json(),
+            }),
+        )?;
+        Ok(())
     }
-    progress.finish_and_clear();
-    save(&trainer, opts, events)?;
-    let stats = pool.stats();
-    tracing::info!("finished:\n{}", pool.memory_summary());
-    events.emit(
-        "finished",
-        json!({
-            "step": trainer.step,
-            "final_loss": if last_loss.is_nan() { Value::Null } else { json!(last_loss) },
-            "peak_allocated": stats.peak_allocated,
-            "peak_reserved": stats.peak_reserved,
-            "mean_tokens_per_s": if secs_done > 0.0 { json!(tokens_done / secs_done) } else { Value::Null },
-            "mem": stats.lifetime_json(),
-        }),
-    )?;
-    Ok(())
 }
 
-fn save(trainer: &Trainer, opts: &TrainOptions, events: &mut Events) -> Result<PathBuf, TrainError> {
+fn save<E: Elem>(trainer: &Trainer<E>, opts: &TrainOptions, events: &mut Events) -> Result<PathBuf, TrainError> {
     let path = trainer.save_checkpoint(&opts.run_dir)?;
     events.emit("checkpoint", json!({ "step": trainer.step, "path": path }))?;
     Ok(path)

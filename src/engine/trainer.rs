@@ -7,8 +7,9 @@ use crate::config::{Checkpointing, JobSpec};
 use crate::memory::{Buffer, Category, OomError, Pool};
 
 use super::checkpoint::{self, Checkpoint, CheckpointError, CheckpointHeader};
-use super::model::{self, alloc_f32, GptConfig, TensorInfo};
-use super::optim::{clip_grad_norm, lr_at, AdamW};
+use super::layers::{narrow, Elem};
+use super::model::{self, alloc_elems, alloc_f32, GptConfig, TensorInfo};
+use super::optim::{clip_coefficient, lr_at, sum_squares, AdamW};
 use super::rng::Rng;
 
 /// Hyper-parameters of the loop, resolved from the job spec.
@@ -67,6 +68,10 @@ pub struct StepStats {
     pub grad_norm: f64,
     pub step_ms: f64,
     pub tokens_per_s: f64,
+    /// fp16 dynamic loss scale in effect after this step (1.0 when unused).
+    pub loss_scale: f64,
+    /// The update was skipped because the scaled gradients overflowed.
+    pub skipped: bool,
 }
 
 /// Where a training sequence comes from: (step, index in global batch, inputs, targets).
@@ -75,41 +80,96 @@ pub type BatchFn<'a> = dyn FnMut(u64, u64, &mut Vec<u32>, &mut Vec<u32>) + 'a;
 /// Where a validation sequence comes from: (index, inputs, targets).
 pub type EvalBatchFn<'a> = dyn FnMut(usize, &mut Vec<u32>, &mut Vec<u32>) + 'a;
 
+/// Initial fp16 loss scale (2^16) and the run of good steps after which it doubles.
+pub const INITIAL_LOSS_SCALE: f64 = 65536.0;
+pub const LOSS_SCALE_GROWTH_INTERVAL: u64 = 200;
+
 /// Model state on the device: every tensor a pool buffer tagged with its category.
-pub struct Trainer {
+/// `E` is the compute precision of parameters, gradients and activations; with a 16-bit `E`
+/// the fp32 master weights live in the optimizer category beside the AdamW moments.
+pub struct Trainer<E: Elem = f32> {
     pub cfg: GptConfig,
     pub hyper: Hyper,
     pub pool: Pool,
     tensors: Vec<TensorInfo>,
+    /// Compute copy of the weights, in `E`.
     params: Buffer,
+    /// fp32 master weights (None for fp32, where `params` is the master).
+    master: Option<Buffer>,
     grads: Buffer,
     m: Buffer,
     v: Buffer,
-    /// Optimizer steps completed.
+    /// Optimizer steps completed (skipped fp16 steps included: their data is consumed).
     pub step: u64,
     adam_t: u64,
     rng: Rng,
+    /// Dynamic loss scaling (fp16 only).
+    dynamic_scale: bool,
+    loss_scale: f64,
+    good_steps: u64,
+    pub skipped_steps: u64,
+    _elem: std::marker::PhantomData<E>,
 }
 
-impl Trainer {
+impl<E: Elem> Trainer<E> {
     /// Allocate parameters, gradients and optimizer state, and initialise the weights.
-    pub fn new(cfg: GptConfig, hyper: Hyper, pool: Pool) -> Result<Trainer, OomError> {
+    pub fn new(cfg: GptConfig, hyper: Hyper, pool: Pool) -> Result<Trainer<E>, OomError> {
         let n = cfg.num_params();
-        let mut params = alloc_f32(&pool, n, Category::Params)?;
-        let grads = alloc_f32(&pool, n, Category::Grads)?;
+        let mut params = alloc_elems::<E>(&pool, n, Category::Params)?;
+        let grads = alloc_elems::<E>(&pool, n, Category::Grads)?;
+        let mut master = if E::is_f32() { None } else { Some(alloc_f32(&pool, n, Category::Optimizer)?) };
         let m = alloc_f32(&pool, n, Category::Optimizer)?;
         let v = alloc_f32(&pool, n, Category::Optimizer)?;
-        cfg.init_params(params.as_mut_slice(), hyper.seed);
+        match (E::as_f32_mut(params.as_mut_slice::<E>()), master.as_mut()) {
+            (Some(p), _) => cfg.init_params(p, hyper.seed),
+            (None, Some(mw)) => {
+                cfg.init_params(mw.as_mut_slice(), hyper.seed);
+                narrow::<E>(params.as_mut_slice(), mw.as_slice());
+            }
+            (None, None) => unreachable!("16-bit params always have a master copy"),
+        }
         let rng = Rng::new(hyper.seed);
-        Ok(Trainer { tensors: cfg.tensors(), cfg, hyper, pool, params, grads, m, v, step: 0, adam_t: 0, rng })
+        let dynamic_scale = E::NAME == "fp16";
+        Ok(Trainer {
+            tensors: cfg.tensors(),
+            cfg,
+            hyper,
+            pool,
+            params,
+            master,
+            grads,
+            m,
+            v,
+            step: 0,
+            adam_t: 0,
+            rng,
+            dynamic_scale,
+            loss_scale: if dynamic_scale { INITIAL_LOSS_SCALE } else { 1.0 },
+            good_steps: 0,
+            skipped_steps: 0,
+            _elem: std::marker::PhantomData,
+        })
     }
 
-    pub fn params(&self) -> &[f32] {
-        self.params.as_slice()
+    /// The fp32 master weights.
+    pub fn master_params(&self) -> &[f32] {
+        match &self.master {
+            Some(m) => m.as_slice(),
+            None => self.params.as_slice(),
+        }
     }
 
-    pub fn grads(&self) -> &[f32] {
+    pub fn grads(&self) -> &[E] {
         self.grads.as_slice()
+    }
+
+    pub fn loss_scale(&self) -> f64 {
+        self.loss_scale
+    }
+
+    /// Override the dynamic loss scale (fp16), e.g. to start lower than 2^16.
+    pub fn set_loss_scale(&mut self, scale: f64) {
+        self.loss_scale = scale;
     }
 
     fn model_dims(&self) -> [u64; 5] {
@@ -122,8 +182,9 @@ impl Trainer {
         let started = std::time::Instant::now();
         let h = self.hyper.clone();
         let (b, t) = (h.micro_batch, h.seq_len);
-        self.grads.as_mut_slice::<f32>().fill(0.0);
-        let dloss = 1.0 / (b * t * h.grad_accum) as f32;
+        self.grads.as_mut_slice::<E>().fill(E::default());
+        let scale = self.loss_scale as f32;
+        let dloss = scale / (b * t * h.grad_accum) as f32;
         let mut loss_sum = 0.0f64;
         let (mut inputs, mut targets) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
         for micro in 0..h.grad_accum {
@@ -132,30 +193,57 @@ impl Trainer {
             for i in 0..b {
                 batch(self.step, (micro * b + i) as u64, &mut inputs, &mut targets);
             }
-            let acts = model::forward(
-                &self.cfg,
-                self.params.as_slice(),
-                &self.pool,
-                &inputs,
-                &targets,
-                b,
-                t,
-                h.checkpointing,
-            )?;
+            let params = self.params.as_slice::<E>();
+            let acts = model::forward::<E>(&self.cfg, params, &self.pool, &inputs, &targets, b, t, h.checkpointing)?;
             loss_sum += acts.mean_loss() as f64;
-            model::backward(&self.cfg, self.params.as_slice(), self.grads.as_mut_slice(), &self.pool, acts, dloss)?;
+            model::backward::<E>(&self.cfg, params, self.grads.as_mut_slice(), &self.pool, acts, dloss)?;
         }
-        let grad_norm = clip_grad_norm(self.grads.as_mut_slice(), h.grad_clip);
         let lr = lr_at(self.step as usize, h.lr, h.warmup_steps, h.steps as usize);
-        self.adam_t += 1;
-        let opt = AdamW { lr: lr as f32, weight_decay: h.weight_decay as f32, t: self.adam_t };
-        opt.update(
-            &self.tensors,
-            self.params.as_mut_slice(),
-            self.grads.as_slice(),
-            self.m.as_mut_slice(),
-            self.v.as_mut_slice(),
-        );
+        let inv_scale = 1.0 / self.loss_scale;
+        let grad_norm = sum_squares(self.grads.as_slice::<E>()).sqrt() * inv_scale;
+        let skipped = !grad_norm.is_finite();
+        if skipped {
+            // fp16 overflow: drop this update, halve the scale, keep going.
+            self.loss_scale = (self.loss_scale / 2.0).max(1.0);
+            self.good_steps = 0;
+            self.skipped_steps += 1;
+        } else {
+            let coef = clip_coefficient(grad_norm, h.grad_clip);
+            self.adam_t += 1;
+            let opt = AdamW { lr: lr as f32, weight_decay: h.weight_decay as f32, t: self.adam_t };
+            let grad_mult = (coef as f64 * inv_scale) as f32;
+            match self.master.as_mut() {
+                Some(mw) => {
+                    opt.update::<E>(
+                        &self.tensors,
+                        mw.as_mut_slice(),
+                        self.grads.as_slice(),
+                        grad_mult,
+                        self.m.as_mut_slice(),
+                        self.v.as_mut_slice(),
+                    );
+                    narrow::<E>(self.params.as_mut_slice(), mw.as_slice());
+                }
+                None => {
+                    let p = E::as_f32_mut(self.params.as_mut_slice::<E>()).expect("fp32 params are the master");
+                    opt.update::<E>(
+                        &self.tensors,
+                        p,
+                        self.grads.as_slice(),
+                        grad_mult,
+                        self.m.as_mut_slice(),
+                        self.v.as_mut_slice(),
+                    );
+                }
+            }
+            if self.dynamic_scale {
+                self.good_steps += 1;
+                if self.good_steps >= LOSS_SCALE_GROWTH_INTERVAL {
+                    self.loss_scale *= 2.0;
+                    self.good_steps = 0;
+                }
+            }
+        }
         self.step += 1;
         let secs = started.elapsed().as_secs_f64();
         Ok(StepStats {
@@ -165,6 +253,8 @@ impl Trainer {
             grad_norm,
             step_ms: secs * 1e3,
             tokens_per_s: (h.global_batch * t) as f64 / secs.max(1e-9),
+            loss_scale: self.loss_scale,
+            skipped,
         })
     }
 
@@ -179,17 +269,10 @@ impl Trainer {
             for i in 0..n {
                 batch(done + i, &mut inputs, &mut targets);
             }
-            // Evaluation keeps nothing for backward: the acts are dropped right away.
-            let acts = model::forward(
-                &self.cfg,
-                self.params.as_slice(),
-                &self.pool,
-                &inputs,
-                &targets,
-                n,
-                t,
-                Checkpointing::Full,
-            )?;
+            // Evaluation keeps nothing for backward: only block outputs live through the pass.
+            let params = self.params.as_slice::<E>();
+            let acts =
+                model::forward::<E>(&self.cfg, params, &self.pool, &inputs, &targets, n, t, Checkpointing::Full)?;
             total += acts.mean_loss() as f64 * n as f64;
             done += n;
         }
@@ -206,11 +289,12 @@ impl Trainer {
             rng_state: self.rng.state,
             seed: self.hyper.seed,
             adam_t: self.adam_t,
-            loss_scale: 1.0,
+            loss_scale: self.loss_scale,
         };
-        checkpoint::save(run_dir, &header, self.params.as_slice(), self.m.as_slice(), self.v.as_slice())
+        checkpoint::save(run_dir, &header, self.master_params(), self.m.as_slice(), self.v.as_slice())
     }
 
+    /// Resume from a checkpoint written under any precision (it holds fp32 master weights).
     pub fn restore(&mut self, path: &Path, ckpt: Checkpoint) -> Result<(), CheckpointError> {
         let mismatch = |message: String| CheckpointError::Mismatch { path: path.into(), message };
         if ckpt.header.model != self.model_dims() {
@@ -223,12 +307,88 @@ impl Trainer {
         if ckpt.header.step > self.hyper.steps {
             return Err(mismatch(format!("step {} is past the job's {} steps", ckpt.header.step, self.hyper.steps)));
         }
-        self.params.as_mut_slice::<f32>().copy_from_slice(&ckpt.params);
+        match self.master.as_mut() {
+            Some(mw) => {
+                mw.as_mut_slice::<f32>().copy_from_slice(&ckpt.params);
+                narrow::<E>(self.params.as_mut_slice(), mw.as_slice());
+            }
+            None => self.params.as_mut_slice::<f32>().copy_from_slice(&ckpt.params),
+        }
         self.m.as_mut_slice::<f32>().copy_from_slice(&ckpt.m);
         self.v.as_mut_slice::<f32>().copy_from_slice(&ckpt.v);
         self.step = ckpt.header.step;
         self.adam_t = ckpt.header.adam_t;
         self.rng.state = ckpt.header.rng_state;
+        if self.dynamic_scale && ckpt.header.loss_scale >= 1.0 {
+            self.loss_scale = ckpt.header.loss_scale;
+        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::rng::mix64;
+
+    fn tiny() -> (GptConfig, Hyper) {
+        let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 16, block_size: 8, vocab: 32 };
+        let hyper = Hyper {
+            steps: 10,
+            global_batch: 4,
+            micro_batch: 2,
+            grad_accum: 2,
+            seq_len: 8,
+            lr: 1e-3,
+            warmup_steps: 0,
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+            seed: 3,
+            checkpointing: Checkpointing::None,
+        };
+        (cfg, hyper)
+    }
+
+    fn batch(s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>) {
+        for p in 0..8u64 {
+            inp.push((mix64(s * 31 + i * 7 + p) % 32) as u32);
+            tgt.push((mix64(s * 31 + i * 7 + p + 1) % 32) as u32);
+        }
+    }
+
+    #[test]
+    fn fp16_overflow_skips_the_step_and_halves_the_scale() {
+        let (cfg, hyper) = tiny();
+        let mut tr = Trainer::<half::f16>::new(cfg, hyper, Pool::new("cpu", 64 << 20)).unwrap();
+        assert_eq!(tr.loss_scale(), INITIAL_LOSS_SCALE);
+        let before = tr.master_params().to_vec();
+        // A scale this large makes the fp16 gradients overflow to infinity.
+        tr.set_loss_scale(1e30);
+        let s = tr.train_step(&mut batch).unwrap();
+        assert!(s.skipped, "overflowed step skipped");
+        assert_eq!(s.loss_scale, 5e29, "scale halved");
+        assert_eq!(tr.skipped_steps, 1);
+        assert_eq!(tr.master_params(), &before[..], "weights untouched by a skipped step");
+        tr.set_loss_scale(1024.0);
+        let s = tr.train_step(&mut batch).unwrap();
+        assert!(!s.skipped && s.grad_norm.is_finite());
+        assert_ne!(tr.master_params(), &before[..], "a good step updates the weights");
+        assert_eq!(tr.step, 2, "the skipped step still consumed its batch");
+    }
+
+    #[test]
+    fn sixteen_bit_memory_is_smaller_per_category() {
+        let (cfg, hyper) = tiny();
+        let n = cfg.num_params();
+        let p32 = Pool::new("cpu", 64 << 20);
+        let _t32 = Trainer::<f32>::new(cfg, hyper.clone(), p32.clone()).unwrap();
+        let p16 = Pool::new("cpu", 64 << 20);
+        let _t16 = Trainer::<half::bf16>::new(cfg, hyper, p16.clone()).unwrap();
+        let (a, b) = (p32.stats(), p16.stats());
+        let r = |x: usize| x.div_ceil(crate::memory::ROUND) * crate::memory::ROUND;
+        assert_eq!(a.current(Category::Params), r(4 * n));
+        assert_eq!(b.current(Category::Params), r(2 * n), "bf16 compute weights");
+        assert_eq!(b.current(Category::Grads), r(2 * n), "bf16 gradients");
+        assert_eq!(b.current(Category::Optimizer), 3 * r(4 * n), "fp32 master + m + v");
     }
 }

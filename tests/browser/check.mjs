@@ -51,7 +51,8 @@ try {
   const why = await page.$$eval('#attempts tr.attempt', (trs) => trs.map((tr) => tr.children[3].textContent));
   check(why[0].includes('out of device memory'), `why attempt 1 ended: ${why[0]}`);
   const diff = await page.$$eval('#attempts tr.attempt', (trs) => trs.map((tr) => tr.children[9].textContent));
-  check(diff[1].includes('train.micro_batch: 32 → 16'), `config diff shows only what changed: ${diff[1]}`);
+  check(diff[1].includes('memory.precision: "fp32" → "bf16"') && !diff[1].includes('micro_batch'), `config diff shows only what changed: ${diff[1]}`);
+  check(diff[2].includes('train.micro_batch: 32 → 16'), `config diff of the next step-down: ${diff[2]}`);
   const legend = await page.$$eval('#chart-memory .u-legend .u-label', (ls) => ls.map((l) => l.textContent));
   for (const c of Object.keys(CATEGORIES)) check(legend.includes(c), `memory chart has a series for ${c}`);
   check(legend.includes('capacity') && legend.some((l) => l.startsWith('preempt')), 'capacity and threshold lines');
