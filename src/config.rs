@@ -331,17 +331,14 @@ impl JobSpec {
             return Err(bad("memory.zero_stage", "only 0 is implemented by this engine build (ZeRO: issue #4)"));
         }
         let off = &mem.offload;
-        for (field, target) in [
-            ("memory.offload.optimizer", off.optimizer),
-            ("memory.offload.params", off.params),
-            ("memory.offload.activations", off.activations),
-        ] {
+        if matches!(off.optimizer, OffloadTarget::CpuInt8) || matches!(off.params, OffloadTarget::CpuInt8) {
+            return Err(bad("memory.offload", "cpu-int8 applies to activations only"));
+        }
+        for (field, target) in [("memory.offload.params", off.params), ("memory.offload.activations", off.activations)]
+        {
             if target != OffloadTarget::None {
                 return Err(bad(field, "only `none` is implemented by this engine build (offload: issue #4)"));
             }
-        }
-        if matches!(off.optimizer, OffloadTarget::CpuInt8) || matches!(off.params, OffloadTarget::CpuInt8) {
-            return Err(bad("memory.offload", "cpu-int8 applies to activations only"));
         }
         Ok(())
     }

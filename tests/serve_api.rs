@@ -350,3 +350,37 @@ async fn with_a_token_mutating_routes_need_it() {
     assert_eq!(wait_terminal(&s, id).await["status"], "finished");
     s.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swap_bound_offload_rung_is_backed_off() {
+    let h = Harness::new();
+    std::fs::write(
+        h.policies.join("swappy.yaml"),
+        "name: swappy\nthresholds: { warn: 0.99, preempt: 1.0, sustain: 3 }\n\
+         rungs:\n  - { name: offload-optimizer, set: { offload: { optimizer: cpu } } }\n\
+         \x20 - { name: halve-micro-batch, set: { micro_batch: half }, repeat: true }\n\
+         swap_bound: { transfer_fraction: 0.0001, action: step_back }\n",
+    )
+    .unwrap();
+    let s = h.start(None).await;
+    let job = format!(
+        "name: swap\nmodel: {{ n_layer: 4, n_head: 4, n_embd: 128, block_size: 32, vocab: bytes }}\n\
+         data: {{ path: {} }}\ntrain: {{ steps: 12, global_batch: 4, micro_batch: 4, lr: 1.0e-3 }}\n\
+         device: {{ kind: cpu, device_memory: 20MiB }}\npolicy: swappy\n",
+        common::data_path().display()
+    );
+    let id = submit(&s, &job).await;
+    let done = wait_terminal(&s, id).await;
+    assert_eq!(done["status"], "finished", "{done}");
+    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    let a = attempts.as_array().unwrap();
+    assert_eq!(a[0]["outcome"], "oom");
+    assert_eq!(a[1]["rung"], "offload-optimizer");
+    assert_eq!(a[1]["outcome"], "swap_bound", "{attempts}");
+    let last: Value = serde_json::from_str(a.last().unwrap()["config_json"].as_str().unwrap()).unwrap();
+    assert_eq!(last["memory"]["offload"]["optimizer"], "none", "the offload was backed off");
+    assert!(last["train"]["micro_batch"].as_i64().unwrap() < 4);
+    let text = get(&s, &format!("/api/jobs/{id}/events")).await.to_string();
+    assert!(text.contains("swap-bound") && text.contains("backing off"), "{text}");
+    s.shutdown().await.unwrap();
+}

@@ -156,7 +156,7 @@ fn bad_job_files_exit_2_naming_the_field() {
         (good.replace("64MiB", "64 parsecs"), "device.device_memory"),
         (good.replace("vocab: bytes", "vocab: words"), "words"),
         (good.replace("kind: cpu", "kind: cuda"), "cuda"),
-        (good.replace("steps: 10\n", "steps: 10\n") + "memory: { precision: fp8 }\n", "fp8"),
+        (good.clone() + "memory: { precision: fp8 }\n", "fp8"),
     ];
     for (yaml, needle) in cases {
         let job = write_job(dir.path(), &yaml);
@@ -197,4 +197,44 @@ fn bf16_and_fp16_learn_like_fp32_with_smaller_tensors() {
     }
     let fp16 = &runs[2].2;
     assert_eq!(fp16["loss_scale"], 65536.0, "fp16 telemetry carries the loss scale");
+}
+
+fn offload_job(offload: &str, device_memory: &str) -> String {
+    format!(
+        "name: off\nmodel: {{ n_layer: 4, n_head: 4, n_embd: 128, block_size: 32, vocab: bytes }}\n\
+         data: {{ path: {} }}\ntrain: {{ steps: 6, global_batch: 4, micro_batch: 4, lr: 1.0e-3 }}\n\
+         memory: {{ offload: {{ optimizer: {offload} }} }}\ndevice: {{ kind: cpu, device_memory: {device_memory} }}\n",
+        data_path().display()
+    )
+}
+
+#[test]
+fn optimizer_offload_frees_device_memory_and_trains_identically() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |offload: &str, mem: &str, name: &str| {
+        let job = write_job(dir.path(), &offload_job(offload, mem));
+        train(&job, &dir.path().join(name), &[])
+    };
+    let on_device = run("none", "64MiB", "a");
+    let offloaded = run("cpu", "64MiB", "b");
+    assert_eq!(on_device.status.code(), Some(0));
+    assert_eq!(offloaded.status.code(), Some(0), "{}", String::from_utf8_lossy(&offloaded.stderr));
+    let (ev_a, ev_b) = (events(&on_device), events(&offloaded));
+    for ((s, a), (_, b)) in losses(&ev_a).iter().zip(losses(&ev_b)) {
+        assert_eq!(a.to_bits(), b.to_bits(), "step {s}: the host AdamW computes the same update");
+    }
+    let (step_a, step_b) = (of_kind(&ev_a, "step")[0], of_kind(&ev_b, "step")[0]);
+    let opt = step_a["mem"]["optimizer"].as_u64().unwrap();
+    assert_eq!(step_b["mem"]["optimizer"], 0, "no optimizer bytes on the device");
+    assert!(step_b["mem"]["host_optimizer"].as_u64().unwrap() >= opt, "they are on the host");
+    let saved = step_a["mem"]["allocated"].as_u64().unwrap() - step_b["mem"]["allocated"].as_u64().unwrap();
+    assert_eq!(saved, opt, "device peak drops by exactly the optimizer state");
+    let swap = &step_b["swap"];
+    assert!(swap["bytes_to_host"].as_u64().unwrap() > 0 && swap["bytes_to_device"].as_u64().unwrap() > 0);
+    assert!(swap["fraction"].as_f64().unwrap() > 0.0);
+    assert!(step_a["swap"].is_null());
+
+    // A capacity between the two peaks: OOM without offload, finished with it.
+    assert_eq!(run("none", "18MiB", "c").status.code(), Some(3));
+    assert_eq!(run("cpu", "18MiB", "d").status.code(), Some(0));
 }

@@ -91,6 +91,7 @@ pub fn run_configured<E: Elem>(
         grad_clip: 1.0,
         seed: 1,
         checkpointing,
+        offload_optimizer: false,
     };
     let pool = Pool::new("cpu", usize::MAX / 2);
     let mut trainer = Trainer::<E>::new(case.cfg, hyper, pool.clone())?;
@@ -159,7 +160,7 @@ pub fn techniques_table(case: &BenchCase, warmup: usize, steps: usize) -> Result
             Precision::Bf16 => run_configured::<half::bf16>(case, micro, mode, warmup, steps)?,
             Precision::Fp16 => run_configured::<half::f16>(case, micro, mode, warmup, steps)?,
         };
-        let est = estimate_step(&case.cfg, micro, case.seq, mode, precision, case.batch / micro);
+        let est = estimate_step(&case.cfg, micro, case.seq, mode, precision, case.batch / micro, false);
         let base = *baseline.get_or_insert(st.peak_allocated);
         s.push_str(&format!(
             "{:<22} {:>5} {:>11} {:>11} {:>11} {:>12} {:>11} {:>12} {:>12} {:>7.2} {:>9.1}\n",

@@ -10,7 +10,7 @@
 
 use serde::Serialize;
 
-use crate::config::{Checkpointing, JobSpec, Precision};
+use crate::config::{Checkpointing, JobSpec, OffloadTarget, Precision};
 use crate::memory::{Category, LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT};
 
 use super::layers::Elem;
@@ -43,6 +43,8 @@ pub struct Estimate {
     pub peak_at: &'static str,
     pub micro_batch: usize,
     pub grad_accum: usize,
+    /// Host bytes of offloaded optimizer state (not device memory).
+    pub host_optimizer: usize,
 }
 
 /// A live set of buffers (bytes as requested), to total and to place in segments.
@@ -85,31 +87,40 @@ pub fn estimate_step(
     mode: Checkpointing,
     precision: Precision,
     grad_accum: usize,
+    offload_optimizer: bool,
 ) -> Estimate {
+    let args = (cfg, micro_batch, seq_len, mode, grad_accum, offload_optimizer);
     match precision {
-        Precision::Fp32 => estimate_for::<f32>(cfg, micro_batch, seq_len, mode, grad_accum),
-        Precision::Bf16 => estimate_for::<half::bf16>(cfg, micro_batch, seq_len, mode, grad_accum),
-        Precision::Fp16 => estimate_for::<half::f16>(cfg, micro_batch, seq_len, mode, grad_accum),
+        Precision::Fp32 => estimate_for::<f32>(args),
+        Precision::Bf16 => estimate_for::<half::bf16>(args),
+        Precision::Fp16 => estimate_for::<half::f16>(args),
     }
 }
 
 fn estimate_for<E: Elem>(
-    cfg: &GptConfig,
-    micro_batch: usize,
-    seq_len: usize,
-    mode: Checkpointing,
-    grad_accum: usize,
+    (cfg, micro_batch, seq_len, mode, grad_accum, offload_optimizer): (
+        &GptConfig,
+        usize,
+        usize,
+        Checkpointing,
+        usize,
+        bool,
+    ),
 ) -> Estimate {
     let (b, t) = (micro_batch, seq_len);
     let n = cfg.num_params();
     let mut base = Live::default();
     base.add(Category::Params, n * E::BYTES);
     base.add(Category::Grads, n * E::BYTES);
-    if !E::is_f32() {
-        base.add(Category::Optimizer, n * 4); // fp32 master weights
+    // Offloaded: master, moments and a gradient copy (4 × 4 bytes per parameter) on the host.
+    let host_optimizer = if offload_optimizer { 16 * n } else { 0 };
+    if !offload_optimizer {
+        if !E::is_f32() {
+            base.add(Category::Optimizer, n * 4); // fp32 master weights
+        }
+        base.add(Category::Optimizer, n * 4);
+        base.add(Category::Optimizer, n * 4);
     }
-    base.add(Category::Optimizer, n * 4);
-    base.add(Category::Optimizer, n * 4);
 
     let layer = layer_activation_sizes(cfg, b, t);
     let globals = global_activation_sizes(cfg, b, t);
@@ -194,6 +205,7 @@ fn estimate_for<E: Elem>(
         peak_at,
         micro_batch,
         grad_accum,
+        host_optimizer,
     }
 }
 
@@ -206,6 +218,7 @@ pub fn estimate_job(spec: &JobSpec) -> Estimate {
         spec.memory.checkpointing,
         spec.memory.precision,
         spec.grad_accum(),
+        spec.memory.offload.optimizer != OffloadTarget::None,
     )
 }
 
@@ -248,6 +261,7 @@ mod tests {
             grad_clip: 1.0,
             seed: 1,
             checkpointing: mode,
+            offload_optimizer: false,
         };
         let pool = Pool::new("cpu", 1 << 32);
         let mut trainer = Trainer::<E>::new(cfg, hyper, pool.clone()).unwrap();
@@ -289,7 +303,7 @@ mod tests {
                         Precision::Fp32 => measure::<f32>(cfg, micro, 8, t, mode),
                         _ => measure::<half::bf16>(cfg, micro, 8, t, mode),
                     };
-                    let e = estimate_step(&cfg, micro, t, mode, precision, 8 / micro);
+                    let e = estimate_step(&cfg, micro, t, mode, precision, 8 / micro, false);
                     let err = (e.peak_allocated as f64 - measured as f64).abs() / measured as f64;
                     rows.push(format!(
                         "L{} C{} {precision:?} {mode:?} mb{micro}: predicted {} measured {} ({:+.2}%) at {}",
@@ -312,15 +326,17 @@ mod tests {
     #[test]
     fn knobs_lower_the_estimate() {
         let cfg = GptConfig { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab: 256 };
-        let none = estimate_step(&cfg, 16, 128, Checkpointing::None, Precision::Fp32, 1);
-        let sel = estimate_step(&cfg, 16, 128, Checkpointing::Selective, Precision::Fp32, 1);
-        let full = estimate_step(&cfg, 16, 128, Checkpointing::Full, Precision::Fp32, 1);
-        let small = estimate_step(&cfg, 4, 128, Checkpointing::Full, Precision::Fp32, 4);
-        let bf16 = estimate_step(&cfg, 16, 128, Checkpointing::None, Precision::Bf16, 1);
+        let none = estimate_step(&cfg, 16, 128, Checkpointing::None, Precision::Fp32, 1, false);
+        let sel = estimate_step(&cfg, 16, 128, Checkpointing::Selective, Precision::Fp32, 1, false);
+        let full = estimate_step(&cfg, 16, 128, Checkpointing::Full, Precision::Fp32, 1, false);
+        let small = estimate_step(&cfg, 4, 128, Checkpointing::Full, Precision::Fp32, 4, false);
+        let bf16 = estimate_step(&cfg, 16, 128, Checkpointing::None, Precision::Bf16, 1, false);
         assert!(none.activations > sel.activations && sel.activations > full.activations);
         assert!(bf16.activations < none.activations * 6 / 10, "bf16 roughly halves activations");
         assert_eq!(bf16.params * 2, none.params);
         assert_eq!(bf16.optimizer, none.optimizer * 3 / 2, "fp32 master weights join the moments");
+        let off = estimate_step(&cfg, 16, 128, Checkpointing::None, Precision::Bf16, 1, true);
+        assert_eq!((off.optimizer, off.host_optimizer), (0, 16 * cfg.num_params()));
         assert!(small.peak_allocated < full.peak_allocated);
         assert_eq!(verdict(&none, none.reserved_allowance), "yes");
         assert_eq!(

@@ -247,6 +247,12 @@ impl Run<'_> {
                 "loss_scale": if trainer.skipped_steps > 0 || E::NAME == "fp16" { json!(step.loss_scale) } else { Value::Null },
                 "skipped": step.skipped,
                 "skipped_steps": trainer.skipped_steps,
+                "swap": step.swap.map(|w| json!({
+                    "bytes_to_host": w.bytes_to_host,
+                    "bytes_to_device": w.bytes_to_device,
+                    "transfer_ms": w.transfer_ms,
+                    "fraction": w.transfer_ms / step.step_ms.max(1e-9),
+                })),
             }),
         )?;
             progress.set_position(step.step);

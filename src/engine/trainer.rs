@@ -3,11 +3,11 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::config::{Checkpointing, JobSpec};
+use crate::config::{Checkpointing, JobSpec, OffloadTarget};
 use crate::memory::{Buffer, Category, OomError, Pool};
 
 use super::checkpoint::{self, Checkpoint, CheckpointError, CheckpointHeader};
-use super::layers::{narrow, Elem};
+use super::layers::{narrow, widen, Elem};
 use super::model::{self, alloc_elems, alloc_f32, GptConfig, TensorInfo};
 use super::optim::{clip_coefficient, lr_at, sum_squares, AdamW};
 use super::rng::Rng;
@@ -26,6 +26,8 @@ pub struct Hyper {
     pub grad_clip: f64,
     pub seed: u64,
     pub checkpointing: Checkpointing,
+    /// Optimizer state and master weights in host memory.
+    pub offload_optimizer: bool,
 }
 
 impl Hyper {
@@ -43,6 +45,7 @@ impl Hyper {
             grad_clip: t.grad_clip,
             seed: t.seed,
             checkpointing: spec.memory.checkpointing,
+            offload_optimizer: spec.memory.offload.optimizer != OffloadTarget::None,
         }
     }
 }
@@ -72,6 +75,8 @@ pub struct StepStats {
     pub loss_scale: f64,
     /// The update was skipped because the scaled gradients overflowed.
     pub skipped: bool,
+    /// Device↔host traffic of this step when offloading.
+    pub swap: Option<SwapStats>,
 }
 
 /// Where a training sequence comes from: (step, index in global batch, inputs, targets).
@@ -84,6 +89,24 @@ pub type EvalBatchFn<'a> = dyn FnMut(usize, &mut Vec<u32>, &mut Vec<u32>) + 'a;
 pub const INITIAL_LOSS_SCALE: f64 = 65536.0;
 pub const LOSS_SCALE_GROWTH_INTERVAL: u64 = 200;
 
+/// Where the fp32 master weights and the AdamW moments live.
+enum OptimizerState {
+    /// On the device, in the optimizer category. `master` is None for fp32, whose compute
+    /// weights are the master.
+    Device { master: Option<Buffer>, m: Buffer, v: Buffer },
+    /// In host memory (`offload.optimizer: cpu`): each step the gradients go device→host,
+    /// AdamW runs on the host, and the updated weights go host→device.
+    Host { master: Vec<f32>, m: Vec<f32>, v: Vec<f32>, grads: Vec<f32> },
+}
+
+/// Bytes moved between device and host in one step, and the time the copies took.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SwapStats {
+    pub bytes_to_host: usize,
+    pub bytes_to_device: usize,
+    pub transfer_ms: f64,
+}
+
 /// Model state on the device: every tensor a pool buffer tagged with its category.
 /// `E` is the compute precision of parameters, gradients and activations; with a 16-bit `E`
 /// the fp32 master weights live in the optimizer category beside the AdamW moments.
@@ -94,11 +117,9 @@ pub struct Trainer<E: Elem = f32> {
     tensors: Vec<TensorInfo>,
     /// Compute copy of the weights, in `E`.
     params: Buffer,
-    /// fp32 master weights (None for fp32, where `params` is the master).
-    master: Option<Buffer>,
     grads: Buffer,
-    m: Buffer,
-    v: Buffer,
+    /// fp32 master weights and AdamW moments, on the device or offloaded to the host.
+    opt: OptimizerState,
     /// Optimizer steps completed (skipped fp16 steps included: their data is consumed).
     pub step: u64,
     adam_t: u64,
@@ -117,17 +138,26 @@ impl<E: Elem> Trainer<E> {
         let n = cfg.num_params();
         let mut params = alloc_elems::<E>(&pool, n, Category::Params)?;
         let grads = alloc_elems::<E>(&pool, n, Category::Grads)?;
-        let mut master = if E::is_f32() { None } else { Some(alloc_f32(&pool, n, Category::Optimizer)?) };
-        let m = alloc_f32(&pool, n, Category::Optimizer)?;
-        let v = alloc_f32(&pool, n, Category::Optimizer)?;
-        match (E::as_f32_mut(params.as_mut_slice::<E>()), master.as_mut()) {
-            (Some(p), _) => cfg.init_params(p, hyper.seed),
-            (None, Some(mw)) => {
-                cfg.init_params(mw.as_mut_slice(), hyper.seed);
-                narrow::<E>(params.as_mut_slice(), mw.as_slice());
+        let opt = if hyper.offload_optimizer {
+            let mut master = vec![0.0f32; n];
+            cfg.init_params(&mut master, hyper.seed);
+            narrow::<E>(params.as_mut_slice(), &master);
+            pool.set_host_bytes(Category::Optimizer, 4 * 4 * n);
+            OptimizerState::Host { master, m: vec![0.0; n], v: vec![0.0; n], grads: vec![0.0; n] }
+        } else {
+            let mut master = if E::is_f32() { None } else { Some(alloc_f32(&pool, n, Category::Optimizer)?) };
+            let m = alloc_f32(&pool, n, Category::Optimizer)?;
+            let v = alloc_f32(&pool, n, Category::Optimizer)?;
+            match (E::as_f32_mut(params.as_mut_slice::<E>()), master.as_mut()) {
+                (Some(p), _) => cfg.init_params(p, hyper.seed),
+                (None, Some(mw)) => {
+                    cfg.init_params(mw.as_mut_slice(), hyper.seed);
+                    narrow::<E>(params.as_mut_slice(), mw.as_slice());
+                }
+                (None, None) => unreachable!("16-bit params always have a master copy"),
             }
-            (None, None) => unreachable!("16-bit params always have a master copy"),
-        }
+            OptimizerState::Device { master, m, v }
+        };
         let rng = Rng::new(hyper.seed);
         let dynamic_scale = E::NAME == "fp16";
         Ok(Trainer {
@@ -136,10 +166,8 @@ impl<E: Elem> Trainer<E> {
             hyper,
             pool,
             params,
-            master,
             grads,
-            m,
-            v,
+            opt,
             step: 0,
             adam_t: 0,
             rng,
@@ -153,9 +181,18 @@ impl<E: Elem> Trainer<E> {
 
     /// The fp32 master weights.
     pub fn master_params(&self) -> &[f32] {
-        match &self.master {
-            Some(m) => m.as_slice(),
-            None => self.params.as_slice(),
+        match &self.opt {
+            OptimizerState::Device { master: Some(m), .. } => m.as_slice(),
+            OptimizerState::Device { master: None, .. } => self.params.as_slice(),
+            OptimizerState::Host { master, .. } => master,
+        }
+    }
+
+    /// The AdamW first and second moments.
+    fn moments(&self) -> (&[f32], &[f32]) {
+        match &self.opt {
+            OptimizerState::Device { m, v, .. } => (m.as_slice(), v.as_slice()),
+            OptimizerState::Host { m, v, .. } => (m, v),
         }
     }
 
@@ -202,6 +239,7 @@ impl<E: Elem> Trainer<E> {
         let inv_scale = 1.0 / self.loss_scale;
         let grad_norm = sum_squares(self.grads.as_slice::<E>()).sqrt() * inv_scale;
         let skipped = !grad_norm.is_finite();
+        let mut swap = None;
         if skipped {
             // fp16 overflow: drop this update, halve the scale, keep going.
             self.loss_scale = (self.loss_scale / 2.0).max(1.0);
@@ -212,28 +250,36 @@ impl<E: Elem> Trainer<E> {
             self.adam_t += 1;
             let opt = AdamW { lr: lr as f32, weight_decay: h.weight_decay as f32, t: self.adam_t };
             let grad_mult = (coef as f64 * inv_scale) as f32;
-            match self.master.as_mut() {
-                Some(mw) => {
+            let grads = self.grads.as_slice::<E>();
+            match &mut self.opt {
+                OptimizerState::Device { master: Some(mw), m, v } => {
                     opt.update::<E>(
                         &self.tensors,
                         mw.as_mut_slice(),
-                        self.grads.as_slice(),
+                        grads,
                         grad_mult,
-                        self.m.as_mut_slice(),
-                        self.v.as_mut_slice(),
+                        m.as_mut_slice(),
+                        v.as_mut_slice(),
                     );
                     narrow::<E>(self.params.as_mut_slice(), mw.as_slice());
                 }
-                None => {
+                OptimizerState::Device { master: None, m, v } => {
                     let p = E::as_f32_mut(self.params.as_mut_slice::<E>()).expect("fp32 params are the master");
-                    opt.update::<E>(
-                        &self.tensors,
-                        p,
-                        self.grads.as_slice(),
-                        grad_mult,
-                        self.m.as_mut_slice(),
-                        self.v.as_mut_slice(),
-                    );
+                    opt.update::<E>(&self.tensors, p, grads, grad_mult, m.as_mut_slice(), v.as_mut_slice());
+                }
+                OptimizerState::Host { master, m, v, grads: host_grads } => {
+                    let t0 = std::time::Instant::now();
+                    widen::<E>(host_grads, grads);
+                    let mut transfer = t0.elapsed();
+                    opt.update::<f32>(&self.tensors, master, host_grads, grad_mult, m, v);
+                    let t1 = std::time::Instant::now();
+                    narrow::<E>(self.params.as_mut_slice(), master);
+                    transfer += t1.elapsed();
+                    swap = Some(SwapStats {
+                        bytes_to_host: grads.len() * E::BYTES,
+                        bytes_to_device: grads.len() * E::BYTES,
+                        transfer_ms: transfer.as_secs_f64() * 1e3,
+                    });
                 }
             }
             if self.dynamic_scale {
@@ -255,6 +301,7 @@ impl<E: Elem> Trainer<E> {
             tokens_per_s: (h.global_batch * t) as f64 / secs.max(1e-9),
             loss_scale: self.loss_scale,
             skipped,
+            swap,
         })
     }
 
@@ -291,7 +338,8 @@ impl<E: Elem> Trainer<E> {
             adam_t: self.adam_t,
             loss_scale: self.loss_scale,
         };
-        checkpoint::save(run_dir, &header, self.master_params(), self.m.as_slice(), self.v.as_slice())
+        let (m, v) = self.moments();
+        checkpoint::save(run_dir, &header, self.master_params(), m, v)
     }
 
     /// Resume from a checkpoint written under any precision (it holds fp32 master weights).
@@ -307,15 +355,25 @@ impl<E: Elem> Trainer<E> {
         if ckpt.header.step > self.hyper.steps {
             return Err(mismatch(format!("step {} is past the job's {} steps", ckpt.header.step, self.hyper.steps)));
         }
-        match self.master.as_mut() {
-            Some(mw) => {
-                mw.as_mut_slice::<f32>().copy_from_slice(&ckpt.params);
-                narrow::<E>(self.params.as_mut_slice(), mw.as_slice());
+        match &mut self.opt {
+            OptimizerState::Device { master, m, v } => {
+                match master {
+                    Some(mw) => {
+                        mw.as_mut_slice::<f32>().copy_from_slice(&ckpt.params);
+                        narrow::<E>(self.params.as_mut_slice(), mw.as_slice());
+                    }
+                    None => self.params.as_mut_slice::<f32>().copy_from_slice(&ckpt.params),
+                }
+                m.as_mut_slice::<f32>().copy_from_slice(&ckpt.m);
+                v.as_mut_slice::<f32>().copy_from_slice(&ckpt.v);
             }
-            None => self.params.as_mut_slice::<f32>().copy_from_slice(&ckpt.params),
+            OptimizerState::Host { master, m, v, .. } => {
+                master.copy_from_slice(&ckpt.params);
+                narrow::<E>(self.params.as_mut_slice(), master);
+                m.copy_from_slice(&ckpt.m);
+                v.copy_from_slice(&ckpt.v);
+            }
         }
-        self.m.as_mut_slice::<f32>().copy_from_slice(&ckpt.m);
-        self.v.as_mut_slice::<f32>().copy_from_slice(&ckpt.v);
         self.step = ckpt.header.step;
         self.adam_t = ckpt.header.adam_t;
         self.rng.state = ckpt.header.rng_state;
@@ -345,6 +403,7 @@ mod tests {
             grad_clip: 1.0,
             seed: 3,
             checkpointing: Checkpointing::None,
+            offload_optimizer: false,
         };
         (cfg, hyper)
     }

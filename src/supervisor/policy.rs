@@ -383,7 +383,10 @@ mod tests {
         assert_eq!(d4.rung_name, "checkpointing");
         assert_eq!(d4.spec.memory.checkpointing, Checkpointing::Full);
         assert_eq!(d4.spec.train.micro_batch, 1);
-        let exhausted = step_down(&policy, &d4.spec, LadderPosition { rung_index: d4.rung_index }).unwrap_err();
-        assert!(exhausted.iter().any(|(n, r)| n == "zero-2" && r.contains("world_size")), "{exhausted:?}");
+        let d5 = step_down(&policy, &d4.spec, LadderPosition { rung_index: d4.rung_index }).unwrap();
+        assert_eq!(d5.rung_name, "offload-optimizer");
+        assert!(d5.skipped.iter().any(|(n, r)| n == "zero-2" && r.contains("world_size")), "{:?}", d5.skipped);
+        let exhausted = step_down(&policy, &d5.spec, LadderPosition { rung_index: d5.rung_index }).unwrap_err();
+        assert!(exhausted.iter().any(|(n, r)| n == "offload-params" && r.contains("not supported")), "{exhausted:?}");
     }
 }

@@ -57,6 +57,10 @@ enum Outcome {
     Preempted {
         reason: String,
     },
+    /// Checkpointed and stopped: offload transfers took more than the policy's `swap_bound`.
+    SwapBound {
+        reason: String,
+    },
     /// Checkpointed and stopped because the daemon is shutting down.
     Suspended,
     Cancelled,
@@ -75,6 +79,7 @@ impl Outcome {
             Outcome::Finished => "finished",
             Outcome::Oom { .. } => "oom",
             Outcome::Preempted { .. } | Outcome::Suspended => "preempted",
+            Outcome::SwapBound { .. } => "swap_bound",
             Outcome::Cancelled => "cancelled",
             Outcome::Invalid { .. } | Outcome::Crashed { .. } => "crashed",
         }
@@ -181,13 +186,15 @@ impl Supervisor {
         let mut rung_name = detail.rung.clone();
         let mut rung_index = detail.rung_index;
         let mut crashes = 0u32;
+        // The configuration before the current rung was applied (for swap_bound's step back).
+        let mut before_rung: Option<JobSpec> = None;
         let (control_tx, mut control_rx) = mpsc::unbounded_channel();
         self.running.lock().await.insert(job, control_tx);
         let result = async {
             loop {
                 self.db.set_job_status(job, "running", None).await?;
                 let outcome = self.run_attempt(job, &rung_name, &spec, &policy, &mut control_rx).await?;
-                match outcome {
+                match outcome.clone() {
                     Outcome::Finished => {
                         self.db.set_job_status(job, "finished", None).await?;
                         self.db.event(job, None, "finished", &format!("finished on rung {rung_name}")).await?;
@@ -222,7 +229,28 @@ impl Supervisor {
                         );
                         self.db.event(job, None, "retry", &msg).await?;
                     }
-                    Outcome::Oom { .. } | Outcome::Preempted { .. } => {
+                    Outcome::SwapBound { reason } => {
+                        let action = policy.swap_bound.as_ref().map(|b| b.action);
+                        match (action, before_rung.take()) {
+                            (Some(policy::SwapAction::StepBack), Some(prev)) => {
+                                let msg = format!(
+                                    "rung {rung_name} is swap-bound ({reason}); backing off to the configuration before it \
+                                     and trying the rungs after it"
+                                );
+                                self.db.event(job, None, "swap_bound", &msg).await?;
+                                spec = prev;
+                            }
+                            _ => {
+                                let msg = format!("rung {rung_name} is swap-bound ({reason}) and the policy does not step back");
+                                self.db.set_job_status(job, "failed", Some(&msg)).await?;
+                                self.db.event(job, None, "failed", &msg).await?;
+                                return Ok(());
+                            }
+                        }
+                    }
+                    Outcome::Oom { .. } | Outcome::Preempted { .. } => {}
+                }
+                if matches!(outcome, Outcome::Oom { .. } | Outcome::Preempted { .. } | Outcome::SwapBound { .. }) {
                         crashes = 0;
                         match policy::step_down(&policy, &spec, LadderPosition { rung_index }) {
                             Ok(down) => {
@@ -235,7 +263,7 @@ impl Supervisor {
                                     describe_change(&spec, &down.spec)
                                 );
                                 self.db.event(job, None, "step_down", &msg).await?;
-                                spec = down.spec;
+                                before_rung = Some(std::mem::replace(&mut spec, down.spec));
                                 rung_index = down.rung_index;
                                 rung_name = down.rung_name;
                                 self.db
@@ -247,7 +275,7 @@ impl Supervisor {
                                     self.db.event(job, None, "skip", &format!("rung {name} skipped: {why}")).await?;
                                 }
                                 let msg = format!(
-                                    "out of memory and no rung of policy {} is left to apply (last rung: {rung_name})",
+                                    "no rung of policy {} is left to apply (last rung: {rung_name})",
                                     policy.name
                                 );
                                 self.db.set_job_status(job, "failed", Some(&msg)).await?;
@@ -255,7 +283,6 @@ impl Supervisor {
                                 return Ok(());
                             }
                         }
-                    }
                 }
                 if *self.shutdown.borrow() {
                     self.db.set_job_status(job, "queued", None).await?;
@@ -354,9 +381,10 @@ impl Supervisor {
             },
             (Some(4), Some(Control::Cancel)) => Outcome::Cancelled,
             (Some(4), Some(Control::Shutdown)) => Outcome::Suspended,
-            (Some(4), None) if monitor.preempt_sent => {
-                Outcome::Preempted { reason: monitor.preempt_reason.clone().unwrap_or_default() }
-            }
+            (Some(4), None) if monitor.preempt_sent => match &monitor.swap_reason {
+                Some(reason) => Outcome::SwapBound { reason: reason.clone() },
+                None => Outcome::Preempted { reason: monitor.preempt_reason.clone().unwrap_or_default() },
+            },
             (Some(4), None) => Outcome::Preempted { reason: "trainer stopped itself after a checkpoint".into() },
             (Some(2), _) => Outcome::Invalid { message: last_log_line(&run_dir, number) },
             (Some(c), _) => Outcome::Crashed { message: format!("exit code {c}: {}", last_log_line(&run_dir, number)) },
@@ -372,6 +400,7 @@ impl Supervisor {
                 format_bytes(end.capacity.unwrap_or(0) as usize)
             ),
             Outcome::Preempted { reason } => format!("attempt {number} preempted: {reason}"),
+            Outcome::SwapBound { reason } => format!("attempt {number} swap-bound: {reason}"),
             other => format!("attempt {number} ended: {}", other.db_name()),
         };
         let kind = match outcome {
@@ -452,6 +481,11 @@ struct Monitor {
     warned: bool,
     preempt_sent: bool,
     preempt_reason: Option<String>,
+    /// Transfer fraction of step time that counts as swap-bound (from the policy), the run of
+    /// steps above it, and the reason once sustained.
+    swap_limit: Option<f64>,
+    swap_above: u32,
+    swap_reason: Option<String>,
     samples: Vec<SampleRow>,
     first_step: Option<i64>,
     last_step: Option<i64>,
@@ -479,6 +513,9 @@ impl Monitor {
             warned: false,
             preempt_sent: false,
             preempt_reason: None,
+            swap_limit: policy.swap_bound.as_ref().map(|b| b.transfer_fraction),
+            swap_above: 0,
+            swap_reason: None,
             samples: Vec::new(),
             first_step: None,
             last_step: None,
@@ -494,7 +531,7 @@ impl Monitor {
     }
 
     fn wants_preempt(&self) -> bool {
-        self.preempt_reason.is_some() && !self.preempt_sent
+        (self.preempt_reason.is_some() || self.swap_reason.is_some()) && !self.preempt_sent
     }
 
     fn bump_peaks(&mut self, mem: &Value) {
@@ -560,7 +597,20 @@ impl Monitor {
                 } else {
                     self.above = 0;
                 }
-                if self.above >= self.sustain && self.preempt_reason.is_none() {
+                if let (Some(limit), Some(frac)) = (self.swap_limit, ev["swap"]["fraction"].as_f64()) {
+                    self.swap_above = if frac >= limit { self.swap_above + 1 } else { 0 };
+                    if self.swap_above >= self.sustain && self.swap_reason.is_none() && self.preempt_reason.is_none() {
+                        let reason = format!(
+                            "transfers took {:.1}% of step time for {} steps in a row (swap_bound {:.1}%)",
+                            frac * 100.0,
+                            self.swap_above,
+                            limit * 100.0
+                        );
+                        out.push(("swap_bound", format!("step {step}: {reason}; checkpointing")));
+                        self.swap_reason = Some(reason);
+                    }
+                }
+                if self.above >= self.sustain && self.preempt_reason.is_none() && self.swap_reason.is_none() {
                     let reason = format!(
                         "device memory at {:.1}% of capacity for {} steps in a row (preempt threshold {:.0}%, sustain {})",
                         fraction * 100.0,
@@ -603,7 +653,7 @@ impl Monitor {
         });
         let message = match outcome {
             Outcome::Oom { .. } => self.oom_message.clone(),
-            Outcome::Preempted { reason } => Some(reason.clone()),
+            Outcome::Preempted { reason } | Outcome::SwapBound { reason } => Some(reason.clone()),
             Outcome::Invalid { message } | Outcome::Crashed { message } => Some(message.clone()),
             Outcome::Suspended => Some("supervisor shutting down".into()),
             _ => None,
