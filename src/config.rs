@@ -302,6 +302,12 @@ impl JobSpec {
         range("train.checkpoint_every", t.checkpoint_every, 0, 10_000_000)?;
         range("train.eval_batches", t.eval_batches, 1, 10_000)?;
         range("memory.zero_stage", self.memory.zero_stage, 0, 3)?;
+        if self.memory.offload.activations != OffloadTarget::None && self.memory.checkpointing != Checkpointing::Full {
+            return Err(bad(
+                "memory.offload.activations",
+                "needs memory.checkpointing: full (the offloaded activations are the checkpointed block inputs)",
+            ));
+        }
         match &self.device.device_memory {
             Some(s) => {
                 parse_bytes(s).map_err(|e| bad("device.device_memory", e))?;
@@ -334,11 +340,8 @@ impl JobSpec {
         if matches!(off.optimizer, OffloadTarget::CpuInt8) || matches!(off.params, OffloadTarget::CpuInt8) {
             return Err(bad("memory.offload", "cpu-int8 applies to activations only"));
         }
-        for (field, target) in [("memory.offload.params", off.params), ("memory.offload.activations", off.activations)]
-        {
-            if target != OffloadTarget::None {
-                return Err(bad(field, "only `none` is implemented by this engine build (offload: issue #4)"));
-            }
+        if off.params != OffloadTarget::None {
+            return Err(bad("memory.offload.params", "only `none` is implemented by this engine build (issue #4)"));
         }
         Ok(())
     }

@@ -238,3 +238,36 @@ fn optimizer_offload_frees_device_memory_and_trains_identically() {
     assert_eq!(run("none", "18MiB", "c").status.code(), Some(3));
     assert_eq!(run("cpu", "18MiB", "d").status.code(), Some(0));
 }
+
+#[test]
+fn activation_offload_moves_block_inputs_to_the_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |offload: &str| {
+        let yaml = job_yaml("actoff", 12, 16, 16, "64MiB").replace("n_layer: 2", "n_layer: 4")
+            + &format!("memory: {{ checkpointing: full, offload: {{ activations: {offload} }} }}\n");
+        let job = write_job(dir.path(), &yaml);
+        let out = train(&job, &dir.path().join(offload), &[]);
+        assert_eq!(out.status.code(), Some(0), "{offload}: {}", String::from_utf8_lossy(&out.stderr));
+        events(&out)
+    };
+    let (plain, cpu, int8) = (run("none"), run("cpu"), run("cpu-int8"));
+    for ((s, a), (_, b)) in losses(&plain).iter().zip(losses(&cpu)) {
+        assert_eq!(a.to_bits(), b.to_bits(), "step {s}: an exact host copy changes nothing");
+    }
+    for ((s, a), (_, b)) in losses(&plain).iter().zip(losses(&int8)) {
+        assert!((a - b).abs() / a < 2e-2, "step {s}: int8 transfer compression stays close: {a} vs {b}");
+    }
+    let step = |ev: &[serde_json::Value]| of_kind(ev, "step")[0].clone();
+    let (p, c, q) = (step(&plain), step(&cpu), step(&int8));
+    let acts = |s: &serde_json::Value| s["mem"]["activations"].as_u64().unwrap();
+    assert!(acts(&c) < acts(&p), "device activations drop: {} vs {}", acts(&c), acts(&p));
+    let host = |s: &serde_json::Value| s["mem"]["host_activations"].as_u64().unwrap();
+    assert!(host(&c) > 0 && host(&q) > 0 && host(&q) * 3 < host(&c) * 2, "int8 holds less on the host");
+    assert!(c["swap"]["bytes_to_host"].as_u64().unwrap() > 0 && c["swap"]["bytes_to_device"].as_u64().unwrap() > 0);
+
+    // Without full checkpointing there is nothing to offload: a clear error naming the field.
+    let yaml = job_yaml("actoff", 2, 16, 16, "64MiB") + "memory: { offload: { activations: cpu } }\n";
+    let out = train(&write_job(dir.path(), &yaml), &dir.path().join("bad"), &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("memory.offload.activations"));
+}

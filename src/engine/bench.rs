@@ -4,7 +4,7 @@
 use crate::config::{Checkpointing, Precision};
 use crate::memory::{format_bytes, Category, MemStats, Pool};
 
-use super::estimate::estimate_step;
+use super::estimate::{estimate_step, Knobs};
 use super::layers::Elem;
 
 use super::model::GptConfig;
@@ -92,6 +92,7 @@ pub fn run_configured<E: Elem>(
         seed: 1,
         checkpointing,
         offload_optimizer: false,
+        offload_activations: crate::config::OffloadTarget::None,
     };
     let pool = Pool::new("cpu", usize::MAX / 2);
     let mut trainer = Trainer::<E>::new(case.cfg, hyper, pool.clone())?;
@@ -160,7 +161,10 @@ pub fn techniques_table(case: &BenchCase, warmup: usize, steps: usize) -> Result
             Precision::Bf16 => run_configured::<half::bf16>(case, micro, mode, warmup, steps)?,
             Precision::Fp16 => run_configured::<half::f16>(case, micro, mode, warmup, steps)?,
         };
-        let est = estimate_step(&case.cfg, micro, case.seq, mode, precision, case.batch / micro, false);
+        let est = estimate_step(
+            &case.cfg,
+            &Knobs { checkpointing: mode, precision, ..Knobs::plain(micro, case.seq, case.batch / micro) },
+        );
         let base = *baseline.get_or_insert(st.peak_allocated);
         s.push_str(&format!(
             "{:<22} {:>5} {:>11} {:>11} {:>11} {:>12} {:>11} {:>12} {:>12} {:>7.2} {:>9.1}\n",

@@ -78,35 +78,48 @@ impl Live {
     }
 }
 
-/// Peak allocated bytes of one training step (plus evaluation) for this model, micro-batch,
-/// checkpointing mode and precision.
-pub fn estimate_step(
-    cfg: &GptConfig,
-    micro_batch: usize,
-    seq_len: usize,
-    mode: Checkpointing,
-    precision: Precision,
-    grad_accum: usize,
-    offload_optimizer: bool,
-) -> Estimate {
-    let args = (cfg, micro_batch, seq_len, mode, grad_accum, offload_optimizer);
-    match precision {
-        Precision::Fp32 => estimate_for::<f32>(args),
-        Precision::Bf16 => estimate_for::<half::bf16>(args),
-        Precision::Fp16 => estimate_for::<half::f16>(args),
+/// The memory knobs of one configuration, as the estimator needs them.
+#[derive(Debug, Clone, Copy)]
+pub struct Knobs {
+    pub micro_batch: usize,
+    pub seq_len: usize,
+    pub grad_accum: usize,
+    pub checkpointing: Checkpointing,
+    pub precision: Precision,
+    pub offload_optimizer: bool,
+    pub offload_activations: bool,
+}
+
+impl Knobs {
+    /// fp32, no checkpointing, no offload.
+    pub fn plain(micro_batch: usize, seq_len: usize, grad_accum: usize) -> Knobs {
+        Knobs {
+            micro_batch,
+            seq_len,
+            grad_accum,
+            checkpointing: Checkpointing::None,
+            precision: Precision::Fp32,
+            offload_optimizer: false,
+            offload_activations: false,
+        }
     }
 }
 
-fn estimate_for<E: Elem>(
-    (cfg, micro_batch, seq_len, mode, grad_accum, offload_optimizer): (
-        &GptConfig,
-        usize,
-        usize,
-        Checkpointing,
-        usize,
-        bool,
-    ),
-) -> Estimate {
+/// Peak allocated bytes of one training step (plus evaluation) for this model and knobs.
+pub fn estimate_step(cfg: &GptConfig, k: &Knobs) -> Estimate {
+    match k.precision {
+        Precision::Fp32 => estimate_for::<f32>(cfg, k),
+        Precision::Bf16 => estimate_for::<half::bf16>(cfg, k),
+        Precision::Fp16 => estimate_for::<half::f16>(cfg, k),
+    }
+}
+
+fn estimate_for<E: Elem>(cfg: &GptConfig, k: &Knobs) -> Estimate {
+    let Knobs { micro_batch, seq_len, grad_accum, checkpointing: mode, offload_optimizer, offload_activations, .. } =
+        *k;
+    // With activation offload (full checkpointing) at most one kept block output is on the
+    // device at any moment; the others are in host memory.
+    let on_device = |kept_layers: usize| if offload_activations { kept_layers.min(1) } else { kept_layers };
     let (b, t) = (micro_batch, seq_len);
     let n = cfg.num_params();
     let mut base = Live::default();
@@ -154,7 +167,7 @@ fn estimate_for<E: Elem>(
     // Backward start: everything kept, head outputs, all workspace.
     let mut start = base.clone();
     add_globals(&mut start, false);
-    for _ in 0..cfg.n_layer {
+    for _ in 0..on_device(cfg.n_layer) {
         add_layer(&mut start, &kept);
     }
     add_workspace(&mut start);
@@ -164,7 +177,7 @@ fn estimate_for<E: Elem>(
     if mode != Checkpointing::None && cfg.n_layer > 0 {
         let mut rec = base.clone();
         add_globals(&mut rec, true);
-        for _ in 0..cfg.n_layer - 1 {
+        for _ in 0..on_device(cfg.n_layer - 1) {
             add_layer(&mut rec, &kept);
         }
         add_layer(&mut rec, &all);
@@ -180,12 +193,12 @@ fn estimate_for<E: Elem>(
     }
     fwd.add(Category::Workspace, forward_scratch_elems::<E>(cfg, b, t) * 4);
     let mut head = fwd.clone();
-    for _ in 0..cfg.n_layer.saturating_sub(1) {
+    for _ in 0..on_device(cfg.n_layer.saturating_sub(1)) {
         add_layer(&mut fwd, &kept);
     }
     add_layer(&mut fwd, &all);
     candidates.push(("forward", fwd));
-    for _ in 0..cfg.n_layer {
+    for _ in 0..on_device(cfg.n_layer) {
         add_layer(&mut head, &kept);
     }
     for &(name, elems) in globals.iter().skip(3).take(4) {
@@ -210,16 +223,16 @@ fn estimate_for<E: Elem>(
 }
 
 pub fn estimate_job(spec: &JobSpec) -> Estimate {
-    let cfg = gpt_config(spec);
-    estimate_step(
-        &cfg,
-        spec.train.micro_batch as usize,
-        spec.model.block_size as usize,
-        spec.memory.checkpointing,
-        spec.memory.precision,
-        spec.grad_accum(),
-        spec.memory.offload.optimizer != OffloadTarget::None,
-    )
+    let knobs = Knobs {
+        micro_batch: spec.train.micro_batch as usize,
+        seq_len: spec.model.block_size as usize,
+        grad_accum: spec.grad_accum(),
+        checkpointing: spec.memory.checkpointing,
+        precision: spec.memory.precision,
+        offload_optimizer: spec.memory.offload.optimizer != OffloadTarget::None,
+        offload_activations: spec.memory.offload.activations != OffloadTarget::None,
+    };
+    estimate_step(&gpt_config(spec), &knobs)
 }
 
 /// Whether an estimate fits a capacity: "yes" (even the reserved allowance fits), "tight"
@@ -237,6 +250,7 @@ pub fn verdict(e: &Estimate, capacity: usize) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::OffloadTarget;
     use crate::engine::rng::mix64;
     use crate::engine::trainer::{Hyper, Trainer};
     use crate::memory::{format_bytes, Pool};
@@ -248,6 +262,18 @@ mod tests {
         global: usize,
         t: usize,
         mode: Checkpointing,
+    ) -> (usize, [usize; 3]) {
+        measure_offload::<E>(cfg, micro, global, t, mode, false, OffloadTarget::None)
+    }
+
+    fn measure_offload<E: Elem>(
+        cfg: GptConfig,
+        micro: usize,
+        global: usize,
+        t: usize,
+        mode: Checkpointing,
+        offload_optimizer: bool,
+        offload_activations: OffloadTarget,
     ) -> (usize, [usize; 3]) {
         let hyper = Hyper {
             steps: 2,
@@ -261,7 +287,8 @@ mod tests {
             grad_clip: 1.0,
             seed: 1,
             checkpointing: mode,
-            offload_optimizer: false,
+            offload_optimizer,
+            offload_activations,
         };
         let pool = Pool::new("cpu", 1 << 32);
         let mut trainer = Trainer::<E>::new(cfg, hyper, pool.clone()).unwrap();
@@ -303,7 +330,16 @@ mod tests {
                         Precision::Fp32 => measure::<f32>(cfg, micro, 8, t, mode),
                         _ => measure::<half::bf16>(cfg, micro, 8, t, mode),
                     };
-                    let e = estimate_step(&cfg, micro, t, mode, precision, 8 / micro, false);
+                    let e = estimate_step(
+                        &cfg,
+                        &Knobs {
+                            checkpointing: mode,
+                            precision,
+                            offload_optimizer: false,
+                            offload_activations: false,
+                            ..Knobs::plain(micro, t, 8 / micro)
+                        },
+                    );
                     let err = (e.peak_allocated as f64 - measured as f64).abs() / measured as f64;
                     rows.push(format!(
                         "L{} C{} {precision:?} {mode:?} mb{micro}: predicted {} measured {} ({:+.2}%) at {}",
@@ -324,18 +360,95 @@ mod tests {
     }
 
     #[test]
+    fn offload_estimates_match_the_pool() {
+        let cfg = GptConfig { n_layer: 3, n_head: 2, n_embd: 32, block_size: 32, vocab: 512 };
+        for (precision, oo, oa) in [
+            (Precision::Fp32, true, OffloadTarget::None),
+            (Precision::Fp32, false, OffloadTarget::Cpu),
+            (Precision::Bf16, false, OffloadTarget::CpuInt8),
+            (Precision::Bf16, true, OffloadTarget::Cpu),
+        ] {
+            for micro in [2, 8] {
+                let (measured, _) = match precision {
+                    Precision::Fp32 => measure_offload::<f32>(cfg, micro, 8, 32, Checkpointing::Full, oo, oa),
+                    _ => measure_offload::<half::bf16>(cfg, micro, 8, 32, Checkpointing::Full, oo, oa),
+                };
+                let knobs = Knobs {
+                    checkpointing: Checkpointing::Full,
+                    precision,
+                    offload_optimizer: oo,
+                    offload_activations: oa != OffloadTarget::None,
+                    ..Knobs::plain(micro, 32, 8 / micro)
+                };
+                let e = estimate_step(&cfg, &knobs);
+                let err = (e.peak_allocated as f64 - measured as f64).abs() / measured as f64;
+                println!("{precision:?} opt-offload {oo} act-offload {oa:?} mb{micro}: predicted {} measured {measured} ({:+.2}%)", e.peak_allocated, err * 100.0);
+                assert!(err < 0.05, "{precision:?} {oo} {oa:?} mb{micro}: {} vs {measured}", e.peak_allocated);
+            }
+        }
+    }
+
+    #[test]
     fn knobs_lower_the_estimate() {
         let cfg = GptConfig { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab: 256 };
-        let none = estimate_step(&cfg, 16, 128, Checkpointing::None, Precision::Fp32, 1, false);
-        let sel = estimate_step(&cfg, 16, 128, Checkpointing::Selective, Precision::Fp32, 1, false);
-        let full = estimate_step(&cfg, 16, 128, Checkpointing::Full, Precision::Fp32, 1, false);
-        let small = estimate_step(&cfg, 4, 128, Checkpointing::Full, Precision::Fp32, 4, false);
-        let bf16 = estimate_step(&cfg, 16, 128, Checkpointing::None, Precision::Bf16, 1, false);
+        let none = estimate_step(
+            &cfg,
+            &Knobs {
+                checkpointing: Checkpointing::None,
+                precision: Precision::Fp32,
+                offload_optimizer: false,
+                offload_activations: false,
+                ..Knobs::plain(16, 128, 1)
+            },
+        );
+        let sel = estimate_step(
+            &cfg,
+            &Knobs {
+                checkpointing: Checkpointing::Selective,
+                precision: Precision::Fp32,
+                offload_optimizer: false,
+                offload_activations: false,
+                ..Knobs::plain(16, 128, 1)
+            },
+        );
+        let full = estimate_step(
+            &cfg,
+            &Knobs {
+                checkpointing: Checkpointing::Full,
+                precision: Precision::Fp32,
+                offload_optimizer: false,
+                offload_activations: false,
+                ..Knobs::plain(16, 128, 1)
+            },
+        );
+        let small = estimate_step(
+            &cfg,
+            &Knobs {
+                checkpointing: Checkpointing::Full,
+                precision: Precision::Fp32,
+                offload_optimizer: false,
+                offload_activations: false,
+                ..Knobs::plain(4, 128, 4)
+            },
+        );
+        let bf16 = estimate_step(
+            &cfg,
+            &Knobs {
+                checkpointing: Checkpointing::None,
+                precision: Precision::Bf16,
+                offload_optimizer: false,
+                offload_activations: false,
+                ..Knobs::plain(16, 128, 1)
+            },
+        );
         assert!(none.activations > sel.activations && sel.activations > full.activations);
         assert!(bf16.activations < none.activations * 6 / 10, "bf16 roughly halves activations");
         assert_eq!(bf16.params * 2, none.params);
         assert_eq!(bf16.optimizer, none.optimizer * 3 / 2, "fp32 master weights join the moments");
-        let off = estimate_step(&cfg, 16, 128, Checkpointing::None, Precision::Bf16, 1, true);
+        let off = estimate_step(
+            &cfg,
+            &Knobs { precision: Precision::Bf16, offload_optimizer: true, ..Knobs::plain(16, 128, 1) },
+        );
         assert_eq!((off.optimizer, off.host_optimizer), (0, 16 * cfg.num_params()));
         assert!(small.peak_allocated < full.peak_allocated);
         assert_eq!(verdict(&none, none.reserved_allowance), "yes");

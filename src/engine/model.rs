@@ -6,7 +6,7 @@
 //! `ln1w ln1b qkvw qkvb attprojw attprojb ln2w ln2b fcw fcb fcprojw fcprojb`. The same order is
 //! the checkpoint's canonical layout.
 
-use crate::config::Checkpointing;
+use crate::config::{Checkpointing, OffloadTarget};
 use crate::memory::{Buffer, Category, OomError, Pool};
 
 use super::layers::*;
@@ -337,6 +337,90 @@ pub enum KeptLayer {
     Selective(Box<SelectiveActs>),
     /// Only the block output (`full` checkpointing).
     Output(Buffer),
+    /// The block output moved to host memory (`offload.activations`).
+    Host(HostTensor),
+}
+
+/// A (rows, C) tensor in host memory, as stored or compressed to int8 with a scale per row.
+pub enum HostTensor {
+    Plain { bytes: Vec<u8> },
+    Int8 { q: Vec<i8>, scales: Vec<f32>, elem_bytes: usize },
+}
+
+/// Bytes moved between device and host in one step, and the time the copies took.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SwapStats {
+    pub bytes_to_host: usize,
+    pub bytes_to_device: usize,
+    pub transfer_ms: f64,
+}
+
+impl SwapStats {
+    pub fn add(&mut self, o: SwapStats) {
+        self.bytes_to_host += o.bytes_to_host;
+        self.bytes_to_device += o.bytes_to_device;
+        self.transfer_ms += o.transfer_ms;
+    }
+}
+
+impl HostTensor {
+    /// Copy a device buffer of `E` to the host (compressing to int8 rows of `c` if asked).
+    fn from_device<E: Elem>(buf: &Buffer, c: usize, int8: bool) -> HostTensor {
+        if !int8 {
+            return HostTensor::Plain { bytes: buf.bytes().to_vec() };
+        }
+        let x = buf.as_slice::<E>();
+        let rows = x.len() / c;
+        let mut q = vec![0i8; x.len()];
+        let mut scales = vec![0f32; rows];
+        for (r, (row, qrow)) in x.chunks(c).zip(q.chunks_mut(c)).enumerate() {
+            let amax = row.iter().fold(0f32, |m, v| m.max(v.to_f32().abs()));
+            let scale = if amax > 0.0 { amax / 127.0 } else { 1.0 };
+            scales[r] = scale;
+            for (qi, v) in qrow.iter_mut().zip(row) {
+                *qi = (v.to_f32() / scale).round().clamp(-127.0, 127.0) as i8;
+            }
+        }
+        HostTensor::Int8 { q, scales, elem_bytes: E::BYTES }
+    }
+
+    /// Bytes held on the host.
+    pub fn host_bytes(&self) -> usize {
+        match self {
+            HostTensor::Plain { bytes } => bytes.len(),
+            HostTensor::Int8 { q, scales, .. } => q.len() + 4 * scales.len(),
+        }
+    }
+
+    /// Device bytes of the restored tensor.
+    fn device_bytes(&self) -> usize {
+        match self {
+            HostTensor::Plain { bytes } => bytes.len(),
+            HostTensor::Int8 { q, elem_bytes, .. } => q.len() * elem_bytes,
+        }
+    }
+
+    /// Bring the tensor back into a fresh device buffer.
+    fn to_device<E: Elem>(&self, pool: &Pool, c: usize) -> Result<Buffer, OomError> {
+        let mut buf = pool.alloc(self.device_bytes(), Category::Activations)?;
+        match self {
+            HostTensor::Plain { bytes } => buf.bytes_mut().copy_from_slice(bytes),
+            HostTensor::Int8 { q, scales, .. } => {
+                let x = buf.as_mut_slice::<E>();
+                for ((row, qrow), &scale) in x.chunks_mut(c).zip(q.chunks(c)).zip(scales) {
+                    for (v, &qi) in row.iter_mut().zip(qrow) {
+                        *v = E::from_f32(qi as f32 * scale);
+                    }
+                }
+            }
+        }
+        Ok(buf)
+    }
+}
+
+/// Host bytes of every offloaded block output.
+fn host_activation_bytes(layers: &[KeptLayer]) -> usize {
+    layers.iter().map(|k| if let KeptLayer::Host(h) = k { h.host_bytes() } else { 0 }).sum()
 }
 
 impl KeptLayer {
@@ -365,6 +449,7 @@ impl KeptLayer {
             KeptLayer::All(a) => a.residual3.as_slice(),
             KeptLayer::Selective(s) => s.residual3.as_slice(),
             KeptLayer::Output(o) => o.as_slice(),
+            KeptLayer::Host(_) => unreachable!("offloaded outputs are restored before use"),
         }
     }
 }
@@ -383,6 +468,9 @@ pub struct Activations {
     /// Logits, then probabilities after the loss, then logit gradients in backward.
     pub logits: Option<Buffer>,
     pub losses: Buffer,
+    /// Host traffic of activation offload so far in this forward/backward pair.
+    pub swap: SwapStats,
+    pub offload: OffloadTarget,
 }
 
 impl Activations {
@@ -435,8 +523,10 @@ pub fn forward<E: Elem>(
     b: usize,
     t: usize,
     mode: Checkpointing,
+    offload: OffloadTarget,
 ) -> Result<Activations, OomError> {
     let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab);
+    let mut swap = SwapStats::default();
     let bt = b * t;
     let p = cfg.view(params);
     let g = global_activation_sizes(cfg, b, t);
@@ -454,6 +544,17 @@ pub fn forward<E: Elem>(
         let x = layers.last().map(KeptLayer::output::<E>).unwrap_or(encoded.as_slice());
         layer_forward(&p.layers[l], &mut a, x, scratch.as_mut_slice(), b, t, c, nh);
         layers.push(KeptLayer::keep(a, mode));
+        // The previous block's output has been consumed: move it to the host.
+        if offload != OffloadTarget::None && l >= 1 {
+            let t0 = std::time::Instant::now();
+            if let KeptLayer::Output(buf) = &layers[l - 1] {
+                let host = HostTensor::from_device::<E>(buf, c, offload == OffloadTarget::CpuInt8);
+                swap.bytes_to_host += host.host_bytes();
+                layers[l - 1] = KeptLayer::Host(host);
+            }
+            swap.transfer_ms += t0.elapsed().as_secs_f64() * 1e3;
+            pool.set_host_bytes(Category::Activations, host_activation_bytes(&layers));
+        }
     }
 
     let mut lnf = alloc_act::<E>(pool, g[3].0, g[3].1)?;
@@ -486,6 +587,8 @@ pub fn forward<E: Elem>(
         lnf_rstd,
         logits: Some(logits),
         losses,
+        swap,
+        offload,
     })
 }
 
@@ -503,6 +606,11 @@ fn recompute<E: Elem>(
     t: usize,
 ) -> Result<LayerActs, OomError> {
     let (c, nh) = (cfg.n_embd, cfg.n_head);
+    let full = |pool: &Pool, scratch: &mut [f32]| -> Result<LayerActs, OomError> {
+        let mut a = alloc_layer_acts::<E>(cfg, pool, b, t)?;
+        layer_forward(p, &mut a, x, scratch, b, t, c, nh);
+        Ok(a)
+    };
     match kept {
         KeptLayer::All(a) => Ok(*a),
         KeptLayer::Selective(s) => {
@@ -547,11 +655,11 @@ fn recompute<E: Elem>(
             })
         }
         KeptLayer::Output(out) => {
+            // Free the kept output first: the block is recomputed from `x`.
             drop(out);
-            let mut a = alloc_layer_acts::<E>(cfg, pool, b, t)?;
-            layer_forward(p, &mut a, x, scratch, b, t, c, nh);
-            Ok(a)
+            full(pool, scratch)
         }
+        KeptLayer::Host(_) => full(pool, scratch),
     }
 }
 
@@ -615,7 +723,7 @@ pub fn backward<E: Elem>(
     pool: &Pool,
     mut acts: Activations,
     dloss: f32,
-) -> Result<(), OomError> {
+) -> Result<SwapStats, OomError> {
     let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab);
     let (b, t) = (acts.b, acts.t);
     let bt = b * t;
@@ -663,6 +771,23 @@ pub fn backward<E: Elem>(
 
     for l in (0..cfg.n_layer).rev() {
         let kept = acts.layers.pop().expect("one KeptLayer per layer");
+        // An offloaded input comes back from the host first.
+        let restored = match acts.layers.last() {
+            Some(KeptLayer::Host(h)) => {
+                let t0 = std::time::Instant::now();
+                let buf = h.to_device::<E>(pool, c)?;
+                acts.swap.bytes_to_device += h.host_bytes();
+                acts.swap.transfer_ms += t0.elapsed().as_secs_f64() * 1e3;
+                Some(buf)
+            }
+            _ => None,
+        };
+        if let Some(KeptLayer::Host(_)) = acts.layers.last() {
+            acts.layers.pop();
+            pool.set_host_bytes(Category::Activations, host_activation_bytes(&acts.layers));
+            // Keep the slot so layer indices line up; the restored buffer stands in for it.
+            acts.layers.push(KeptLayer::Output(restored.expect("restored above")));
+        }
         let x = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(acts.encoded.as_slice());
         let (pl, gl) = (&p.layers[l], &mut g.layers[l]);
         let a = recompute::<E>(cfg, pool, pl, kept, x, scratch, b, t)?;
@@ -754,5 +879,8 @@ pub fn backward<E: Elem>(
     }
     let inputs = acts.inputs.as_slice::<u32>();
     encoder_backward::<E>(g.wte, g.wpe, dres.as_slice(), inputs, t, c);
-    Ok(())
+    if acts.offload != OffloadTarget::None {
+        pool.set_host_bytes(Category::Activations, 0);
+    }
+    Ok(acts.swap)
 }

@@ -28,6 +28,8 @@ pub struct Hyper {
     pub checkpointing: Checkpointing,
     /// Optimizer state and master weights in host memory.
     pub offload_optimizer: bool,
+    /// Block outputs kept for backward in host memory (needs full checkpointing).
+    pub offload_activations: OffloadTarget,
 }
 
 impl Hyper {
@@ -46,6 +48,7 @@ impl Hyper {
             seed: t.seed,
             checkpointing: spec.memory.checkpointing,
             offload_optimizer: spec.memory.offload.optimizer != OffloadTarget::None,
+            offload_activations: spec.memory.offload.activations,
         }
     }
 }
@@ -99,13 +102,7 @@ enum OptimizerState {
     Host { master: Vec<f32>, m: Vec<f32>, v: Vec<f32>, grads: Vec<f32> },
 }
 
-/// Bytes moved between device and host in one step, and the time the copies took.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct SwapStats {
-    pub bytes_to_host: usize,
-    pub bytes_to_device: usize,
-    pub transfer_ms: f64,
-}
+pub use super::model::SwapStats;
 
 /// Model state on the device: every tensor a pool buffer tagged with its category.
 /// `E` is the compute precision of parameters, gradients and activations; with a 16-bit `E`
@@ -223,6 +220,7 @@ impl<E: Elem> Trainer<E> {
         let scale = self.loss_scale as f32;
         let dloss = scale / (b * t * h.grad_accum) as f32;
         let mut loss_sum = 0.0f64;
+        let mut act_swap = SwapStats::default();
         let (mut inputs, mut targets) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
         for micro in 0..h.grad_accum {
             inputs.clear();
@@ -231,15 +229,26 @@ impl<E: Elem> Trainer<E> {
                 batch(self.step, (micro * b + i) as u64, &mut inputs, &mut targets);
             }
             let params = self.params.as_slice::<E>();
-            let acts = model::forward::<E>(&self.cfg, params, &self.pool, &inputs, &targets, b, t, h.checkpointing)?;
+            let acts = model::forward::<E>(
+                &self.cfg,
+                params,
+                &self.pool,
+                &inputs,
+                &targets,
+                b,
+                t,
+                h.checkpointing,
+                h.offload_activations,
+            )?;
             loss_sum += acts.mean_loss() as f64;
-            model::backward::<E>(&self.cfg, params, self.grads.as_mut_slice(), &self.pool, acts, dloss)?;
+            let moved = model::backward::<E>(&self.cfg, params, self.grads.as_mut_slice(), &self.pool, acts, dloss)?;
+            act_swap.add(moved);
         }
         let lr = lr_at(self.step as usize, h.lr, h.warmup_steps, h.steps as usize);
         let inv_scale = 1.0 / self.loss_scale;
         let grad_norm = sum_squares(self.grads.as_slice::<E>()).sqrt() * inv_scale;
         let skipped = !grad_norm.is_finite();
-        let mut swap = None;
+        let mut swap = (h.offload_activations != OffloadTarget::None).then_some(act_swap);
         if skipped {
             // fp16 overflow: drop this update, halve the scale, keep going.
             self.loss_scale = (self.loss_scale / 2.0).max(1.0);
@@ -275,7 +284,7 @@ impl<E: Elem> Trainer<E> {
                     let t1 = std::time::Instant::now();
                     narrow::<E>(self.params.as_mut_slice(), master);
                     transfer += t1.elapsed();
-                    swap = Some(SwapStats {
+                    swap.get_or_insert_with(SwapStats::default).add(SwapStats {
                         bytes_to_host: grads.len() * E::BYTES,
                         bytes_to_device: grads.len() * E::BYTES,
                         transfer_ms: transfer.as_secs_f64() * 1e3,
@@ -318,8 +327,17 @@ impl<E: Elem> Trainer<E> {
             }
             // Evaluation keeps nothing for backward: only block outputs live through the pass.
             let params = self.params.as_slice::<E>();
-            let acts =
-                model::forward::<E>(&self.cfg, params, &self.pool, &inputs, &targets, n, t, Checkpointing::Full)?;
+            let acts = model::forward::<E>(
+                &self.cfg,
+                params,
+                &self.pool,
+                &inputs,
+                &targets,
+                n,
+                t,
+                Checkpointing::Full,
+                OffloadTarget::None,
+            )?;
             total += acts.mean_loss() as f64 * n as f64;
             done += n;
         }
@@ -404,6 +422,7 @@ mod tests {
             seed: 3,
             checkpointing: Checkpointing::None,
             offload_optimizer: false,
+            offload_activations: OffloadTarget::None,
         };
         (cfg, hyper)
     }

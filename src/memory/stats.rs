@@ -52,6 +52,9 @@ pub struct MemStats {
     pub window_peak_allocated: usize,
     pub window_peak_reserved: usize,
     pub host: [usize; 5],
+    /// Host-bytes peaks: lifetime and current window.
+    pub host_peak: [usize; 5],
+    pub host_window_peak: [usize; 5],
     pub num_allocs: u64,
     pub num_frees: u64,
     pub num_ooms: u64,
@@ -102,10 +105,14 @@ impl MemStats {
         self.window_peak = self.current;
         self.window_peak_allocated = self.allocated();
         self.window_peak_reserved = self.reserved;
+        self.host_window_peak = self.host;
     }
 
     pub(crate) fn set_host(&mut self, c: Category, bytes: usize) {
-        self.host[c.index()] = bytes;
+        let i = c.index();
+        self.host[i] = bytes;
+        self.host_peak[i] = self.host_peak[i].max(bytes);
+        self.host_window_peak[i] = self.host_window_peak[i].max(bytes);
     }
 
     /// The `mem` object of the trainer protocol. Per-category figures, `allocated` and `reserved`
@@ -125,9 +132,9 @@ impl MemStats {
             "capacity": self.capacity,
             "peak_allocated": self.peak_allocated,
             "peak_reserved": self.peak_reserved,
-            "host_params": self.host[0],
-            "host_optimizer": self.host[2],
-            "host_activations": self.host[3],
+            "host_params": self.host_window_peak[0],
+            "host_optimizer": self.host_window_peak[2],
+            "host_activations": self.host_window_peak[3],
         })
     }
 
@@ -147,9 +154,9 @@ impl MemStats {
             "capacity": self.capacity,
             "peak_allocated": self.peak_allocated,
             "peak_reserved": self.peak_reserved,
-            "host_params": self.host[0],
-            "host_optimizer": self.host[2],
-            "host_activations": self.host[3],
+            "host_params": self.host_peak[0],
+            "host_optimizer": self.host_peak[2],
+            "host_activations": self.host_peak[3],
         })
     }
 
