@@ -330,11 +330,16 @@ impl JobSpec {
     /// so the supervisor can accept a spec whose later rungs need features a rung may add).
     pub fn check_supported(&self) -> Result<(), ConfigError> {
         let mem = &self.memory;
-        if mem.world_size != 1 {
-            return Err(bad("memory.world_size", "only 1 is implemented by this engine build (ranks: issue #4)"));
+        if mem.zero_stage > 1 {
+            return Err(bad(
+                "memory.zero_stage",
+                "stages 2 and 3 are not implemented by this engine build (0 and 1 are; issue #4)",
+            ));
         }
-        if mem.zero_stage != 0 {
-            return Err(bad("memory.zero_stage", "only 0 is implemented by this engine build (ZeRO: issue #4)"));
+        if mem.world_size > 1
+            && (mem.offload.optimizer != OffloadTarget::None || mem.offload.activations != OffloadTarget::None)
+        {
+            return Err(bad("memory.offload", "offload with world_size > 1 is not implemented by this engine build"));
         }
         let off = &mem.offload;
         if matches!(off.optimizer, OffloadTarget::CpuInt8) || matches!(off.params, OffloadTarget::CpuInt8) {

@@ -271,3 +271,49 @@ fn activation_offload_moves_block_inputs_to_the_host() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("memory.offload.activations"));
 }
+
+#[test]
+fn data_parallel_ranks_follow_one_rank_and_zero1_shards_the_optimizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |precision: &str, world: u32, stage: u32| {
+        let yaml = job_yaml("ranks", 20, 16, 4, "128MiB")
+            .replace("micro_batch: 4", &format!("micro_batch: {}", 16 / world / 2))
+            + &format!("memory: {{ precision: {precision}, world_size: {world}, zero_stage: {stage} }}\n");
+        let out = train(&write_job(dir.path(), &yaml), &dir.path().join(format!("{precision}-{world}-{stage}")), &[]);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{precision} w{world} z{stage}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        events(&out)
+    };
+    for precision in ["fp32", "bf16"] {
+        let one = run(precision, 1, 0);
+        let base = losses(&one);
+        let opt1 = of_kind(&one, "step")[0]["mem"]["optimizer"].as_u64().unwrap();
+        for (world, stage) in [(2, 0), (2, 1), (4, 0), (4, 1)] {
+            let ev = run(precision, world, stage);
+            let tol = if precision == "fp32" { 1e-4 } else { 2e-2 };
+            for ((s, a), (_, b)) in base.iter().zip(losses(&ev)) {
+                assert!((a - b).abs() / a < tol, "{precision} world {world} stage {stage}, step {s}: {a} vs {b}");
+            }
+            let step = of_kind(&ev, "step")[0];
+            let opt = step["mem"]["optimizer"].as_u64().unwrap();
+            let expect = if stage == 0 { opt1 as f64 } else { opt1 as f64 / world as f64 };
+            assert!(
+                (opt as f64 - expect).abs() / expect < 0.05,
+                "{precision} w{world} z{stage}: optimizer {opt} vs {expect}"
+            );
+            assert_eq!(of_kind(&ev, "started")[0]["world_size"], world);
+        }
+    }
+    // Resuming under another world size and stage works from the same checkpoint.
+    let yaml = job_yaml("ranks", 20, 16, 4, "128MiB") + "memory: { world_size: 2, zero_stage: 1 }\n";
+    let job = write_job(dir.path(), &yaml);
+    assert_eq!(train(&job, &dir.path().join("switch"), &["--stop-after", "10"]).status.code(), Some(4));
+    let yaml = job_yaml("ranks", 20, 16, 2, "128MiB") + "memory: { world_size: 4, zero_stage: 0 }\n";
+    let out = train(&write_job(dir.path(), &yaml), &dir.path().join("switch"), &["--resume"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(of_kind(&events(&out), "started")[0]["resumed_from_step"], 10);
+}

@@ -93,6 +93,8 @@ pub fn run_configured<E: Elem>(
         checkpointing,
         offload_optimizer: false,
         offload_activations: crate::config::OffloadTarget::None,
+        world_size: 1,
+        zero_stage: 0,
     };
     let pool = Pool::new("cpu", usize::MAX / 2);
     let mut trainer = Trainer::<E>::new(case.cfg, hyper, pool.clone())?;

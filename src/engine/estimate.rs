@@ -88,6 +88,10 @@ pub struct Knobs {
     pub precision: Precision,
     pub offload_optimizer: bool,
     pub offload_activations: bool,
+    /// Data-parallel ranks and ZeRO stage: with stage ≥ 1 each rank holds 1/world of the
+    /// optimizer state (padded to equal shards).
+    pub world_size: usize,
+    pub zero_stage: usize,
 }
 
 impl Knobs {
@@ -101,6 +105,8 @@ impl Knobs {
             precision: Precision::Fp32,
             offload_optimizer: false,
             offload_activations: false,
+            world_size: 1,
+            zero_stage: 0,
         }
     }
 }
@@ -117,6 +123,8 @@ pub fn estimate_step(cfg: &GptConfig, k: &Knobs) -> Estimate {
 fn estimate_for<E: Elem>(cfg: &GptConfig, k: &Knobs) -> Estimate {
     let Knobs { micro_batch, seq_len, grad_accum, checkpointing: mode, offload_optimizer, offload_activations, .. } =
         *k;
+    let sharded = k.zero_stage >= 1 && k.world_size > 1;
+    let state_len = if sharded { cfg.num_params().div_ceil(k.world_size) } else { cfg.num_params() };
     // With activation offload (full checkpointing) at most one kept block output is on the
     // device at any moment; the others are in host memory.
     let on_device = |kept_layers: usize| if offload_activations { kept_layers.min(1) } else { kept_layers };
@@ -129,10 +137,10 @@ fn estimate_for<E: Elem>(cfg: &GptConfig, k: &Knobs) -> Estimate {
     let host_optimizer = if offload_optimizer { 16 * n } else { 0 };
     if !offload_optimizer {
         if !E::is_f32() {
-            base.add(Category::Optimizer, n * 4); // fp32 master weights
+            base.add(Category::Optimizer, state_len * 4); // fp32 master weights
         }
-        base.add(Category::Optimizer, n * 4);
-        base.add(Category::Optimizer, n * 4);
+        base.add(Category::Optimizer, state_len * 4);
+        base.add(Category::Optimizer, state_len * 4);
     }
 
     let layer = layer_activation_sizes(cfg, b, t);
@@ -231,6 +239,8 @@ pub fn estimate_job(spec: &JobSpec) -> Estimate {
         precision: spec.memory.precision,
         offload_optimizer: spec.memory.offload.optimizer != OffloadTarget::None,
         offload_activations: spec.memory.offload.activations != OffloadTarget::None,
+        world_size: spec.memory.world_size as usize,
+        zero_stage: spec.memory.zero_stage as usize,
     };
     estimate_step(&gpt_config(spec), &knobs)
 }
@@ -289,6 +299,8 @@ mod tests {
             checkpointing: mode,
             offload_optimizer,
             offload_activations,
+            world_size: 1,
+            zero_stage: 0,
         };
         let pool = Pool::new("cpu", 1 << 32);
         let mut trainer = Trainer::<E>::new(cfg, hyper, pool.clone()).unwrap();
@@ -385,6 +397,70 @@ mod tests {
                 println!("{precision:?} opt-offload {oo} act-offload {oa:?} mb{micro}: predicted {} measured {measured} ({:+.2}%)", e.peak_allocated, err * 100.0);
                 assert!(err < 0.05, "{precision:?} {oo} {oa:?} mb{micro}: {} vs {measured}", e.peak_allocated);
             }
+        }
+    }
+
+    #[test]
+    fn zero1_per_rank_estimates_match_the_pool() {
+        use crate::engine::comm::LocalComm;
+        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 32, vocab: 256 };
+        for (world, stage) in [(2usize, 0usize), (2, 1), (4, 1)] {
+            let micro = 8 / world / 2;
+            let hyper = Hyper {
+                steps: 2,
+                global_batch: 8,
+                micro_batch: micro,
+                grad_accum: 2,
+                seq_len: 32,
+                lr: 1e-3,
+                warmup_steps: 0,
+                weight_decay: 0.1,
+                grad_clip: 1.0,
+                seed: 1,
+                checkpointing: Checkpointing::None,
+                offload_optimizer: false,
+                offload_activations: OffloadTarget::None,
+                world_size: world,
+                zero_stage: stage,
+            };
+            let peaks: Vec<(usize, usize)> = std::thread::scope(|s| {
+                let joins: Vec<_> = LocalComm::group(world)
+                    .into_iter()
+                    .map(|comm| {
+                        let hyper = hyper.clone();
+                        s.spawn(move || {
+                            let pool = Pool::new("cpu", 1 << 32);
+                            let mut tr = Trainer::<half::bf16>::new_rank(cfg, hyper, pool.clone(), Some(comm)).unwrap();
+                            tr.train_step(&mut |st, i, inp, tgt| {
+                                for p in 0..32u64 {
+                                    inp.push((mix64(st ^ (i << 20) ^ p) % 256) as u32);
+                                    tgt.push((mix64(st ^ (i << 20) ^ (p + 1)) % 256) as u32);
+                                }
+                            })
+                            .unwrap();
+                            let st = pool.stats();
+                            (st.peak_allocated, st.peak(Category::Optimizer))
+                        })
+                    })
+                    .collect();
+                joins.into_iter().map(|j| j.join().unwrap()).collect()
+            });
+            let knobs = Knobs {
+                precision: Precision::Bf16,
+                world_size: world,
+                zero_stage: stage,
+                ..Knobs::plain(micro, 32, 2)
+            };
+            let e = estimate_step(&cfg, &knobs);
+            for (rank, (peak, opt)) in peaks.iter().enumerate() {
+                let err = (e.peak_allocated as f64 - *peak as f64).abs() / *peak as f64;
+                assert!(err < 0.05, "world {world} stage {stage} rank {rank}: {} vs {peak}", e.peak_allocated);
+                assert_eq!(e.optimizer, *opt, "world {world} stage {stage} rank {rank}: optimizer bytes");
+            }
+            // ZeRO paper proportions for mixed precision: 2Ψ + 2Ψ + 12Ψ/N (within the padding).
+            let n = cfg.num_params() as f64;
+            let expect = if stage == 0 { 12.0 * n } else { 12.0 * n / world as f64 };
+            assert!((e.optimizer as f64 - expect).abs() / expect < 0.05, "{} vs {expect}", e.optimizer);
         }
     }
 

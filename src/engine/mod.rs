@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod checkpoint;
+pub mod comm;
 pub mod data;
 pub mod estimate;
 pub mod layers;

@@ -12,6 +12,7 @@ use crate::config::{ConfigError, DeviceKind, JobSpec, Precision};
 use crate::memory::{OomError, Pool};
 
 use super::checkpoint::{self, CheckpointError};
+use super::comm::{Comm, LocalComm};
 use super::data::{load_tokens, DataError, Dataset};
 use super::layers::Elem;
 use super::model::GptConfig;
@@ -34,6 +35,8 @@ pub enum TrainError {
     Checkpoint(#[from] CheckpointError),
     #[error("writing the event stream: {0}")]
     Events(#[from] std::io::Error),
+    #[error("rank {rank} failed: {message}")]
+    RankFailed { rank: usize, message: String },
 }
 
 impl TrainError {
@@ -43,7 +46,7 @@ impl TrainError {
             TrainError::Oom(_) => 3,
             TrainError::Preempted { .. } => 4,
             TrainError::Checkpoint(CheckpointError::Mismatch { .. }) => 2,
-            TrainError::Checkpoint(_) | TrainError::Events(_) => 1,
+            TrainError::Checkpoint(_) | TrainError::Events(_) | TrainError::RankFailed { .. } => 1,
         }
     }
 }
@@ -143,12 +146,11 @@ pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result
         .map_err(|message| ConfigError { field: "data.path".into(), message })?;
 
     let control = if opts.listen_stdin { Some(spawn_control_reader()) } else { None };
-    let pool = Pool::new("cpu", capacity);
-    let run = Run { spec, opts, data: &data, control, cfg, hyper, pool };
+    let run = Run { spec, opts, data: &data, control, cfg, hyper, capacity, comm: None };
     match spec.memory.precision {
-        Precision::Fp32 => run.go::<f32>(events),
-        Precision::Bf16 => run.go::<half::bf16>(events),
-        Precision::Fp16 => run.go::<half::f16>(events),
+        Precision::Fp32 => run.ranks::<f32>(events),
+        Precision::Bf16 => run.ranks::<half::bf16>(events),
+        Precision::Fp16 => run.ranks::<half::f16>(events),
     }
 }
 
@@ -160,16 +162,60 @@ struct Run<'a> {
     control: Option<Arc<AtomicU8>>,
     cfg: GptConfig,
     hyper: Hyper,
-    pool: Pool,
+    /// Device capacity of each rank.
+    capacity: usize,
+    comm: Option<LocalComm>,
 }
 
 impl Run<'_> {
-    /// The training loop in compute precision `E`.
+    /// Run every data-parallel rank: rank 0 here (it speaks the protocol), the others on
+    /// threads of their own, each with its own device pool of `capacity` bytes.
+    fn ranks<E: Elem>(self, events: &mut Events) -> Result<(), TrainError> {
+        let world = self.spec.memory.world_size as usize;
+        if world == 1 {
+            return self.go::<E>(events);
+        }
+        let mut comms = LocalComm::group(world).into_iter();
+        let leader_comm = comms.next();
+        std::thread::scope(|scope| {
+            let followers: Vec<_> = comms
+                .map(|comm| {
+                    let run = Run { control: None, comm: Some(comm), hyper: self.hyper.clone(), ..self };
+                    scope.spawn(move || run.go::<E>(&mut Events::new(Box::new(std::io::sink()))))
+                })
+                .collect();
+            let leader = Run { comm: leader_comm, ..self };
+            let result = leader.go::<E>(events);
+            for (i, f) in followers.into_iter().enumerate() {
+                match f.join() {
+                    Ok(Ok(())) | Ok(Err(TrainError::Preempted { .. })) => {}
+                    Ok(Err(e)) if result.is_ok() => {
+                        return Err(TrainError::RankFailed { rank: i + 1, message: e.to_string() })
+                    }
+                    Ok(Err(_)) => {}
+                    Err(_) => return Err(TrainError::RankFailed { rank: i + 1, message: "panicked".into() }),
+                }
+            }
+            result
+        })
+    }
+
+    /// The training loop of one rank in compute precision `E`.
     fn go<E: Elem>(self, events: &mut Events) -> Result<(), TrainError> {
-        let Run { spec, opts, data, control, cfg, hyper, pool } = self;
-        let mut trainer = match Trainer::<E>::new(cfg, hyper.clone(), pool.clone()) {
-            Ok(t) => t,
-            Err(oom) => return Err(report_oom(events, oom, 0)),
+        let Run { spec, opts, data, control, cfg, hyper, capacity, comm } = self;
+        let rank = comm.as_ref().map_or(0, |c| c.rank());
+        let pool = Pool::new(&format!("cpu:{rank}"), capacity);
+        let trainer = Trainer::<E>::new_rank(cfg, hyper.clone(), pool.clone(), comm.clone());
+        let all_ok = comm.as_ref().map_or(trainer.is_ok(), |c| c.agree(trainer.is_ok()));
+        let mut trainer = match (trainer, all_ok) {
+            (Ok(t), true) => t,
+            (Err(oom), _) => return Err(report_oom(events, oom, 0)),
+            (Ok(_), false) => {
+                return Err(TrainError::RankFailed {
+                    rank,
+                    message: "another rank could not allocate its state".into(),
+                })
+            }
         };
 
         let resumed = match opts.resume {
@@ -217,8 +263,10 @@ impl Run<'_> {
         let mut last_loss = f32::NAN;
         let (mut tokens_done, mut secs_done) = (0f64, 0f64);
         while trainer.step < hyper.steps {
-            if let Some(flag) = &control {
-                let cmd = flag.load(Ordering::SeqCst);
+            // Rank 0 reads the control line; every rank acts on its decision together.
+            let local = control.as_ref().map_or(CONTROL_NONE, |f| f.load(Ordering::SeqCst));
+            let cmd = comm.as_ref().map_or(local as u64, |c| c.broadcast(local as u64)) as u8;
+            {
                 if cmd != CONTROL_NONE {
                     let path = save(&trainer, opts, events)?;
                     tracing::info!(step = trainer.step, stop = (cmd == CONTROL_STOP), "exiting on request");
@@ -259,7 +307,7 @@ impl Run<'_> {
             progress.set_message(format!("loss {:.4}", step.loss));
 
             let last = trainer.step == hyper.steps;
-            if eval_every > 0 && (trainer.step % eval_every == 0 || last) {
+            if eval_every > 0 && (trainer.step % eval_every == 0 || last) && rank == 0 {
                 let val =
                     match trainer.evaluate(eval_count, &mut |i, inp, tgt| data.val_sequence(i, eval_count, inp, tgt)) {
                         Ok(v) => v,

@@ -7,6 +7,7 @@ use crate::config::{Checkpointing, JobSpec, OffloadTarget};
 use crate::memory::{Buffer, Category, OomError, Pool};
 
 use super::checkpoint::{self, Checkpoint, CheckpointError, CheckpointHeader};
+use super::comm::{shard_range, Comm, LocalComm};
 use super::layers::{narrow, widen, Elem};
 use super::model::{self, alloc_elems, alloc_f32, GptConfig, TensorInfo};
 use super::optim::{clip_coefficient, lr_at, sum_squares, AdamW};
@@ -30,6 +31,9 @@ pub struct Hyper {
     pub offload_optimizer: bool,
     /// Block outputs kept for backward in host memory (needs full checkpointing).
     pub offload_activations: OffloadTarget,
+    /// Data-parallel ranks and the ZeRO stage (0: replicated, 1: sharded optimizer state).
+    pub world_size: usize,
+    pub zero_stage: usize,
 }
 
 impl Hyper {
@@ -49,6 +53,8 @@ impl Hyper {
             checkpointing: spec.memory.checkpointing,
             offload_optimizer: spec.memory.offload.optimizer != OffloadTarget::None,
             offload_activations: spec.memory.offload.activations,
+            world_size: spec.memory.world_size as usize,
+            zero_stage: spec.memory.zero_stage as usize,
         }
     }
 }
@@ -115,8 +121,14 @@ pub struct Trainer<E: Elem = f32> {
     /// Compute copy of the weights, in `E`.
     params: Buffer,
     grads: Buffer,
-    /// fp32 master weights and AdamW moments, on the device or offloaded to the host.
+    /// fp32 master weights and AdamW moments, on the device or offloaded to the host. Under
+    /// ZeRO-1 only this rank's shard (`shard`) of them.
     opt: OptimizerState,
+    /// The parameter range whose optimizer state this rank owns (everything unless sharded).
+    shard: std::ops::Range<usize>,
+    /// `tensors` clipped to `shard`, offsets relative to its start.
+    shard_tensors: Vec<TensorInfo>,
+    comm: Option<LocalComm>,
     /// Optimizer steps completed (skipped fp16 steps included: their data is consumed).
     pub step: u64,
     adam_t: u64,
@@ -132,7 +144,18 @@ pub struct Trainer<E: Elem = f32> {
 impl<E: Elem> Trainer<E> {
     /// Allocate parameters, gradients and optimizer state, and initialise the weights.
     pub fn new(cfg: GptConfig, hyper: Hyper, pool: Pool) -> Result<Trainer<E>, OomError> {
+        Self::new_rank(cfg, hyper, pool, None)
+    }
+
+    /// One data-parallel rank of a group (`comm`), with ZeRO-1 sharding of the optimizer state
+    /// when `hyper.zero_stage >= 1`. Every rank allocates equal (padded) shards, so all ranks
+    /// make the same allocations and an OOM happens on all of them alike.
+    pub fn new_rank(cfg: GptConfig, hyper: Hyper, pool: Pool, comm: Option<LocalComm>) -> Result<Trainer<E>, OomError> {
         let n = cfg.num_params();
+        let (rank, world) = comm.as_ref().map(|c| (c.rank(), c.world())).unwrap_or((0, 1));
+        let sharded = hyper.zero_stage >= 1 && world > 1;
+        let shard = if sharded { shard_range(n, rank, world) } else { 0..n };
+        let state_len = if sharded { n.div_ceil(world) } else { n };
         let mut params = alloc_elems::<E>(&pool, n, Category::Params)?;
         let grads = alloc_elems::<E>(&pool, n, Category::Grads)?;
         let opt = if hyper.offload_optimizer {
@@ -142,23 +165,43 @@ impl<E: Elem> Trainer<E> {
             pool.set_host_bytes(Category::Optimizer, 4 * 4 * n);
             OptimizerState::Host { master, m: vec![0.0; n], v: vec![0.0; n], grads: vec![0.0; n] }
         } else {
-            let mut master = if E::is_f32() { None } else { Some(alloc_f32(&pool, n, Category::Optimizer)?) };
-            let m = alloc_f32(&pool, n, Category::Optimizer)?;
-            let v = alloc_f32(&pool, n, Category::Optimizer)?;
+            let mut master = if E::is_f32() { None } else { Some(alloc_f32(&pool, state_len, Category::Optimizer)?) };
+            let m = alloc_f32(&pool, state_len, Category::Optimizer)?;
+            let v = alloc_f32(&pool, state_len, Category::Optimizer)?;
             match (E::as_f32_mut(params.as_mut_slice::<E>()), master.as_mut()) {
                 (Some(p), _) => cfg.init_params(p, hyper.seed),
                 (None, Some(mw)) => {
-                    cfg.init_params(mw.as_mut_slice(), hyper.seed);
-                    narrow::<E>(params.as_mut_slice(), mw.as_slice());
+                    // Every rank initialises the same full weights; it keeps its master shard.
+                    let mut full = vec![0.0f32; n];
+                    cfg.init_params(&mut full, hyper.seed);
+                    narrow::<E>(params.as_mut_slice(), &full);
+                    mw.as_mut_slice::<f32>()[..shard.len()].copy_from_slice(&full[shard.clone()]);
                 }
                 (None, None) => unreachable!("16-bit params always have a master copy"),
             }
             OptimizerState::Device { master, m, v }
         };
+        let tensors = cfg.tensors();
+        let shard_tensors = tensors
+            .iter()
+            .filter_map(|t| {
+                let lo = t.offset.max(shard.start);
+                let hi = (t.offset + t.len).min(shard.end);
+                (lo < hi).then(|| TensorInfo {
+                    name: t.name.clone(),
+                    offset: lo - shard.start,
+                    len: hi - lo,
+                    decay: t.decay,
+                })
+            })
+            .collect();
         let rng = Rng::new(hyper.seed);
         let dynamic_scale = E::NAME == "fp16";
         Ok(Trainer {
-            tensors: cfg.tensors(),
+            tensors,
+            shard,
+            shard_tensors,
+            comm,
             cfg,
             hyper,
             pool,
@@ -177,20 +220,49 @@ impl<E: Elem> Trainer<E> {
     }
 
     /// The fp32 master weights.
+    /// This rank's fp32 master weights (all of them unless the optimizer state is sharded).
     pub fn master_params(&self) -> &[f32] {
+        let k = self.shard.len();
         match &self.opt {
-            OptimizerState::Device { master: Some(m), .. } => m.as_slice(),
-            OptimizerState::Device { master: None, .. } => self.params.as_slice(),
+            OptimizerState::Device { master: Some(m), .. } => &m.as_slice()[..k],
+            OptimizerState::Device { master: None, .. } => &self.params.as_slice()[self.shard.clone()],
             OptimizerState::Host { master, .. } => master,
         }
     }
 
-    /// The AdamW first and second moments.
+    /// This rank's AdamW first and second moments.
     fn moments(&self) -> (&[f32], &[f32]) {
+        let k = self.shard.len();
         match &self.opt {
-            OptimizerState::Device { m, v, .. } => (m.as_slice(), v.as_slice()),
+            OptimizerState::Device { m, v, .. } => (&m.as_slice()[..k], &v.as_slice()[..k]),
             OptimizerState::Host { m, v, .. } => (m, v),
         }
+    }
+
+    fn rank(&self) -> usize {
+        self.comm.as_ref().map_or(0, |c| c.rank())
+    }
+
+    fn world(&self) -> usize {
+        self.comm.as_ref().map_or(1, |c| c.world())
+    }
+
+    /// Full master weights and moments (gathered from every rank when sharded).
+    fn full_state(&self) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (m, v) = self.moments();
+        let master = self.master_params();
+        if self.shard.len() == self.cfg.num_params() {
+            return (master.to_vec(), m.to_vec(), v.to_vec());
+        }
+        let n = self.cfg.num_params();
+        let comm = self.comm.as_ref().expect("sharded state has a group");
+        let gather = |part: &[f32]| {
+            let mut full = vec![0f32; n];
+            full[self.shard.clone()].copy_from_slice(part);
+            comm.all_gather(&mut full, self.shard.clone());
+            full
+        };
+        (gather(master), gather(m), gather(v))
     }
 
     pub fn grads(&self) -> &[E] {
@@ -218,7 +290,10 @@ impl<E: Elem> Trainer<E> {
         let (b, t) = (h.micro_batch, h.seq_len);
         self.grads.as_mut_slice::<E>().fill(E::default());
         let scale = self.loss_scale as f32;
-        let dloss = scale / (b * t * h.grad_accum) as f32;
+        let world = self.world();
+        let dloss = scale / (b * t * h.grad_accum * world) as f32;
+        // This rank's slice of the global batch.
+        let first_seq = self.rank() * b * h.grad_accum;
         let mut loss_sum = 0.0f64;
         let mut act_swap = SwapStats::default();
         let (mut inputs, mut targets) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
@@ -226,7 +301,7 @@ impl<E: Elem> Trainer<E> {
             inputs.clear();
             targets.clear();
             for i in 0..b {
-                batch(self.step, (micro * b + i) as u64, &mut inputs, &mut targets);
+                batch(self.step, (first_seq + micro * b + i) as u64, &mut inputs, &mut targets);
             }
             let params = self.params.as_slice::<E>();
             let acts = model::forward::<E>(
@@ -244,6 +319,12 @@ impl<E: Elem> Trainer<E> {
             let moved = model::backward::<E>(&self.cfg, params, self.grads.as_mut_slice(), &self.pool, acts, dloss)?;
             act_swap.add(moved);
         }
+        if let Some(comm) = &self.comm {
+            comm.all_reduce_sum(self.grads.as_mut_slice::<E>());
+            let mut l = [loss_sum as f32];
+            comm.all_reduce_sum(&mut l);
+            loss_sum = l[0] as f64 / world as f64;
+        }
         let lr = lr_at(self.step as usize, h.lr, h.warmup_steps, h.steps as usize);
         let inv_scale = 1.0 / self.loss_scale;
         let grad_norm = sum_squares(self.grads.as_slice::<E>()).sqrt() * inv_scale;
@@ -259,22 +340,20 @@ impl<E: Elem> Trainer<E> {
             self.adam_t += 1;
             let opt = AdamW { lr: lr as f32, weight_decay: h.weight_decay as f32, t: self.adam_t };
             let grad_mult = (coef as f64 * inv_scale) as f32;
-            let grads = self.grads.as_slice::<E>();
+            let shard = self.shard.clone();
+            let k = shard.len();
+            let grads = &self.grads.as_slice::<E>()[shard.clone()];
             match &mut self.opt {
                 OptimizerState::Device { master: Some(mw), m, v } => {
-                    opt.update::<E>(
-                        &self.tensors,
-                        mw.as_mut_slice(),
-                        grads,
-                        grad_mult,
-                        m.as_mut_slice(),
-                        v.as_mut_slice(),
-                    );
-                    narrow::<E>(self.params.as_mut_slice(), mw.as_slice());
+                    let mw = &mut mw.as_mut_slice::<f32>()[..k];
+                    let (m, v) = (&mut m.as_mut_slice::<f32>()[..k], &mut v.as_mut_slice::<f32>()[..k]);
+                    opt.update::<E>(&self.shard_tensors, mw, grads, grad_mult, m, v);
+                    narrow::<E>(&mut self.params.as_mut_slice::<E>()[shard.clone()], mw);
                 }
                 OptimizerState::Device { master: None, m, v } => {
                     let p = E::as_f32_mut(self.params.as_mut_slice::<E>()).expect("fp32 params are the master");
-                    opt.update::<E>(&self.tensors, p, grads, grad_mult, m.as_mut_slice(), v.as_mut_slice());
+                    let (m, v) = (&mut m.as_mut_slice::<f32>()[..k], &mut v.as_mut_slice::<f32>()[..k]);
+                    opt.update::<E>(&self.shard_tensors, &mut p[shard.clone()], grads, grad_mult, m, v);
                 }
                 OptimizerState::Host { master, m, v, grads: host_grads } => {
                     let t0 = std::time::Instant::now();
@@ -290,6 +369,10 @@ impl<E: Elem> Trainer<E> {
                         transfer_ms: transfer.as_secs_f64() * 1e3,
                     });
                 }
+            }
+            if let (Some(comm), true) = (&self.comm, k < self.cfg.num_params()) {
+                // ZeRO-1: every rank updated its shard; gather the full weights everywhere.
+                comm.all_gather(self.params.as_mut_slice::<E>(), shard);
             }
             if self.dynamic_scale {
                 self.good_steps += 1;
@@ -356,8 +439,12 @@ impl<E: Elem> Trainer<E> {
             adam_t: self.adam_t,
             loss_scale: self.loss_scale,
         };
-        let (m, v) = self.moments();
-        checkpoint::save(run_dir, &header, self.master_params(), m, v)
+        let (master, m, v) = self.full_state();
+        if self.rank() != 0 {
+            // Every rank took part in gathering the state; rank 0 writes it.
+            return Ok(checkpoint::checkpoint_path(run_dir, self.step));
+        }
+        checkpoint::save(run_dir, &header, &master, &m, &v)
     }
 
     /// Resume from a checkpoint written under any precision (it holds fp32 master weights).
@@ -373,17 +460,16 @@ impl<E: Elem> Trainer<E> {
         if ckpt.header.step > self.hyper.steps {
             return Err(mismatch(format!("step {} is past the job's {} steps", ckpt.header.step, self.hyper.steps)));
         }
+        let shard = self.shard.clone();
+        let k = shard.len();
         match &mut self.opt {
             OptimizerState::Device { master, m, v } => {
-                match master {
-                    Some(mw) => {
-                        mw.as_mut_slice::<f32>().copy_from_slice(&ckpt.params);
-                        narrow::<E>(self.params.as_mut_slice(), mw.as_slice());
-                    }
-                    None => self.params.as_mut_slice::<f32>().copy_from_slice(&ckpt.params),
+                narrow::<E>(self.params.as_mut_slice(), &ckpt.params);
+                if let Some(mw) = master {
+                    mw.as_mut_slice::<f32>()[..k].copy_from_slice(&ckpt.params[shard.clone()]);
                 }
-                m.as_mut_slice::<f32>().copy_from_slice(&ckpt.m);
-                v.as_mut_slice::<f32>().copy_from_slice(&ckpt.v);
+                m.as_mut_slice::<f32>()[..k].copy_from_slice(&ckpt.m[shard.clone()]);
+                v.as_mut_slice::<f32>()[..k].copy_from_slice(&ckpt.v[shard]);
             }
             OptimizerState::Host { master, m, v, .. } => {
                 master.copy_from_slice(&ckpt.params);
@@ -423,6 +509,8 @@ mod tests {
             checkpointing: Checkpointing::None,
             offload_optimizer: false,
             offload_activations: OffloadTarget::None,
+            world_size: 1,
+            zero_stage: 0,
         };
         (cfg, hyper)
     }

@@ -1,0 +1,200 @@
+//! Collectives between data-parallel ranks behind the `Comm` trait. `LocalComm` is the
+//! in-process shared-memory implementation used by the `cpu` device (one thread per rank).
+//! Reductions sum in rank order, so results are bitwise repeatable run to run.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+
+use super::layers::Elem;
+
+/// What the training loop needs from a rank group.
+pub trait Comm: Send + Sync {
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+    /// Every rank's `buf` becomes the elementwise sum over ranks (f32 arithmetic).
+    fn all_reduce_sum<E: Elem>(&self, buf: &mut [E])
+    where
+        Self: Sized;
+    /// Every rank's `buf[range]` is copied from the rank that owns `range` (its shard).
+    fn all_gather<E: Elem>(&self, buf: &mut [E], own: std::ops::Range<usize>)
+    where
+        Self: Sized;
+    /// Rank 0's `value`, on every rank.
+    fn broadcast(&self, value: u64) -> u64;
+    /// True on every rank iff `ok` on every rank.
+    fn agree(&self, ok: bool) -> bool;
+}
+
+struct Shared {
+    world: usize,
+    barrier: Barrier,
+    /// Each rank's published buffer (address, length) for the collective in progress.
+    slots: Mutex<Vec<(usize, usize)>>,
+    word: AtomicU64,
+    failures: AtomicU64,
+}
+
+/// One rank's handle on an in-process group.
+#[derive(Clone)]
+pub struct LocalComm {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+impl LocalComm {
+    /// Handles for a group of `world` ranks, one per rank.
+    pub fn group(world: usize) -> Vec<LocalComm> {
+        let shared = Arc::new(Shared {
+            world,
+            barrier: Barrier::new(world),
+            slots: Mutex::new(vec![(0, 0); world]),
+            word: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+        });
+        (0..world).map(|rank| LocalComm { rank, shared: shared.clone() }).collect()
+    }
+
+    fn publish<E>(&self, buf: &mut [E]) -> Vec<(usize, usize)> {
+        {
+            let mut slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
+            slots[self.rank] = (buf.as_mut_ptr() as usize, buf.len());
+        }
+        self.shared.barrier.wait();
+        let slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        assert!(slots.iter().all(|s| s.1 == buf.len()), "collective on buffers of different lengths: {slots:?}");
+        slots
+    }
+}
+
+/// The shard of `len` elements rank `rank` of `world` owns: equal ceil-sized pieces.
+pub fn shard_range(len: usize, rank: usize, world: usize) -> std::ops::Range<usize> {
+    let per = len.div_ceil(world);
+    let lo = (rank * per).min(len);
+    lo..(lo + per).min(len)
+}
+
+impl Comm for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.shared.world
+    }
+
+    fn all_reduce_sum<E: Elem>(&self, buf: &mut [E]) {
+        let world = self.shared.world;
+        if world == 1 {
+            return;
+        }
+        let slots = self.publish(buf);
+        // This rank reduces its own chunk across every rank's buffer, in rank order, and writes
+        // the sum back into every buffer. Chunks are disjoint, so no two ranks touch one element.
+        let range = shard_range(buf.len(), self.rank, world);
+        let mut sum = vec![0f32; range.len()];
+        for &(addr, _) in &slots {
+            // SAFETY: each buffer stays alive and unaliased by its owner until the barrier
+            // below; only this rank touches `range` of any buffer during this phase.
+            let other = unsafe { std::slice::from_raw_parts((addr as *const E).add(range.start), range.len()) };
+            for (s, v) in sum.iter_mut().zip(other) {
+                *s += v.to_f32();
+            }
+        }
+        for &(addr, _) in &slots {
+            // SAFETY: as above.
+            let other = unsafe { std::slice::from_raw_parts_mut((addr as *mut E).add(range.start), range.len()) };
+            for (o, s) in other.iter_mut().zip(&sum) {
+                *o = E::from_f32(*s);
+            }
+        }
+        self.shared.barrier.wait();
+    }
+
+    fn all_gather<E: Elem>(&self, buf: &mut [E], own: std::ops::Range<usize>) {
+        if self.shared.world == 1 {
+            return;
+        }
+        let slots = self.publish(buf);
+        let mine = slots[self.rank].0 as *const E;
+        for (r, &(addr, _)) in slots.iter().enumerate() {
+            if r == self.rank {
+                continue;
+            }
+            // SAFETY: every rank writes only its own shard into the others' buffers, and reads
+            // only its own buffer's shard, which nobody else writes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(mine.add(own.start), (addr as *mut E).add(own.start), own.len());
+            }
+        }
+        self.shared.barrier.wait();
+    }
+
+    fn broadcast(&self, value: u64) -> u64 {
+        if self.shared.world == 1 {
+            return value;
+        }
+        if self.rank == 0 {
+            self.shared.word.store(value, Ordering::SeqCst);
+        }
+        self.shared.barrier.wait();
+        let v = self.shared.word.load(Ordering::SeqCst);
+        self.shared.barrier.wait();
+        v
+    }
+
+    fn agree(&self, ok: bool) -> bool {
+        if self.shared.world == 1 {
+            return ok;
+        }
+        if !ok {
+            self.shared.failures.fetch_add(1, Ordering::SeqCst);
+        }
+        self.shared.barrier.wait();
+        let all_ok = self.shared.failures.load(Ordering::SeqCst) == 0;
+        self.shared.barrier.wait();
+        if self.rank == 0 {
+            self.shared.failures.store(0, Ordering::SeqCst);
+        }
+        self.shared.barrier.wait();
+        all_ok
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn collectives_sum_gather_and_broadcast() {
+        let world = 3;
+        let handles = LocalComm::group(world);
+        let results: Vec<(Vec<f32>, Vec<f32>, u64, bool)> = std::thread::scope(|s| {
+            let joins: Vec<_> = handles
+                .into_iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let r = c.rank() as f32;
+                        let mut sum: Vec<f32> = (0..10).map(|i| i as f32 + r).collect();
+                        c.all_reduce_sum(&mut sum);
+                        let mut gathered = vec![-1f32; 10];
+                        let own = shard_range(10, c.rank(), c.world());
+                        for i in own.clone() {
+                            gathered[i] = r;
+                        }
+                        c.all_gather(&mut gathered, own);
+                        let b = c.broadcast(if c.rank() == 0 { 42 } else { 7 });
+                        let ok = c.agree(c.rank() != 1);
+                        (sum, gathered, b, ok)
+                    })
+                })
+                .collect();
+            joins.into_iter().map(|j| j.join().unwrap()).collect()
+        });
+        for (sum, gathered, b, ok) in results {
+            assert_eq!(sum, (0..10).map(|i| 3.0 * i as f32 + 3.0).collect::<Vec<_>>());
+            assert_eq!(gathered, vec![0., 0., 0., 0., 1., 1., 1., 1., 2., 2.]);
+            assert_eq!(b, 42);
+            assert!(!ok, "one rank failed, so every rank hears it");
+        }
+    }
+}
