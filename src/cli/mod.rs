@@ -91,6 +91,9 @@ pub struct BenchArgs {
     /// settings at the same global batch) instead of the speed table.
     #[arg(long)]
     pub techniques: bool,
+    /// Print the ranks / ZeRO / offload table (trains a d4-128 job on data/shakespeare-tiny.txt).
+    #[arg(long)]
+    pub parallel: bool,
 }
 
 pub fn init_logging() {
@@ -219,6 +222,10 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         }
     }
     println!("threads: {}", rayon::current_num_threads());
+    if args.parallel {
+        print!("{}", bench::parallel_table(std::path::Path::new("data/shakespeare-tiny.txt"), args.steps)?);
+        return Ok(());
+    }
     if args.techniques {
         for case in &cases {
             print!("{}", bench::techniques_table(case, args.warmup, args.steps)?);

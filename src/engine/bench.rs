@@ -206,3 +206,84 @@ pub fn print_table(results: &[BenchResult]) -> String {
     }
     s
 }
+
+/// The parallelism / offload table: each setting trains the same job for a few steps through
+/// the real `headroom train` path (in process, events captured) and reports rank 0's measured
+/// peak per category, host bytes and step time.
+pub fn parallel_table(data_path: &std::path::Path, steps: usize) -> Result<String, super::run::TrainError> {
+    use std::sync::{Arc, Mutex};
+    let settings: [(&str, &str); 9] = [
+        ("1 rank", "world_size: 1"),
+        ("2 ranks, ZeRO-0", "world_size: 2, zero_stage: 0"),
+        ("2 ranks, ZeRO-1", "world_size: 2, zero_stage: 1"),
+        ("4 ranks, ZeRO-1", "world_size: 4, zero_stage: 1"),
+        ("bf16, 4 ranks, ZeRO-1", "precision: bf16, world_size: 4, zero_stage: 1"),
+        ("offload optimizer", "offload: { optimizer: cpu }"),
+        ("full ckpt", "checkpointing: full"),
+        ("full ckpt + offload acts", "checkpointing: full, offload: { activations: cpu }"),
+        ("full ckpt + acts int8", "checkpointing: full, offload: { activations: cpu-int8 }"),
+    ];
+    let mut out = format!(
+        "d4-128 bytes, global batch 16, T 128, micro-batch 16 / ranks; rank 0's pool, mean of {steps} steps after the first\n\
+         {:<26} {:>11} {:>11} {:>11} {:>12} {:>12} {:>13} {:>9}\n",
+        "setting", "params", "grads", "optimizer", "activations", "peak alloc", "host bytes", "ms/step"
+    );
+    for (label, memory) in settings {
+        let world: usize = memory.split("world_size: ").nth(1).and_then(|r| r[..1].parse().ok()).unwrap_or(1);
+        let yaml = format!(
+            "name: bench\nmodel: {{ n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab: bytes }}\n\
+             data: {{ path: {} }}\ntrain: {{ steps: {}, global_batch: 16, micro_batch: {}, lr: 1.0e-3 }}\n\
+             memory: {{ {memory} }}\ndevice: {{ kind: cpu, device_memory: 4GiB }}\n",
+            data_path.display(),
+            steps + 1,
+            16 / world
+        );
+        let spec = crate::config::JobSpec::parse(&yaml)?;
+        let buf = Arc::new(Mutex::new(Vec::<u8>::new()));
+        struct Sink(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Sink {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap_or_else(|e| e.into_inner()).extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let dir = std::env::temp_dir().join(format!("headroom-bench-{}", std::process::id()));
+        let opts = super::run::TrainOptions {
+            run_dir: dir.clone(),
+            resume: super::run::ResumeMode::Fresh,
+            stop_after: None,
+            listen_stdin: false,
+        };
+        super::run::train(&spec, &opts, &mut super::run::Events::new(Box::new(Sink(buf.clone()))))?;
+        let _ = std::fs::remove_dir_all(&dir);
+        let text = String::from_utf8(buf.lock().unwrap_or_else(|e| e.into_inner()).clone()).unwrap_or_default();
+        let steps_ev: Vec<serde_json::Value> = text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["event"] == "step")
+            .collect();
+        let timed = &steps_ev[1.min(steps_ev.len() - 1)..];
+        let ms = timed.iter().map(|e| e["step_ms"].as_f64().unwrap_or(0.0)).sum::<f64>() / timed.len() as f64;
+        let m = &steps_ev.last().expect("steps ran")["mem"];
+        let b = |k: &str| format_bytes(m[k].as_u64().unwrap_or(0) as usize);
+        let host = ["host_params", "host_optimizer", "host_activations"]
+            .iter()
+            .map(|k| m[*k].as_u64().unwrap_or(0))
+            .sum::<u64>();
+        out.push_str(&format!(
+            "{:<26} {:>11} {:>11} {:>11} {:>12} {:>12} {:>13} {:>9.1}\n",
+            label,
+            b("params"),
+            b("grads"),
+            b("optimizer"),
+            b("activations"),
+            b("allocated"),
+            format_bytes(host as usize),
+            ms
+        ));
+    }
+    Ok(out)
+}
