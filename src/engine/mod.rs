@@ -4,6 +4,8 @@
 pub mod bench;
 pub mod checkpoint;
 pub mod comm;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
 pub mod estimate;
 pub mod layers;

@@ -132,10 +132,14 @@ pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result
     spec.validate()?;
     spec.check_supported()?;
     if spec.device.kind == DeviceKind::Cuda {
-        return Err(TrainError::DeviceUnavailable {
-            device: format!("cuda:{}", spec.device.index),
-            reason: "this build has no CUDA backend (not compiled with the `cuda` feature)".into(),
-        });
+        #[cfg(feature = "cuda")]
+        let reason = match super::cuda::device_unavailable(spec.device.index) {
+            super::cuda::CudaError::NoDriver { .. } => "no CUDA driver found".to_string(),
+            e => e.to_string(),
+        };
+        #[cfg(not(feature = "cuda"))]
+        let reason = "this build was not compiled with the `cuda` feature".to_string();
+        return Err(TrainError::DeviceUnavailable { device: format!("cuda:{}", spec.device.index), reason });
     }
     let capacity = spec.device_capacity().expect("cpu devices have a validated capacity");
     let cfg = gpt_config(spec);

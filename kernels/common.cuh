@@ -1,0 +1,26 @@
+// Shared helpers for every kernel family: bf16 stored as raw 16-bit words (no CUDA headers
+// needed under NVRTC), converted to and from f32 with round-to-nearest-even.
+#pragma once
+#define NEG_INF __int_as_float(0xff800000)
+typedef unsigned short bf16_t;
+
+__device__ __forceinline__ float load_f32(const float* p, long i) { return p[i]; }
+__device__ __forceinline__ float load_f32(const bf16_t* p, long i) {
+    return __uint_as_float(((unsigned int)p[i]) << 16);
+}
+__device__ __forceinline__ void store_f32(float* p, long i, float v) { p[i] = v; }
+__device__ __forceinline__ void store_f32(bf16_t* p, long i, float v) {
+    unsigned int u = __float_as_uint(v);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) { p[i] = (bf16_t)((u >> 16) | 0x40); return; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    p[i] = (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
