@@ -327,6 +327,8 @@ async fn bad_input_is_a_4xx_and_writes_nothing() {
     assert_eq!(get(&s, "/api/policies/mine").await["policy"]["rungs"][0]["name"], "small");
     let metrics = reqwest::get(url(&s, "/metrics")).await.unwrap().text().await.unwrap();
     assert!(metrics.contains("# TYPE headroom_jobs gauge"));
+    assert!(metrics.contains("headroom_nvml_available "), "{metrics}");
+    assert!(get(&s, "/api/gpus").await.is_array(), "GPU readings (empty without NVML)");
     assert_eq!(reqwest::get(url(&s, "/healthz")).await.unwrap().text().await.unwrap(), "ok");
     s.shutdown().await.unwrap();
 }

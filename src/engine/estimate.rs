@@ -467,56 +467,14 @@ mod tests {
     #[test]
     fn knobs_lower_the_estimate() {
         let cfg = GptConfig { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab: 256 };
-        let none = estimate_step(
-            &cfg,
-            &Knobs {
-                checkpointing: Checkpointing::None,
-                precision: Precision::Fp32,
-                offload_optimizer: false,
-                offload_activations: false,
-                ..Knobs::plain(16, 128, 1)
-            },
-        );
-        let sel = estimate_step(
-            &cfg,
-            &Knobs {
-                checkpointing: Checkpointing::Selective,
-                precision: Precision::Fp32,
-                offload_optimizer: false,
-                offload_activations: false,
-                ..Knobs::plain(16, 128, 1)
-            },
-        );
-        let full = estimate_step(
-            &cfg,
-            &Knobs {
-                checkpointing: Checkpointing::Full,
-                precision: Precision::Fp32,
-                offload_optimizer: false,
-                offload_activations: false,
-                ..Knobs::plain(16, 128, 1)
-            },
-        );
-        let small = estimate_step(
-            &cfg,
-            &Knobs {
-                checkpointing: Checkpointing::Full,
-                precision: Precision::Fp32,
-                offload_optimizer: false,
-                offload_activations: false,
-                ..Knobs::plain(4, 128, 4)
-            },
-        );
-        let bf16 = estimate_step(
-            &cfg,
-            &Knobs {
-                checkpointing: Checkpointing::None,
-                precision: Precision::Bf16,
-                offload_optimizer: false,
-                offload_activations: false,
-                ..Knobs::plain(16, 128, 1)
-            },
-        );
+        let est = |checkpointing, precision, micro, accum| {
+            estimate_step(&cfg, &Knobs { checkpointing, precision, ..Knobs::plain(micro, 128, accum) })
+        };
+        let none = est(Checkpointing::None, Precision::Fp32, 16, 1);
+        let sel = est(Checkpointing::Selective, Precision::Fp32, 16, 1);
+        let full = est(Checkpointing::Full, Precision::Fp32, 16, 1);
+        let small = est(Checkpointing::Full, Precision::Fp32, 4, 4);
+        let bf16 = est(Checkpointing::None, Precision::Bf16, 16, 1);
         assert!(none.activations > sel.activations && sel.activations > full.activations);
         assert!(bf16.activations < none.activations * 6 / 10, "bf16 roughly halves activations");
         assert_eq!(bf16.params * 2, none.params);

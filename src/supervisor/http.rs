@@ -34,6 +34,8 @@ pub struct AppState {
     pub token: Option<String>,
     /// Directories a job's `data.path` must lie in (canonicalised).
     pub data_dirs: Vec<PathBuf>,
+    /// NVML readings when a GPU driver is present.
+    pub gpus: Arc<super::gpu::GpuMonitor>,
 }
 
 /// Every error a handler returns. Internal details are logged, not sent.
@@ -92,6 +94,7 @@ pub fn router(state: AppState) -> Router {
         .merge(jobs_router())
         .merge(policies_router())
         .route("/healthz", get(|| async { "ok" }))
+        .route("/api/gpus", get(gpus))
         .route("/metrics", get(metrics))
         .merge(web_router())
         .layer(middleware::from_fn_with_state(state.clone(), require_token))
@@ -363,6 +366,11 @@ async fn put_policy(
     Ok(Json(json!({ "name": name, "rungs": p.rungs.len() })))
 }
 
+/// NVML readings of every GPU (an empty list without a driver).
+async fn gpus(State(state): State<AppState>) -> Json<Vec<super::gpu::GpuReading>> {
+    Json(state.gpus.readings())
+}
+
 async fn metrics(State(state): State<AppState>) -> ApiResult<impl IntoResponse> {
     let mut out = String::new();
     out.push_str("# HELP headroom_jobs Jobs in the experiment database by status.\n# TYPE headroom_jobs gauge\n");
@@ -372,6 +380,19 @@ async fn metrics(State(state): State<AppState>) -> ApiResult<impl IntoResponse> 
     out.push_str("# HELP headroom_attempts Trainer attempts by outcome.\n# TYPE headroom_attempts gauge\n");
     for (outcome, n) in state.db.count_attempts().await? {
         out.push_str(&format!("headroom_attempts{{outcome=\"{outcome}\"}} {n}\n"));
+    }
+    out.push_str("# HELP headroom_nvml_available Whether NVML (GPU monitoring) could be loaded.\n# TYPE headroom_nvml_available gauge\n");
+    out.push_str(&format!("headroom_nvml_available {}\n", u8::from(state.gpus.available())));
+    let readings = state.gpus.readings();
+    if !readings.is_empty() {
+        out.push_str("# HELP headroom_gpu_memory_used_bytes GPU memory in use (NVML).\n# TYPE headroom_gpu_memory_used_bytes gauge\n");
+        for r in &readings {
+            out.push_str(&format!("headroom_gpu_memory_used_bytes{{gpu=\"{}\"}} {}\n", r.index, r.used_bytes));
+        }
+        out.push_str("# HELP headroom_gpu_memory_total_bytes GPU memory capacity (NVML).\n# TYPE headroom_gpu_memory_total_bytes gauge\n");
+        for r in &readings {
+            out.push_str(&format!("headroom_gpu_memory_total_bytes{{gpu=\"{}\"}} {}\n", r.index, r.total_bytes));
+        }
     }
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out))
 }

@@ -3,6 +3,7 @@
 //! JSON lines on stdout — never the engine's internals.
 
 pub mod db;
+pub mod gpu;
 pub mod http;
 pub mod policy;
 pub mod runner;
@@ -66,7 +67,8 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         },
     )
     .await?;
-    let state = http::AppState { db, supervisor: supervisor.clone(), token: cfg.token.clone(), data_dirs };
+    let gpus = Arc::new(gpu::GpuMonitor::init());
+    let state = http::AppState { db, supervisor: supervisor.clone(), token: cfg.token.clone(), data_dirs, gpus };
     let listener = tokio::net::TcpListener::bind(cfg.addr).await.with_context(|| format!("binding {}", cfg.addr))?;
     let addr = listener.local_addr()?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
