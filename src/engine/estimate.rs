@@ -185,7 +185,9 @@ fn estimate_for<E: Elem>(cfg: &GptConfig, k: &Knobs) -> Estimate {
     if mode != Checkpointing::None && cfg.n_layer > 0 {
         let mut rec = base.clone();
         add_globals(&mut rec, true);
-        for _ in 0..on_device(cfg.n_layer - 1) {
+        // With offload: this block's restored input plus the next one being prefetched.
+        let kept_layers = if offload_activations { (cfg.n_layer - 1).min(2) } else { cfg.n_layer - 1 };
+        for _ in 0..kept_layers {
             add_layer(&mut rec, &kept);
         }
         add_layer(&mut rec, &all);

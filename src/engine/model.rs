@@ -339,6 +339,8 @@ pub enum KeptLayer {
     Output(Buffer),
     /// The block output moved to host memory (`offload.activations`).
     Host(HostTensor),
+    /// Being copied back to the device by the copy worker (prefetch during backward).
+    InFlight,
 }
 
 /// A (rows, C) tensor in host memory, as stored or compressed to int8 with a scale per row.
@@ -403,6 +405,12 @@ impl HostTensor {
     /// Bring the tensor back into a fresh device buffer.
     fn to_device<E: Elem>(&self, pool: &Pool, c: usize) -> Result<Buffer, OomError> {
         let mut buf = pool.alloc(self.device_bytes(), Category::Activations)?;
+        self.fill::<E>(&mut buf, c);
+        Ok(buf)
+    }
+
+    /// Copy (and decompress) into a device buffer of `device_bytes()`.
+    fn fill<E: Elem>(&self, buf: &mut Buffer, c: usize) {
         match self {
             HostTensor::Plain { bytes } => buf.bytes_mut().copy_from_slice(bytes),
             HostTensor::Int8 { q, scales, .. } => {
@@ -414,7 +422,6 @@ impl HostTensor {
                 }
             }
         }
-        Ok(buf)
     }
 }
 
@@ -449,7 +456,7 @@ impl KeptLayer {
             KeptLayer::All(a) => a.residual3.as_slice(),
             KeptLayer::Selective(s) => s.residual3.as_slice(),
             KeptLayer::Output(o) => o.as_slice(),
-            KeptLayer::Host(_) => unreachable!("offloaded outputs are restored before use"),
+            KeptLayer::Host(_) | KeptLayer::InFlight => unreachable!("offloaded outputs are restored before use"),
         }
     }
 }
@@ -659,7 +666,7 @@ fn recompute<E: Elem>(
             drop(out);
             full(pool, scratch)
         }
-        KeptLayer::Host(_) => full(pool, scratch),
+        KeptLayer::Host(_) | KeptLayer::InFlight => full(pool, scratch),
     }
 }
 
@@ -769,24 +776,44 @@ pub fn backward<E: Elem>(
         );
     }
 
+    let mut prefetch: Option<std::thread::JoinHandle<(Buffer, f64)>> = None;
     for l in (0..cfg.n_layer).rev() {
         let kept = acts.layers.pop().expect("one KeptLayer per layer");
-        // An offloaded input comes back from the host first.
-        let restored = match acts.layers.last() {
-            Some(KeptLayer::Host(h)) => {
-                let t0 = std::time::Instant::now();
-                let buf = h.to_device::<E>(pool, c)?;
-                acts.swap.bytes_to_device += h.host_bytes();
-                acts.swap.transfer_ms += t0.elapsed().as_secs_f64() * 1e3;
-                Some(buf)
+        // This block's input (the previous block's output) must be on the device: prefetched by
+        // the copy worker during the previous iteration, or restored now.
+        if let Some(slot) = acts.layers.last_mut() {
+            match slot {
+                KeptLayer::InFlight => {
+                    let (buf, ms) = prefetch.take().expect("a prefetch is in flight").join().expect("copy worker");
+                    acts.swap.transfer_ms += ms;
+                    *slot = KeptLayer::Output(buf);
+                }
+                KeptLayer::Host(h) => {
+                    let t0 = std::time::Instant::now();
+                    let buf = h.to_device::<E>(pool, c)?;
+                    acts.swap.bytes_to_device += h.host_bytes();
+                    acts.swap.transfer_ms += t0.elapsed().as_secs_f64() * 1e3;
+                    *slot = KeptLayer::Output(buf);
+                }
+                _ => {}
             }
-            _ => None,
-        };
-        if let Some(KeptLayer::Host(_)) = acts.layers.last() {
-            acts.layers.pop();
+        }
+        // Start bringing back the input of the block after this one, overlapping this backward.
+        let n = acts.layers.len();
+        if n >= 2 && matches!(acts.layers[n - 2], KeptLayer::Host(_)) {
+            let KeptLayer::Host(h) = std::mem::replace(&mut acts.layers[n - 2], KeptLayer::InFlight) else {
+                unreachable!("checked above")
+            };
+            let mut buf = pool.alloc(h.device_bytes(), Category::Activations)?;
+            acts.swap.bytes_to_device += h.host_bytes();
+            prefetch = Some(std::thread::spawn(move || {
+                let t0 = std::time::Instant::now();
+                h.fill::<E>(&mut buf, c);
+                (buf, t0.elapsed().as_secs_f64() * 1e3)
+            }));
+        }
+        if acts.offload != OffloadTarget::None {
             pool.set_host_bytes(Category::Activations, host_activation_bytes(&acts.layers));
-            // Keep the slot so layer indices line up; the restored buffer stands in for it.
-            acts.layers.push(KeptLayer::Output(restored.expect("restored above")));
         }
         let x = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(acts.encoded.as_slice());
         let (pl, gl) = (&p.layers[l], &mut g.layers[l]);
