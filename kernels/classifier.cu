@@ -10,29 +10,10 @@ __device__ void crossentropy_fused(T* logits, float* losses, const unsigned int*
     const long base = (long)row * V;
     float mx = NEG_INF;
     for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, load_f32(logits, base + i));
-    mx = warp_max(mx);
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < blockDim.x / 32 ? red[threadIdx.x] : NEG_INF;
-        v = warp_max(v);
-        if (threadIdx.x == 0) red[0] = v;
-    }
-    __syncthreads();
-    mx = red[0];
-    __syncthreads();
+    mx = block_max(mx, red);
     float s = 0.f;
     for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(load_f32(logits, base + i) - mx);
-    s = warp_sum(s);
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = s;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < blockDim.x / 32 ? red[threadIdx.x] : 0.f;
-        v = warp_sum(v);
-        if (threadIdx.x == 0) red[0] = v;
-    }
-    __syncthreads();
-    float sum = red[0];
+    float sum = block_sum(s, red);
     unsigned int tgt = targets[row];
     if (threadIdx.x == 0) losses[row] = -(load_f32(logits, base + tgt) - mx - logf(sum));
     __syncthreads();

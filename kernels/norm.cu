@@ -9,14 +9,8 @@ __device__ void sum_squares(float* partial, const T* x, long N) {
         float v = load_f32(x, i);
         s += v * v;
     }
-    s = warp_sum(s);
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = s;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < blockDim.x / 32 ? red[threadIdx.x] : 0.f;
-        v = warp_sum(v);
-        if (threadIdx.x == 0) partial[blockIdx.x] = v;
-    }
+    s = block_sum(s, red);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
 extern "C" __global__ void sum_squares_f32(float* p, const float* x, long N) { sum_squares(p, x, N); }
