@@ -19,8 +19,9 @@ pub struct Db {
     pub pool: SqlitePool,
 }
 
+/// The columns of a job row both the list and the detail views show.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
-pub struct JobRow {
+pub struct JobCore {
     pub id: i64,
     pub name: String,
     pub policy: String,
@@ -34,27 +35,26 @@ pub struct JobRow {
     pub created_at: f64,
     pub updated_at: f64,
     pub finished_at: Option<f64>,
+}
+
+/// A job in the list, with aggregates over its attempts.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct JobRow {
+    #[sqlx(flatten)]
+    #[serde(flatten)]
+    pub core: JobCore,
     pub attempts: i64,
     pub peak_allocated: Option<i64>,
     pub peak_reserved: Option<i64>,
     pub mean_tokens_per_s: Option<f64>,
 }
 
+/// One job with its submitted spec and current configuration.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct JobDetail {
-    pub id: i64,
-    pub name: String,
-    pub policy: String,
-    pub status: String,
-    pub rung: String,
-    pub rung_index: i64,
-    pub steps_requested: i64,
-    pub steps_done: i64,
-    pub capacity: Option<i64>,
-    pub reason: Option<String>,
-    pub created_at: f64,
-    pub updated_at: f64,
-    pub finished_at: Option<f64>,
+    #[sqlx(flatten)]
+    #[serde(flatten)]
+    pub core: JobCore,
     pub spec_yaml: String,
     pub current_spec: String,
 }

@@ -247,24 +247,24 @@ async fn get_job(State(state): State<AppState>, UrlPath(id): UrlPath<String>) ->
 
 async fn cancel_job(State(state): State<AppState>, UrlPath(id): UrlPath<String>) -> ApiResult<impl IntoResponse> {
     let job = existing_job(&state, &id).await?;
-    let accepted = state.supervisor.cancel(job.id).await?;
+    let accepted = state.supervisor.cancel(job.core.id).await?;
     if !accepted {
         return Err(ApiError::Rejected {
             status: StatusCode::CONFLICT,
-            message: format!("job {} is {} and cannot be cancelled", job.id, job.status),
+            message: format!("job {} is {} and cannot be cancelled", job.core.id, job.core.status),
         });
     }
-    Ok((StatusCode::ACCEPTED, Json(json!({ "id": job.id, "cancelling": true }))))
+    Ok((StatusCode::ACCEPTED, Json(json!({ "id": job.core.id, "cancelling": true }))))
 }
 
 async fn job_attempts(State(state): State<AppState>, UrlPath(id): UrlPath<String>) -> ApiResult<impl IntoResponse> {
     let job = existing_job(&state, &id).await?;
-    Ok(Json(state.db.attempts(job.id).await?))
+    Ok(Json(state.db.attempts(job.core.id).await?))
 }
 
 async fn job_samples(State(state): State<AppState>, UrlPath(id): UrlPath<String>) -> ApiResult<impl IntoResponse> {
     let job = existing_job(&state, &id).await?;
-    Ok(Json(state.db.samples(job.id).await?))
+    Ok(Json(state.db.samples(job.core.id).await?))
 }
 
 #[derive(Debug, Deserialize)]
@@ -285,10 +285,10 @@ async fn job_events(
     let wants_stream =
         headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|v| v.contains("text/event-stream"));
     if !wants_stream {
-        return Ok(Json(state.db.events(job.id, after).await?).into_response());
+        return Ok(Json(state.db.events(job.core.id, after).await?).into_response());
     }
     let db = state.db.clone();
-    let job_id = job.id;
+    let job_id = job.core.id;
     let stream = futures::stream::unfold((db, after, false), move |(db, last, done)| async move {
         if done {
             return None;
@@ -306,7 +306,7 @@ async fn job_events(
                 return Some((futures::stream::iter(items), (db, new_last, false)));
             }
             let terminal = matches!(
-                db.job(job_id).await.ok().flatten().map(|j| j.status).as_deref(),
+                db.job(job_id).await.ok().flatten().map(|j| j.core.status).as_deref(),
                 Some("finished" | "failed" | "cancelled") | None
             );
             if terminal {

@@ -146,7 +146,7 @@ impl Supervisor {
             let _ = tx.send(Control::Cancel);
             return Ok(true);
         }
-        match self.db.job(job).await?.map(|j| j.status) {
+        match self.db.job(job).await?.map(|j| j.core.status) {
             Some(s) if s == "queued" => {
                 self.db.set_job_status(job, "cancelled", Some("cancelled before it started")).await?;
                 self.db.event(job, None, "cancelled", "cancelled while queued").await?;
@@ -170,10 +170,10 @@ impl Supervisor {
 
     async fn run_job(self: &Arc<Self>, job: i64) -> anyhow::Result<()> {
         let Some(detail) = self.db.job(job).await? else { return Ok(()) };
-        if detail.status != "queued" {
+        if detail.core.status != "queued" {
             return Ok(());
         }
-        let (policy, _) = match policy::load(&self.cfg.policies_dir, &detail.policy) {
+        let (policy, _) = match policy::load(&self.cfg.policies_dir, &detail.core.policy) {
             Ok(p) => p,
             Err(e) => {
                 let msg = format!("cannot load policy: {e}");
@@ -183,8 +183,8 @@ impl Supervisor {
             }
         };
         let mut spec: JobSpec = serde_json::from_str(&detail.current_spec)?;
-        let mut rung_name = detail.rung.clone();
-        let mut rung_index = detail.rung_index;
+        let mut rung_name = detail.core.rung.clone();
+        let mut rung_index = detail.core.rung_index;
         let mut crashes = 0u32;
         // The configuration before the current rung was applied (for swap_bound's step back).
         let mut before_rung: Option<JobSpec> = None;
