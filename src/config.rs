@@ -213,11 +213,11 @@ pub struct DeviceSpec {
 
 impl Default for DeviceSpec {
     fn default() -> Self {
-        DeviceSpec { kind: DeviceKind::Cpu, index: 0, device_memory: Some("512MiB".into()) }
+        DeviceSpec { kind: DeviceKind::Cpu, index: 0, device_memory: Some(DEFAULT_CPU_DEVICE_MEMORY.into()) }
     }
 }
 
-/// The default capacity of a `cpu` device when `device_memory` is not given.
+/// The capacity of the `cpu` device when the job has no `device:` section at all.
 pub const DEFAULT_CPU_DEVICE_MEMORY: &str = "512MiB";
 
 impl JobSpec {
@@ -302,6 +302,10 @@ impl JobSpec {
         range("train.checkpoint_every", t.checkpoint_every, 0, 10_000_000)?;
         range("train.eval_batches", t.eval_batches, 1, 10_000)?;
         range("memory.zero_stage", self.memory.zero_stage, 0, 3)?;
+        let off = &self.memory.offload;
+        if off.optimizer == OffloadTarget::CpuInt8 || off.params == OffloadTarget::CpuInt8 {
+            return Err(bad("memory.offload", "cpu-int8 applies to activations only"));
+        }
         if self.memory.offload.activations != OffloadTarget::None && self.memory.checkpointing != Checkpointing::Full {
             return Err(bad(
                 "memory.offload.activations",
@@ -342,14 +346,16 @@ impl JobSpec {
             return Err(bad("memory.offload", "offload with world_size > 1 is not implemented by this engine build"));
         }
         let off = &mem.offload;
-        if matches!(off.optimizer, OffloadTarget::CpuInt8) || matches!(off.params, OffloadTarget::CpuInt8) {
-            return Err(bad("memory.offload", "cpu-int8 applies to activations only"));
-        }
         if off.params != OffloadTarget::None {
             return Err(bad("memory.offload.params", "only `none` is implemented by this engine build (issue #4)"));
         }
         Ok(())
     }
+}
+
+/// The serde name of a config enum value ("bf16", "full").
+pub fn serde_name<T: Serialize>(v: &T) -> String {
+    serde_json::to_value(v).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
 }
 
 fn range(field: &str, value: i64, lo: i64, hi: i64) -> Result<(), ConfigError> {

@@ -184,13 +184,12 @@ fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
         "fits"
     );
     for (rung, s, e) in &estimates {
-        let ckpt = serde_json::to_value(s.memory.checkpointing)?;
         println!(
             "{:<20} {:>5} {:>5} {:<10} {:>11} {:>11} {:>11} {:>12} {:>11} {:>12} {:>12} {:>5}",
             rung,
             s.train.micro_batch,
             s.grad_accum(),
-            ckpt.as_str().unwrap_or(""),
+            crate::config::serde_name(&s.memory.checkpointing),
             format_bytes(e.params),
             format_bytes(e.grads),
             format_bytes(e.optimizer),

@@ -117,10 +117,6 @@ impl Dataset {
         Ok(Dataset { tokens, train_len, seq_len, seed })
     }
 
-    pub fn train_tokens(&self) -> usize {
-        self.train_len
-    }
-
     /// Training sequence `index` of optimizer step `step`: (inputs, targets), each `seq_len`.
     pub fn train_sequence(&self, step: u64, index: u64, inputs: &mut Vec<u32>, targets: &mut Vec<u32>) {
         let span = (self.train_len - self.seq_len - 1) as u64;

@@ -265,10 +265,6 @@ impl<E: Elem> Trainer<E> {
         (gather(master), gather(m), gather(v))
     }
 
-    pub fn grads(&self) -> &[E] {
-        self.grads.as_slice()
-    }
-
     pub fn loss_scale(&self) -> f64 {
         self.loss_scale
     }

@@ -109,10 +109,6 @@ impl Pool {
         }
     }
 
-    pub fn device_name(&self) -> &str {
-        &self.name
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, PoolInner> {
         // A poisoned lock means a panic while holding it; the bookkeeping is still consistent
         // because every mutation completes before any call that could panic.
@@ -343,14 +339,6 @@ impl fmt::Debug for Buffer {
 }
 
 impl Buffer {
-    pub fn len_bytes(&self) -> usize {
-        self.len
-    }
-
-    pub fn category(&self) -> Category {
-        self.category
-    }
-
     pub fn bytes(&self) -> &[u8] {
         // SAFETY: ptr..ptr+len lies inside this buffer's block, which nobody else references.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }

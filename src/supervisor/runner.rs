@@ -12,7 +12,7 @@ use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::{mpsc, watch, Mutex};
 
-use crate::config::JobSpec;
+use crate::config::{serde_name, JobSpec};
 use crate::memory::format_bytes;
 
 use super::db::{now, AttemptEnd, Db, SampleRow};
@@ -319,8 +319,8 @@ impl Supervisor {
                     "attempt {number} on rung {rung}: micro_batch {} × {} accumulation, {}, checkpointing {}",
                     spec.train.micro_batch,
                     spec.grad_accum(),
-                    enum_name(&spec.memory.precision),
-                    enum_name(&spec.memory.checkpointing)
+                    serde_name(&spec.memory.precision),
+                    serde_name(&spec.memory.checkpointing)
                 ),
             )
             .await?;
@@ -437,11 +437,6 @@ fn last_log_line(run_dir: &Path, number: i64) -> String {
         .unwrap_or_else(|| "no log output".into())
 }
 
-/// The serde name of a config enum ("bf16", "full").
-fn enum_name<T: serde::Serialize>(v: &T) -> String {
-    serde_json::to_value(v).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
-}
-
 /// "micro_batch 16 → 8 (grad_accum 1 → 2)" and the like: what a step-down changed.
 pub fn describe_change(before: &JobSpec, after: &JobSpec) -> String {
     let mut parts = Vec::new();
@@ -457,10 +452,10 @@ pub fn describe_change(before: &JobSpec, after: &JobSpec) -> String {
     }
     let (b, a) = (&before.memory, &after.memory);
     if b.precision != a.precision {
-        parts.push(format!("precision {} → {}", enum_name(&b.precision), enum_name(&a.precision)));
+        parts.push(format!("precision {} → {}", serde_name(&b.precision), serde_name(&a.precision)));
     }
     if b.checkpointing != a.checkpointing {
-        parts.push(format!("checkpointing {} → {}", enum_name(&b.checkpointing), enum_name(&a.checkpointing)));
+        parts.push(format!("checkpointing {} → {}", serde_name(&b.checkpointing), serde_name(&a.checkpointing)));
     }
     if b.zero_stage != a.zero_stage {
         parts.push(format!("zero_stage {} → {}", b.zero_stage, a.zero_stage));
