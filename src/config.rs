@@ -329,28 +329,6 @@ impl JobSpec {
         }
         Ok(())
     }
-
-    /// Checks of what the engine in this build can run (separate from the spec's own validity,
-    /// so the supervisor can accept a spec whose later rungs need features a rung may add).
-    pub fn check_supported(&self) -> Result<(), ConfigError> {
-        let mem = &self.memory;
-        if mem.zero_stage > 1 {
-            return Err(bad(
-                "memory.zero_stage",
-                "stages 2 and 3 are not implemented by this engine build (0 and 1 are; issue #4)",
-            ));
-        }
-        if mem.world_size > 1
-            && (mem.offload.optimizer != OffloadTarget::None || mem.offload.activations != OffloadTarget::None)
-        {
-            return Err(bad("memory.offload", "offload with world_size > 1 is not implemented by this engine build"));
-        }
-        let off = &mem.offload;
-        if off.params != OffloadTarget::None {
-            return Err(bad("memory.offload.params", "only `none` is implemented by this engine build (issue #4)"));
-        }
-        Ok(())
-    }
 }
 
 /// The serde name of a config enum value ("bf16", "full").

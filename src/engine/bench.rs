@@ -92,6 +92,7 @@ pub fn run_configured<E: Elem>(
         seed: 1,
         checkpointing,
         offload_optimizer: false,
+        offload_params: false,
         offload_activations: crate::config::OffloadTarget::None,
         world_size: 1,
         zero_stage: 0,

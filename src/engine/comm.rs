@@ -19,17 +19,40 @@ pub trait Comm: Send + Sync {
     fn all_gather<E: Elem>(&self, buf: &mut [E], own: std::ops::Range<usize>)
     where
         Self: Sized;
+    /// ZeRO-2/3 gradient reduction of one bucket: `bucket` holds this rank's gradients of the
+    /// parameter range `offset..offset + bucket.len()`; the sum over ranks of the part that falls
+    /// in this rank's shard `own` is added into `shard` (indexed from `own.start`).
+    fn reduce_scatter_add<E: Elem>(&self, bucket: &[E], offset: usize, shard: &mut [E], own: std::ops::Range<usize>)
+    where
+        Self: Sized;
+    /// ZeRO-3 parameter gather: every rank's `out` receives the parameter range
+    /// `offset..offset + out.len()`, each element copied from the rank whose shard (`own`,
+    /// stored in `shard` from `own.start`) holds it.
+    fn gather_range<E: Elem>(&self, shard: &[E], own: std::ops::Range<usize>, offset: usize, out: &mut [E])
+    where
+        Self: Sized;
+    /// The sum over ranks of `value`, added in rank order (the same bits on every rank).
+    fn all_reduce_f64(&self, value: f64) -> f64;
     /// Rank 0's `value`, on every rank.
     fn broadcast(&self, value: u64) -> u64;
     /// True on every rank iff `ok` on every rank.
     fn agree(&self, ok: bool) -> bool;
 }
 
+/// What one rank shows the others during a collective: a buffer (address, length), the range
+/// of parameters it owns, a scalar.
+#[derive(Debug, Clone, Copy, Default)]
+struct Published {
+    a: (usize, usize),
+    own: (usize, usize),
+    word: u64,
+}
+
 struct Shared {
     world: usize,
     barrier: Barrier,
-    /// Each rank's published buffer (address, length) for the collective in progress.
-    slots: Mutex<Vec<(usize, usize)>>,
+    /// Each rank's published buffers for the collective in progress.
+    slots: Mutex<Vec<Published>>,
     word: AtomicU64,
     failures: AtomicU64,
 }
@@ -47,22 +70,31 @@ impl LocalComm {
         let shared = Arc::new(Shared {
             world,
             barrier: Barrier::new(world),
-            slots: Mutex::new(vec![(0, 0); world]),
+            slots: Mutex::new(vec![Published::default(); world]),
             word: AtomicU64::new(0),
             failures: AtomicU64::new(0),
         });
         (0..world).map(|rank| LocalComm { rank, shared: shared.clone() }).collect()
     }
 
-    fn publish<E>(&self, buf: &mut [E]) -> Vec<(usize, usize)> {
+    /// Show this rank's buffers to the others and wait until every rank has; returns what
+    /// every rank published, in rank order.
+    fn exchange(&self, mine: Published) -> Vec<Published> {
         {
             let mut slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
-            slots[self.rank] = (buf.as_mut_ptr() as usize, buf.len());
+            slots[self.rank] = mine;
         }
         self.shared.barrier.wait();
-        let slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        assert!(slots.iter().all(|s| s.1 == buf.len()), "collective on buffers of different lengths: {slots:?}");
-        slots
+        // Every collective ends with a barrier, so nobody publishes the next one before
+        // everyone has read this one.
+        self.shared.slots.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Publish one buffer that must have the same length on every rank.
+    fn publish<E>(&self, buf: &mut [E]) -> Vec<(usize, usize)> {
+        let slots = self.exchange(Published { a: (buf.as_mut_ptr() as usize, buf.len()), ..Default::default() });
+        assert!(slots.iter().all(|s| s.a.1 == buf.len()), "collective on buffers of different lengths: {slots:?}");
+        slots.into_iter().map(|s| s.a).collect()
     }
 }
 
@@ -127,6 +159,69 @@ impl Comm for LocalComm {
             }
         }
         self.shared.barrier.wait();
+    }
+
+    fn reduce_scatter_add<E: Elem>(&self, bucket: &[E], offset: usize, shard: &mut [E], own: std::ops::Range<usize>) {
+        let end = offset + bucket.len();
+        let (lo, hi) = (own.start.max(offset), own.end.min(end));
+        if self.shared.world == 1 {
+            for i in lo..hi {
+                let s = &mut shard[i - own.start];
+                *s = E::from_f32(s.to_f32() + bucket[i - offset].to_f32());
+            }
+            return;
+        }
+        let slots = self.exchange(Published { a: (bucket.as_ptr() as usize, bucket.len()), ..Default::default() });
+        assert!(
+            slots.iter().all(|s| s.a.1 == bucket.len()),
+            "reduce-scatter of buckets of different lengths: {slots:?}"
+        );
+        if lo < hi {
+            let mut sum = vec![0f32; hi - lo];
+            for p in &slots {
+                // SAFETY: every bucket stays alive, and is only read, until the barrier below.
+                let other = unsafe { std::slice::from_raw_parts((p.a.0 as *const E).add(lo - offset), hi - lo) };
+                for (s, v) in sum.iter_mut().zip(other) {
+                    *s += v.to_f32();
+                }
+            }
+            for (d, s) in shard[lo - own.start..hi - own.start].iter_mut().zip(&sum) {
+                *d = E::from_f32(d.to_f32() + s);
+            }
+        }
+        self.shared.barrier.wait();
+    }
+
+    fn gather_range<E: Elem>(&self, shard: &[E], own: std::ops::Range<usize>, offset: usize, out: &mut [E]) {
+        let end = offset + out.len();
+        if self.shared.world == 1 {
+            out.copy_from_slice(&shard[offset - own.start..end - own.start]);
+            return;
+        }
+        let slots =
+            self.exchange(Published { a: (shard.as_ptr() as usize, shard.len()), own: (own.start, own.end), word: 0 });
+        // Every rank reads the part of `offset..end` that each owner holds, into its own `out`.
+        for p in &slots {
+            let (lo, hi) = (p.own.0.max(offset), p.own.1.min(end));
+            if lo >= hi {
+                continue;
+            }
+            // SAFETY: shards are only read until the barrier below; each rank writes only its
+            // own `out`.
+            let src = unsafe { std::slice::from_raw_parts((p.a.0 as *const E).add(lo - p.own.0), hi - lo) };
+            out[lo - offset..hi - offset].copy_from_slice(src);
+        }
+        self.shared.barrier.wait();
+    }
+
+    fn all_reduce_f64(&self, value: f64) -> f64 {
+        if self.shared.world == 1 {
+            return value;
+        }
+        let slots = self.exchange(Published { word: value.to_bits(), ..Default::default() });
+        let sum = slots.iter().map(|p| f64::from_bits(p.word)).sum();
+        self.shared.barrier.wait();
+        sum
     }
 
     fn broadcast(&self, value: u64) -> u64 {

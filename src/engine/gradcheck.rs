@@ -5,6 +5,7 @@
 use super::layers::Elem;
 use super::layers::*;
 use super::model::{self, GptConfig};
+use super::placement::{FullGrads, Resident};
 use super::rng::Rng;
 use crate::config::{Checkpointing, OffloadTarget};
 use crate::memory::{Category, Pool};
@@ -158,14 +159,24 @@ fn whole_model_gradients_match_finite_differences() {
     let inputs: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 7 + 3) % 11).collect();
     let targets: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 5 + 1) % 11).collect();
     let loss = |p: &[f32]| {
-        model::forward(&cfg, p, &pool, &inputs, &targets, b, t, Checkpointing::None, OffloadTarget::None)
+        model::forward(&cfg, &Resident(p), &pool, &inputs, &targets, b, t, Checkpointing::None, OffloadTarget::None)
             .unwrap()
             .mean_loss() as f64
     };
     let mut grads = vec![0.0f32; cfg.num_params()];
-    let acts = model::forward(&cfg, &params, &pool, &inputs, &targets, b, t, Checkpointing::None, OffloadTarget::None)
-        .unwrap();
-    model::backward(&cfg, &params, &mut grads, &pool, acts, 1.0 / (b * t) as f32).unwrap();
+    let acts = model::forward(
+        &cfg,
+        &Resident(&params),
+        &pool,
+        &inputs,
+        &targets,
+        b,
+        t,
+        Checkpointing::None,
+        OffloadTarget::None,
+    )
+    .unwrap();
+    model::backward(&cfg, &Resident(&params), &mut FullGrads(&mut grads), &pool, acts, 1.0 / (b * t) as f32).unwrap();
     assert_eq!(pool.stats().current(Category::Activations), 0, "backward frees every activation");
     assert_eq!(pool.stats().current(Category::Workspace), 0, "and its workspace");
     for info in cfg.tensors() {
@@ -190,9 +201,11 @@ fn checkpointing_gives_the_same_gradients_with_fewer_activation_bytes() {
     for mode in [Checkpointing::None, Checkpointing::Selective, Checkpointing::Full] {
         let pool = Pool::new("cpu", 64 << 20);
         let mut grads = vec![0.0f32; cfg.num_params()];
-        let acts = model::forward(&cfg, &params, &pool, &inputs, &targets, b, t, mode, OffloadTarget::None).unwrap();
+        let acts = model::forward(&cfg, &Resident(&params), &pool, &inputs, &targets, b, t, mode, OffloadTarget::None)
+            .unwrap();
         let loss = acts.mean_loss();
-        model::backward(&cfg, &params, &mut grads, &pool, acts, 1.0 / (b * t) as f32).unwrap();
+        model::backward(&cfg, &Resident(&params), &mut FullGrads(&mut grads), &pool, acts, 1.0 / (b * t) as f32)
+            .unwrap();
         results.push((mode, loss, grads, pool.stats().peak(Category::Activations)));
     }
     let (_, loss0, grads0, peak0) = &results[0];
@@ -276,18 +289,29 @@ fn bf16_model_gradients_track_fp32() {
     let targets: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 5 + 1) % 13).collect();
     let pool = Pool::new("cpu", 64 << 20);
     let mut g32 = vec![0.0f32; cfg.num_params()];
-    let acts = model::forward(&cfg, &params, &pool, &inputs, &targets, b, t, Checkpointing::None, OffloadTarget::None)
-        .unwrap();
+    let acts = model::forward(
+        &cfg,
+        &Resident(&params),
+        &pool,
+        &inputs,
+        &targets,
+        b,
+        t,
+        Checkpointing::None,
+        OffloadTarget::None,
+    )
+    .unwrap();
     let l32 = acts.mean_loss();
     let act32 = pool.stats().current(Category::Activations);
-    model::backward(&cfg, &params, &mut g32, &pool, acts, 1.0 / (b * t) as f32).unwrap();
+    model::backward(&cfg, &Resident(&params), &mut FullGrads(&mut g32), &pool, acts, 1.0 / (b * t) as f32).unwrap();
     let p16: Vec<half::bf16> = to(&params);
     let mut g16 = vec![half::bf16::ZERO; cfg.num_params()];
     let acts =
-        model::forward(&cfg, &p16, &pool, &inputs, &targets, b, t, Checkpointing::None, OffloadTarget::None).unwrap();
+        model::forward(&cfg, &Resident(&p16), &pool, &inputs, &targets, b, t, Checkpointing::None, OffloadTarget::None)
+            .unwrap();
     let l16 = acts.mean_loss();
     let act16 = pool.stats().current(Category::Activations);
-    model::backward(&cfg, &p16, &mut g16, &pool, acts, 1.0 / (b * t) as f32).unwrap();
+    model::backward(&cfg, &Resident(&p16), &mut FullGrads(&mut g16), &pool, acts, 1.0 / (b * t) as f32).unwrap();
     assert!((l16 - l32).abs() / l32 < 1e-2, "loss {l16} vs {l32}");
     assert!(rel_err(&g16, &g32) < 5e-2, "gradients: {}", rel_err(&g16, &g32));
     assert!((act16 as f64) < act32 as f64 * 0.7, "bf16 activations {act16} vs fp32 {act32}");

@@ -11,6 +11,7 @@ pub mod estimate;
 pub mod layers;
 pub mod model;
 pub mod optim;
+pub mod placement;
 pub mod rng;
 pub mod run;
 pub mod trainer;

@@ -7,9 +7,12 @@
 //! the checkpoint's canonical layout.
 
 use crate::config::{Checkpointing, OffloadTarget};
+use std::ops::Range;
+
 use crate::memory::{Buffer, Category, OomError, Pool};
 
 use super::layers::*;
+use super::placement::{GradSink, ParamSource};
 use super::rng::Rng;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -278,6 +281,37 @@ impl GptConfig {
         ModelTensors { wte, wpe, layers, lnfw: top.next().unwrap(), lnfb: top.next().unwrap() }
     }
 
+    /// The tied token embedding / classifier weights `wte`.
+    pub fn wte_range(&self) -> Range<usize> {
+        0..self.vocab * self.n_embd
+    }
+
+    /// `wte` and `wpe`, adjacent: what the encoder reads and writes gradients for.
+    pub fn embed_range(&self) -> Range<usize> {
+        0..(self.vocab + self.block_size) * self.n_embd
+    }
+
+    /// Block `l`'s twelve tensors, contiguous in the layer-major layout.
+    pub fn layer_range(&self, l: usize) -> Range<usize> {
+        let start = self.embed_range().end + l * self.layer_params();
+        start..start + self.layer_params()
+    }
+
+    /// The final LayerNorm's weight and bias.
+    pub fn lnf_range(&self) -> Range<usize> {
+        let n = self.num_params();
+        n - 2 * self.n_embd..n
+    }
+
+    /// Views of one block's tensors in a slice holding exactly `layer_range(l)`.
+    pub fn layer_view<'a, T>(&self, flat: &'a [T]) -> LayerTensors<&'a [T]> {
+        LayerTensors::from_vec(split_sizes(flat, &self.layer_sizes()))
+    }
+
+    pub fn layer_view_mut<'a, T>(&self, flat: &'a mut [T]) -> LayerTensors<&'a mut [T]> {
+        LayerTensors::from_vec(split_sizes_mut(flat, &self.layer_sizes()))
+    }
+
     pub fn view_mut<'a, T>(&self, flat: &'a mut [T]) -> ModelTensors<&'a mut [T]> {
         let mut top = split_sizes_mut(flat, &self.top_sizes()).into_iter();
         let wte = top.next().unwrap();
@@ -523,7 +557,7 @@ fn alloc_layer_acts<E: Elem>(cfg: &GptConfig, pool: &Pool, b: usize, t: usize) -
 #[allow(clippy::too_many_arguments)]
 pub fn forward<E: Elem>(
     cfg: &GptConfig,
-    params: &[E],
+    params: &dyn ParamSource<E>,
     pool: &Pool,
     inputs: &[u32],
     targets: &[u32],
@@ -535,21 +569,26 @@ pub fn forward<E: Elem>(
     let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab);
     let mut swap = SwapStats::default();
     let bt = b * t;
-    let p = cfg.view(params);
     let g = global_activation_sizes(cfg, b, t);
     let mut input_buf = alloc_act::<E>(pool, g[0].0, g[0].1)?;
     input_buf.as_mut_slice::<u32>().copy_from_slice(inputs);
     let mut target_buf = alloc_act::<E>(pool, g[1].0, g[1].1)?;
     target_buf.as_mut_slice::<u32>().copy_from_slice(targets);
     let mut encoded = alloc_act::<E>(pool, g[2].0, g[2].1)?;
-    encoder_forward::<E>(encoded.as_mut_slice(), inputs, p.wte, p.wpe, t, c);
+    {
+        let w = params.fetch(cfg.embed_range(), (cfg.n_layer > 0).then(|| cfg.layer_range(0)))?;
+        let (wte, wpe) = w.as_slice().split_at(v * c);
+        encoder_forward::<E>(encoded.as_mut_slice(), inputs, wte, wpe, t, c);
+    }
     let mut scratch = alloc_f32(pool, forward_scratch_elems::<E>(cfg, b, t), Category::Workspace)?;
 
     let mut layers: Vec<KeptLayer> = Vec::with_capacity(cfg.n_layer);
     for l in 0..cfg.n_layer {
         let mut a = alloc_layer_acts::<E>(cfg, pool, b, t)?;
+        let w = params.fetch(cfg.layer_range(l), (l + 1 < cfg.n_layer).then(|| cfg.layer_range(l + 1)))?;
         let x = layers.last().map(KeptLayer::output::<E>).unwrap_or(encoded.as_slice());
-        layer_forward(&p.layers[l], &mut a, x, scratch.as_mut_slice(), b, t, c, nh);
+        layer_forward(&cfg.layer_view(w.as_slice()), &mut a, x, scratch.as_mut_slice(), b, t, c, nh);
+        drop(w);
         layers.push(KeptLayer::keep(a, mode));
         // The previous block's output has been consumed: move it to the host.
         if offload != OffloadTarget::None && l >= 1 {
@@ -568,17 +607,33 @@ pub fn forward<E: Elem>(
     let mut lnf_mean = alloc_act::<E>(pool, g[4].0, g[4].1)?;
     let mut lnf_rstd = alloc_act::<E>(pool, g[5].0, g[5].1)?;
     let last = layers.last().map(KeptLayer::output::<E>).unwrap_or(encoded.as_slice());
-    layernorm_forward::<E>(
-        lnf.as_mut_slice(),
-        lnf_mean.as_mut_slice(),
-        lnf_rstd.as_mut_slice(),
-        last,
-        p.lnfw,
-        p.lnfb,
-        c,
-    );
+    {
+        let w = params.fetch(cfg.lnf_range(), None)?;
+        let (lnfw, lnfb) = w.as_slice().split_at(c);
+        layernorm_forward::<E>(
+            lnf.as_mut_slice(),
+            lnf_mean.as_mut_slice(),
+            lnf_rstd.as_mut_slice(),
+            last,
+            lnfw,
+            lnfb,
+            c,
+        );
+    }
     let mut logits = alloc_act::<E>(pool, g[6].0, g[6].1)?;
-    matmul_forward::<E>(logits.as_mut_slice(), lnf.as_slice(), p.wte, None, bt, c, v, scratch.as_mut_slice());
+    {
+        let wte = params.fetch(cfg.wte_range(), None)?;
+        matmul_forward::<E>(
+            logits.as_mut_slice(),
+            lnf.as_slice(),
+            wte.as_slice(),
+            None,
+            bt,
+            c,
+            v,
+            scratch.as_mut_slice(),
+        );
+    }
     drop(scratch);
     let mut losses = alloc_act::<E>(pool, g[7].0, g[7].1)?;
     crossentropy_forward::<E>(logits.as_mut_slice(), losses.as_mut_slice(), targets, v);
@@ -725,8 +780,8 @@ fn layer_forward<E: Elem>(
 /// e.g. 1 / (B·T·grad_accum) for a mean over the global batch (times the loss scale for fp16).
 pub fn backward<E: Elem>(
     cfg: &GptConfig,
-    params: &[E],
-    grads: &mut [E],
+    params: &dyn ParamSource<E>,
+    grads: &mut dyn GradSink<E>,
     pool: &Pool,
     mut acts: Activations,
     dloss: f32,
@@ -734,8 +789,6 @@ pub fn backward<E: Elem>(
     let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab);
     let (b, t) = (acts.b, acts.t);
     let bt = b * t;
-    let p = cfg.view(params);
-    let mut g = cfg.view_mut(grads);
     let ws = backward_workspace_sizes(cfg, b, t);
     let mut dres = alloc_elems::<E>(pool, ws[0].1, Category::Workspace)?;
     let mut dsmall = alloc_elems::<E>(pool, ws[1].1, Category::Workspace)?;
@@ -747,33 +800,32 @@ pub fn backward<E: Elem>(
     // Head: loss -> logits -> lnf.
     let mut logits = acts.logits.take().expect("forward fills logits");
     crossentropy_backward_inplace::<E>(logits.as_mut_slice(), acts.targets.as_slice(), dloss, v);
-    matmul_backward::<E>(
-        dsmall.as_mut_slice(),
-        g.wte,
-        None,
-        logits.as_slice(),
-        acts.lnf.as_slice(),
-        p.wte,
-        bt,
-        c,
-        v,
-        scratch,
-    );
+    {
+        let wte = params.fetch(cfg.wte_range(), None)?;
+        let gwte = grads.open(cfg.wte_range())?;
+        let (dlogits, lnf) = (logits.as_slice(), acts.lnf.as_slice());
+        matmul_backward::<E>(dsmall.as_mut_slice(), gwte, None, dlogits, lnf, wte.as_slice(), bt, c, v, scratch);
+        grads.close(cfg.wte_range());
+    }
     drop(logits);
     dres.as_mut_slice::<E>().fill(E::default());
     {
         let last = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(acts.encoded.as_slice());
+        let w = params.fetch(cfg.lnf_range(), cfg.n_layer.checked_sub(1).map(|l| cfg.layer_range(l)))?;
+        let g = grads.open(cfg.lnf_range())?;
+        let (glnfw, glnfb) = g.split_at_mut(c);
         layernorm_backward::<E>(
             dres.as_mut_slice(),
-            g.lnfw,
-            g.lnfb,
+            glnfw,
+            glnfb,
             dsmall.as_slice(),
             last,
-            p.lnfw,
+            &w.as_slice()[..c],
             acts.lnf_mean.as_slice(),
             acts.lnf_rstd.as_slice(),
             c,
         );
+        grads.close(cfg.lnf_range());
     }
 
     let mut prefetch: Option<std::thread::JoinHandle<(Buffer, f64)>> = None;
@@ -816,8 +868,10 @@ pub fn backward<E: Elem>(
             pool.set_host_bytes(Category::Activations, host_activation_bytes(&acts.layers));
         }
         let x = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(acts.encoded.as_slice());
-        let (pl, gl) = (&p.layers[l], &mut g.layers[l]);
+        let w = params.fetch(cfg.layer_range(l), l.checked_sub(1).map(|l| cfg.layer_range(l)))?;
+        let pl = &cfg.layer_view(w.as_slice());
         let a = recompute::<E>(cfg, pool, pl, kept, x, scratch, b, t)?;
+        let gl = cfg.layer_view_mut(grads.open(cfg.layer_range(l))?);
         // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
         matmul_backward::<E>(
             dfch.as_mut_slice(),
@@ -903,9 +957,13 @@ pub fn backward<E: Elem>(
             c,
         );
         drop(a);
+        grads.close(cfg.layer_range(l));
     }
     let inputs = acts.inputs.as_slice::<u32>();
-    encoder_backward::<E>(g.wte, g.wpe, dres.as_slice(), inputs, t, c);
+    let g = grads.open(cfg.embed_range())?;
+    let (gwte, gwpe) = g.split_at_mut(v * c);
+    encoder_backward::<E>(gwte, gwpe, dres.as_slice(), inputs, t, c);
+    grads.close(cfg.embed_range());
     if acts.offload != OffloadTarget::None {
         pool.set_host_bytes(Category::Activations, 0);
     }

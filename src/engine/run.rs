@@ -130,7 +130,6 @@ fn spawn_control_reader() -> Arc<AtomicU8> {
 /// Run the job. On OOM the `oom` event has been written before the error returns.
 pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result<(), TrainError> {
     spec.validate()?;
-    spec.check_supported()?;
     if spec.device.kind == DeviceKind::Cuda {
         #[cfg(feature = "cuda")]
         let reason = match super::cuda::device_unavailable(spec.device.index) {

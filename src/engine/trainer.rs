@@ -1,7 +1,9 @@
 //! The training state (weights, gradients, AdamW moments in the pool) and one optimizer step
 //! with gradient accumulation; evaluation; checkpoint save/restore.
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::config::{Checkpointing, JobSpec, OffloadTarget};
 use crate::memory::{Buffer, Category, OomError, Pool};
@@ -11,6 +13,7 @@ use super::comm::{shard_range, Comm, LocalComm};
 use super::layers::{narrow, widen, Elem};
 use super::model::{self, alloc_elems, alloc_f32, GptConfig, TensorInfo};
 use super::optim::{clip_coefficient, lr_at, sum_squares, AdamW};
+use super::placement::{FullGrads, Gathered, HostStaged, ParamSource, Resident, ShardedGrads};
 use super::rng::Rng;
 
 /// Hyper-parameters of the loop, resolved from the job spec.
@@ -29,9 +32,12 @@ pub struct Hyper {
     pub checkpointing: Checkpointing,
     /// Optimizer state and master weights in host memory.
     pub offload_optimizer: bool,
+    /// Compute weights in host memory, each segment copied to the device when used.
+    pub offload_params: bool,
     /// Block outputs kept for backward in host memory (needs full checkpointing).
     pub offload_activations: OffloadTarget,
-    /// Data-parallel ranks and the ZeRO stage (0: replicated, 1: sharded optimizer state).
+    /// Data-parallel ranks and the ZeRO stage (0: replicated, 1: sharded optimizer state,
+    /// 2: and gradients, 3: and weights).
     pub world_size: usize,
     pub zero_stage: usize,
 }
@@ -52,6 +58,7 @@ impl Hyper {
             seed: t.seed,
             checkpointing: spec.memory.checkpointing,
             offload_optimizer: spec.memory.offload.optimizer != OffloadTarget::None,
+            offload_params: spec.memory.offload.params != OffloadTarget::None,
             offload_activations: spec.memory.offload.activations,
             world_size: spec.memory.world_size as usize,
             zero_stage: spec.memory.zero_stage as usize,
@@ -98,7 +105,8 @@ pub type EvalBatchFn<'a> = dyn FnMut(usize, &mut Vec<u32>, &mut Vec<u32>) + 'a;
 pub const INITIAL_LOSS_SCALE: f64 = 65536.0;
 pub const LOSS_SCALE_GROWTH_INTERVAL: u64 = 200;
 
-/// Where the fp32 master weights and the AdamW moments live.
+/// Where the fp32 master weights and the AdamW moments live. Under ZeRO (stage ≥ 1, world > 1)
+/// both hold only this rank's shard (padded to equal shards on every rank).
 enum OptimizerState {
     /// On the device, in the optimizer category. `master` is None for fp32, whose compute
     /// weights are the master.
@@ -108,25 +116,73 @@ enum OptimizerState {
     Host { master: Vec<f32>, m: Vec<f32>, v: Vec<f32>, grads: Vec<f32> },
 }
 
+/// Where a rank keeps its compute copy of the weights between passes: all of them, or only
+/// its shard under ZeRO-3 (`sharded`).
+enum ParamStore<E> {
+    /// In the device pool (params category).
+    Device(Buffer),
+    /// In host memory (`offload.params: cpu`); passes copy each segment to the device on use.
+    /// Shared with the copy worker during a pass, exclusively owned between passes.
+    Host(Arc<Vec<E>>),
+}
+
+impl<E: Elem> ParamStore<E> {
+    fn as_slice(&self) -> &[E] {
+        match self {
+            ParamStore::Device(b) => b.as_slice(),
+            ParamStore::Host(v) => v,
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [E] {
+        match self {
+            ParamStore::Device(b) => b.as_mut_slice(),
+            ParamStore::Host(v) => Arc::get_mut(v).expect("no copy worker holds the weights between passes"),
+        }
+    }
+}
+
 pub use super::model::SwapStats;
+
+/// The weight source a pass reads through, for where the weights are kept.
+enum Source<'a, E> {
+    Resident(Resident<'a, E>),
+    Gathered(Gathered<'a, E>),
+    Host(HostStaged<E>),
+}
+
+impl<E: Elem> Source<'_, E> {
+    fn get(&self) -> &dyn ParamSource<E> {
+        match self {
+            Source::Resident(s) => s,
+            Source::Gathered(s) => s,
+            Source::Host(s) => s,
+        }
+    }
+}
 
 /// Model state on the device: every tensor a pool buffer tagged with its category.
 /// `E` is the compute precision of parameters, gradients and activations; with a 16-bit `E`
 /// the fp32 master weights live in the optimizer category beside the AdamW moments.
+///
+/// ZeRO stages on a group of `world` ranks: 1 shards the optimizer state, 2 also the gradients
+/// (each backward segment is reduce-scattered to its owners), 3 also the weights (each segment
+/// is all-gathered before use). With world 1 every stage is stage 0.
 pub struct Trainer<E: Elem = f32> {
     pub cfg: GptConfig,
     pub hyper: Hyper,
     pub pool: Pool,
-    tensors: Vec<TensorInfo>,
-    /// Compute copy of the weights, in `E`.
-    params: Buffer,
+    /// Compute copy of the weights, in `E`: all of them, or `shard` of them under ZeRO-3.
+    params: ParamStore<E>,
+    params_sharded: bool,
+    /// Gradient accumulator: all of them, or `shard` of them under ZeRO-2/3.
     grads: Buffer,
-    /// fp32 master weights and AdamW moments, on the device or offloaded to the host. Under
-    /// ZeRO-1 only this rank's shard (`shard`) of them.
+    grads_sharded: bool,
+    /// fp32 master weights and AdamW moments of `shard`, on the device or on the host.
     opt: OptimizerState,
     /// The parameter range whose optimizer state this rank owns (everything unless sharded).
-    shard: std::ops::Range<usize>,
-    /// `tensors` clipped to `shard`, offsets relative to its start.
+    shard: Range<usize>,
+    /// The parameter layout clipped to `shard`, offsets relative to its start.
     shard_tensors: Vec<TensorInfo>,
     comm: Option<LocalComm>,
     /// Optimizer steps completed (skipped fp16 steps included: their data is consumed).
@@ -138,7 +194,6 @@ pub struct Trainer<E: Elem = f32> {
     loss_scale: f64,
     good_steps: u64,
     pub skipped_steps: u64,
-    _elem: std::marker::PhantomData<E>,
 }
 
 impl<E: Elem> Trainer<E> {
@@ -147,42 +202,45 @@ impl<E: Elem> Trainer<E> {
         Self::new_rank(cfg, hyper, pool, None)
     }
 
-    /// One data-parallel rank of a group (`comm`), with ZeRO-1 sharding of the optimizer state
-    /// when `hyper.zero_stage >= 1`. Every rank allocates equal (padded) shards, so all ranks
-    /// make the same allocations and an OOM happens on all of them alike.
+    /// One data-parallel rank of a group (`comm`), sharded by `hyper.zero_stage`. Every rank
+    /// allocates equal (padded) shards, so all ranks make the same allocations and an OOM
+    /// happens on all of them alike.
     pub fn new_rank(cfg: GptConfig, hyper: Hyper, pool: Pool, comm: Option<LocalComm>) -> Result<Trainer<E>, OomError> {
         let n = cfg.num_params();
         let (rank, world) = comm.as_ref().map(|c| (c.rank(), c.world())).unwrap_or((0, 1));
-        let sharded = hyper.zero_stage >= 1 && world > 1;
-        let shard = if sharded { shard_range(n, rank, world) } else { 0..n };
-        let state_len = if sharded { n.div_ceil(world) } else { n };
-        let mut params = alloc_elems::<E>(&pool, n, Category::Params)?;
-        let grads = alloc_elems::<E>(&pool, n, Category::Grads)?;
+        let stage = if world > 1 { hyper.zero_stage } else { 0 };
+        let shard = if stage >= 1 { shard_range(n, rank, world) } else { 0..n };
+        let state_len = if stage >= 1 { n.div_ceil(world) } else { n };
+        let k = shard.len();
+        let (params_sharded, grads_sharded) = (stage >= 3, stage >= 2);
+        let params_len = if params_sharded { state_len } else { n };
+        // Every rank initialises the same full weights and keeps what it owns.
+        let mut full = vec![0.0f32; n];
+        cfg.init_params(&mut full, hyper.seed);
+        let kept = if params_sharded { shard.clone() } else { 0..n };
+        let mut params = if hyper.offload_params {
+            pool.set_host_bytes(Category::Params, params_len * E::BYTES);
+            ParamStore::Host(Arc::new(vec![E::default(); params_len]))
+        } else {
+            ParamStore::Device(alloc_elems::<E>(&pool, params_len, Category::Params)?)
+        };
+        narrow::<E>(&mut params.as_mut_slice()[..kept.len()], &full[kept]);
+        let grads = alloc_elems::<E>(&pool, if grads_sharded { state_len } else { n }, Category::Grads)?;
         let opt = if hyper.offload_optimizer {
-            let mut master = vec![0.0f32; n];
-            cfg.init_params(&mut master, hyper.seed);
-            narrow::<E>(params.as_mut_slice(), &master);
-            pool.set_host_bytes(Category::Optimizer, 4 * 4 * n);
-            OptimizerState::Host { master, m: vec![0.0; n], v: vec![0.0; n], grads: vec![0.0; n] }
+            pool.set_host_bytes(Category::Optimizer, 4 * 4 * state_len);
+            let master = full[shard.clone()].to_vec();
+            OptimizerState::Host { master, m: vec![0.0; k], v: vec![0.0; k], grads: vec![0.0; k] }
         } else {
             let mut master = if E::is_f32() { None } else { Some(alloc_f32(&pool, state_len, Category::Optimizer)?) };
+            if let Some(mw) = master.as_mut() {
+                mw.as_mut_slice::<f32>()[..k].copy_from_slice(&full[shard.clone()]);
+            }
             let m = alloc_f32(&pool, state_len, Category::Optimizer)?;
             let v = alloc_f32(&pool, state_len, Category::Optimizer)?;
-            match (E::as_f32_mut(params.as_mut_slice::<E>()), master.as_mut()) {
-                (Some(p), _) => cfg.init_params(p, hyper.seed),
-                (None, Some(mw)) => {
-                    // Every rank initialises the same full weights; it keeps its master shard.
-                    let mut full = vec![0.0f32; n];
-                    cfg.init_params(&mut full, hyper.seed);
-                    narrow::<E>(params.as_mut_slice(), &full);
-                    mw.as_mut_slice::<f32>()[..shard.len()].copy_from_slice(&full[shard.clone()]);
-                }
-                (None, None) => unreachable!("16-bit params always have a master copy"),
-            }
             OptimizerState::Device { master, m, v }
         };
-        let tensors = cfg.tensors();
-        let shard_tensors = tensors
+        let shard_tensors = cfg
+            .tensors()
             .iter()
             .filter_map(|t| {
                 let lo = t.offset.max(shard.start);
@@ -198,7 +256,6 @@ impl<E: Elem> Trainer<E> {
         let rng = Rng::new(hyper.seed);
         let dynamic_scale = E::NAME == "fp16";
         Ok(Trainer {
-            tensors,
             shard,
             shard_tensors,
             comm,
@@ -206,7 +263,9 @@ impl<E: Elem> Trainer<E> {
             hyper,
             pool,
             params,
+            params_sharded,
             grads,
+            grads_sharded,
             opt,
             step: 0,
             adam_t: 0,
@@ -215,17 +274,33 @@ impl<E: Elem> Trainer<E> {
             loss_scale: if dynamic_scale { INITIAL_LOSS_SCALE } else { 1.0 },
             good_steps: 0,
             skipped_steps: 0,
-            _elem: std::marker::PhantomData,
         })
     }
 
-    /// The fp32 master weights.
+    /// Whether the weights are sharded (ZeRO-3): then every pass, evaluation included, is a
+    /// collective every rank must run.
+    pub fn params_sharded(&self) -> bool {
+        self.params_sharded
+    }
+
+    /// This rank's part of the compute weights: its shard of them under any ZeRO stage.
+    fn compute_shard(&self) -> &[E] {
+        let all = self.params.as_slice();
+        if self.params_sharded {
+            &all[..self.shard.len()]
+        } else {
+            &all[self.shard.clone()]
+        }
+    }
+
     /// This rank's fp32 master weights (all of them unless the optimizer state is sharded).
     pub fn master_params(&self) -> &[f32] {
         let k = self.shard.len();
         match &self.opt {
             OptimizerState::Device { master: Some(m), .. } => &m.as_slice()[..k],
-            OptimizerState::Device { master: None, .. } => &self.params.as_slice()[self.shard.clone()],
+            OptimizerState::Device { master: None, .. } => {
+                E::as_f32(self.compute_shard()).expect("fp32 compute weights are the master")
+            }
             OptimizerState::Host { master, .. } => master,
         }
     }
@@ -291,41 +366,61 @@ impl<E: Elem> Trainer<E> {
         // This rank's slice of the global batch.
         let first_seq = self.rank() * b * h.grad_accum;
         let mut loss_sum = 0.0f64;
-        let mut act_swap = SwapStats::default();
+        let mut swap = SwapStats::default();
         let (mut inputs, mut targets) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
-        for micro in 0..h.grad_accum {
-            inputs.clear();
-            targets.clear();
-            for i in 0..b {
-                batch(self.step, (first_seq + micro * b + i) as u64, &mut inputs, &mut targets);
+        {
+            let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), &self.pool);
+            for micro in 0..h.grad_accum {
+                inputs.clear();
+                targets.clear();
+                for i in 0..b {
+                    batch(self.step, (first_seq + micro * b + i) as u64, &mut inputs, &mut targets);
+                }
+                let (cfg, pool) = (&self.cfg, &self.pool);
+                let acts = model::forward::<E>(
+                    cfg,
+                    source.get(),
+                    pool,
+                    &inputs,
+                    &targets,
+                    b,
+                    t,
+                    h.checkpointing,
+                    h.offload_activations,
+                )?;
+                loss_sum += acts.mean_loss() as f64;
+                let grads = self.grads.as_mut_slice::<E>();
+                let moved = match (&self.comm, self.grads_sharded) {
+                    (Some(comm), true) => {
+                        let mut sink = ShardedGrads::new(grads, self.shard.clone(), comm, pool);
+                        model::backward::<E>(cfg, source.get(), &mut sink, pool, acts, dloss)?
+                    }
+                    _ => model::backward::<E>(cfg, source.get(), &mut FullGrads(grads), pool, acts, dloss)?,
+                };
+                swap.add(moved);
             }
-            let params = self.params.as_slice::<E>();
-            let acts = model::forward::<E>(
-                &self.cfg,
-                params,
-                &self.pool,
-                &inputs,
-                &targets,
-                b,
-                t,
-                h.checkpointing,
-                h.offload_activations,
-            )?;
-            loss_sum += acts.mean_loss() as f64;
-            let moved = model::backward::<E>(&self.cfg, params, self.grads.as_mut_slice(), &self.pool, acts, dloss)?;
-            act_swap.add(moved);
+            swap.add(source.get().swap());
         }
+        let k = self.shard.len();
+        // Squared gradient norm: of the all-reduced full gradients, or summed over the shards.
+        let mut squares = if self.grads_sharded {
+            sum_squares(&self.grads.as_slice::<E>()[..k])
+        } else {
+            if let Some(comm) = &self.comm {
+                comm.all_reduce_sum(self.grads.as_mut_slice::<E>());
+            }
+            sum_squares(self.grads.as_slice::<E>())
+        };
         if let Some(comm) = &self.comm {
-            comm.all_reduce_sum(self.grads.as_mut_slice::<E>());
-            let mut l = [loss_sum as f32];
-            comm.all_reduce_sum(&mut l);
-            loss_sum = l[0] as f64 / world as f64;
+            if self.grads_sharded {
+                squares = comm.all_reduce_f64(squares);
+            }
+            loss_sum = comm.all_reduce_f64(loss_sum) / world as f64;
         }
         let lr = lr_at(self.step as usize, h.lr, h.warmup_steps, h.steps as usize);
         let inv_scale = 1.0 / self.loss_scale;
-        let grad_norm = sum_squares(self.grads.as_slice::<E>()).sqrt() * inv_scale;
+        let grad_norm = squares.sqrt() * inv_scale;
         let skipped = !grad_norm.is_finite();
-        let mut swap = (h.offload_activations != OffloadTarget::None).then_some(act_swap);
         if skipped {
             // fp16 overflow: drop this update, halve the scale, keep going.
             self.loss_scale = (self.loss_scale / 2.0).max(1.0);
@@ -337,38 +432,40 @@ impl<E: Elem> Trainer<E> {
             let opt = AdamW { lr: lr as f32, weight_decay: h.weight_decay as f32, t: self.adam_t };
             let grad_mult = (coef as f64 * inv_scale) as f32;
             let shard = self.shard.clone();
-            let k = shard.len();
-            let grads = &self.grads.as_slice::<E>()[shard.clone()];
+            let all_grads = self.grads.as_slice::<E>();
+            let grads = if self.grads_sharded { &all_grads[..k] } else { &all_grads[shard.clone()] };
+            let params = self.params.as_mut_slice();
+            let compute = if self.params_sharded { &mut params[..k] } else { &mut params[shard.clone()] };
             match &mut self.opt {
                 OptimizerState::Device { master: Some(mw), m, v } => {
                     let mw = &mut mw.as_mut_slice::<f32>()[..k];
                     let (m, v) = (&mut m.as_mut_slice::<f32>()[..k], &mut v.as_mut_slice::<f32>()[..k]);
                     opt.update::<E>(&self.shard_tensors, mw, grads, grad_mult, m, v);
-                    narrow::<E>(&mut self.params.as_mut_slice::<E>()[shard.clone()], mw);
+                    narrow::<E>(compute, mw);
                 }
                 OptimizerState::Device { master: None, m, v } => {
-                    let p = E::as_f32_mut(self.params.as_mut_slice::<E>()).expect("fp32 params are the master");
+                    let p = E::as_f32_mut(compute).expect("fp32 params are the master");
                     let (m, v) = (&mut m.as_mut_slice::<f32>()[..k], &mut v.as_mut_slice::<f32>()[..k]);
-                    opt.update::<E>(&self.shard_tensors, &mut p[shard.clone()], grads, grad_mult, m, v);
+                    opt.update::<E>(&self.shard_tensors, p, grads, grad_mult, m, v);
                 }
                 OptimizerState::Host { master, m, v, grads: host_grads } => {
                     let t0 = std::time::Instant::now();
                     widen::<E>(host_grads, grads);
                     let mut transfer = t0.elapsed();
-                    opt.update::<f32>(&self.tensors, master, host_grads, grad_mult, m, v);
+                    opt.update::<f32>(&self.shard_tensors, master, host_grads, grad_mult, m, v);
                     let t1 = std::time::Instant::now();
-                    narrow::<E>(self.params.as_mut_slice(), master);
+                    narrow::<E>(compute, master);
                     transfer += t1.elapsed();
-                    swap.get_or_insert_with(SwapStats::default).add(SwapStats {
-                        bytes_to_host: grads.len() * E::BYTES,
-                        bytes_to_device: grads.len() * E::BYTES,
+                    swap.add(SwapStats {
+                        bytes_to_host: k * E::BYTES,
+                        bytes_to_device: k * E::BYTES,
                         transfer_ms: transfer.as_secs_f64() * 1e3,
                     });
                 }
             }
-            if let (Some(comm), true) = (&self.comm, k < self.cfg.num_params()) {
-                // ZeRO-1: every rank updated its shard; gather the full weights everywhere.
-                comm.all_gather(self.params.as_mut_slice::<E>(), shard);
+            if let (Some(comm), true, false) = (&self.comm, k < self.cfg.num_params(), self.params_sharded) {
+                // ZeRO-1/2: every rank updated its shard; gather the full weights everywhere.
+                comm.all_gather(self.params.as_mut_slice(), shard);
             }
             if self.dynamic_scale {
                 self.good_steps += 1;
@@ -380,6 +477,7 @@ impl<E: Elem> Trainer<E> {
         }
         self.step += 1;
         let secs = started.elapsed().as_secs_f64();
+        let offloading = h.offload_optimizer || h.offload_params || h.offload_activations != OffloadTarget::None;
         Ok(StepStats {
             step: self.step,
             loss: (loss_sum / h.grad_accum as f64) as f32,
@@ -389,13 +487,15 @@ impl<E: Elem> Trainer<E> {
             tokens_per_s: (h.global_batch * t) as f64 / secs.max(1e-9),
             loss_scale: self.loss_scale,
             skipped,
-            swap,
+            swap: offloading.then_some(swap),
         })
     }
 
-    /// Mean loss over `count` sequences given by `batch(index)`, in micro-batches.
+    /// Mean loss over `count` sequences given by `batch(index)`, in micro-batches. With sharded
+    /// weights every rank must call it alike (the weights are gathered as it goes).
     pub fn evaluate(&self, count: usize, batch: &mut EvalBatchFn<'_>) -> Result<f32, OomError> {
         let (b, t) = (self.hyper.micro_batch, self.hyper.seq_len);
+        let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), &self.pool);
         let mut total = 0.0f64;
         let mut done = 0;
         while done < count {
@@ -405,10 +505,9 @@ impl<E: Elem> Trainer<E> {
                 batch(done + i, &mut inputs, &mut targets);
             }
             // Evaluation keeps nothing for backward: only block outputs live through the pass.
-            let params = self.params.as_slice::<E>();
             let acts = model::forward::<E>(
                 &self.cfg,
-                params,
+                source.get(),
                 &self.pool,
                 &inputs,
                 &targets,
@@ -443,7 +542,8 @@ impl<E: Elem> Trainer<E> {
         checkpoint::save(run_dir, &header, &master, &m, &v)
     }
 
-    /// Resume from a checkpoint written under any precision (it holds fp32 master weights).
+    /// Resume from a checkpoint written under any precision, stage or world size (it holds the
+    /// full fp32 master weights and moments; each rank takes what it owns).
     pub fn restore(&mut self, path: &Path, ckpt: Checkpoint) -> Result<(), CheckpointError> {
         let mismatch = |message: String| CheckpointError::Mismatch { path: path.into(), message };
         if ckpt.header.model != self.model_dims() {
@@ -458,9 +558,10 @@ impl<E: Elem> Trainer<E> {
         }
         let shard = self.shard.clone();
         let k = shard.len();
+        let kept = if self.params_sharded { shard.clone() } else { 0..self.cfg.num_params() };
+        narrow::<E>(&mut self.params.as_mut_slice()[..kept.len()], &ckpt.params[kept]);
         match &mut self.opt {
             OptimizerState::Device { master, m, v } => {
-                narrow::<E>(self.params.as_mut_slice(), &ckpt.params);
                 if let Some(mw) = master {
                     mw.as_mut_slice::<f32>()[..k].copy_from_slice(&ckpt.params[shard.clone()]);
                 }
@@ -468,10 +569,9 @@ impl<E: Elem> Trainer<E> {
                 v.as_mut_slice::<f32>()[..k].copy_from_slice(&ckpt.v[shard]);
             }
             OptimizerState::Host { master, m, v, .. } => {
-                master.copy_from_slice(&ckpt.params);
-                narrow::<E>(self.params.as_mut_slice(), master);
-                m.copy_from_slice(&ckpt.m);
-                v.copy_from_slice(&ckpt.v);
+                master.copy_from_slice(&ckpt.params[shard.clone()]);
+                m.copy_from_slice(&ckpt.m[shard.clone()]);
+                v.copy_from_slice(&ckpt.v[shard]);
             }
         }
         self.step = ckpt.header.step;
@@ -481,6 +581,23 @@ impl<E: Elem> Trainer<E> {
             self.loss_scale = ckpt.header.loss_scale;
         }
         Ok(())
+    }
+}
+
+/// The weight source for a pass over weights kept in `params` (a shard of them if `sharded`).
+fn source_of<'a, E: Elem>(
+    params: &'a ParamStore<E>,
+    sharded: bool,
+    shard: &Range<usize>,
+    comm: Option<&'a LocalComm>,
+    pool: &'a Pool,
+) -> Source<'a, E> {
+    match (params, sharded, comm) {
+        (store, true, Some(comm)) => {
+            Source::Gathered(Gathered { shard: &store.as_slice()[..shard.len()], own: shard.clone(), comm, pool })
+        }
+        (ParamStore::Host(host), _, _) => Source::Host(HostStaged::new(Arc::clone(host), pool.clone())),
+        (ParamStore::Device(buf), _, _) => Source::Resident(Resident(buf.as_slice())),
     }
 }
 
@@ -504,6 +621,7 @@ mod tests {
             seed: 3,
             checkpointing: Checkpointing::None,
             offload_optimizer: false,
+            offload_params: false,
             offload_activations: OffloadTarget::None,
             world_size: 1,
             zero_stage: 0,
