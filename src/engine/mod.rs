@@ -18,5 +18,7 @@ pub mod trainer;
 
 #[cfg(test)]
 mod gradcheck;
+#[cfg(test)]
+mod ranks_tests;
 
 pub use run::{train, Events, ResumeMode, TrainError, TrainOptions};

@@ -375,6 +375,8 @@ pub enum KeptLayer {
     Host(HostTensor),
     /// Being copied back to the device by the copy worker (prefetch during backward).
     InFlight,
+    /// Not kept: the pass is not followed by a backward (evaluation).
+    Released,
 }
 
 /// A (rows, C) tensor in host memory, as stored or compressed to int8 with a scale per row.
@@ -491,6 +493,7 @@ impl KeptLayer {
             KeptLayer::Selective(s) => s.residual3.as_slice(),
             KeptLayer::Output(o) => o.as_slice(),
             KeptLayer::Host(_) | KeptLayer::InFlight => unreachable!("offloaded outputs are restored before use"),
+            KeptLayer::Released => unreachable!("released outputs are never read again"),
         }
     }
 }
@@ -566,6 +569,38 @@ pub fn forward<E: Elem>(
     mode: Checkpointing,
     offload: OffloadTarget,
 ) -> Result<Activations, OomError> {
+    forward_pass(cfg, params, pool, inputs, targets, b, t, mode, offload, false)
+}
+
+/// Mean loss of a forward pass that keeps nothing for backward (evaluation): each block's
+/// output is released as soon as the next block has consumed it.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_loss<E: Elem>(
+    cfg: &GptConfig,
+    params: &dyn ParamSource<E>,
+    pool: &Pool,
+    inputs: &[u32],
+    targets: &[u32],
+    b: usize,
+    t: usize,
+) -> Result<f32, OomError> {
+    let acts = forward_pass(cfg, params, pool, inputs, targets, b, t, Checkpointing::Full, OffloadTarget::None, true)?;
+    Ok(acts.mean_loss())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn forward_pass<E: Elem>(
+    cfg: &GptConfig,
+    params: &dyn ParamSource<E>,
+    pool: &Pool,
+    inputs: &[u32],
+    targets: &[u32],
+    b: usize,
+    t: usize,
+    mode: Checkpointing,
+    offload: OffloadTarget,
+    release_outputs: bool,
+) -> Result<Activations, OomError> {
     let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab);
     let mut swap = SwapStats::default();
     let bt = b * t;
@@ -590,8 +625,10 @@ pub fn forward<E: Elem>(
         layer_forward(&cfg.layer_view(w.as_slice()), &mut a, x, scratch.as_mut_slice(), b, t, c, nh);
         drop(w);
         layers.push(KeptLayer::keep(a, mode));
-        // The previous block's output has been consumed: move it to the host.
-        if offload != OffloadTarget::None && l >= 1 {
+        // The previous block's output has been consumed: release it, or move it to the host.
+        if release_outputs && l >= 1 {
+            layers[l - 1] = KeptLayer::Released;
+        } else if offload != OffloadTarget::None && l >= 1 {
             let t0 = std::time::Instant::now();
             if let KeptLayer::Output(buf) = &layers[l - 1] {
                 let host = HostTensor::from_device::<E>(buf, c, offload == OffloadTarget::CpuInt8);
@@ -721,7 +758,7 @@ fn recompute<E: Elem>(
             drop(out);
             full(pool, scratch)
         }
-        KeptLayer::Host(_) | KeptLayer::InFlight => full(pool, scratch),
+        KeptLayer::Host(_) | KeptLayer::InFlight | KeptLayer::Released => full(pool, scratch),
     }
 }
 

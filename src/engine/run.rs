@@ -310,7 +310,8 @@ impl Run<'_> {
             progress.set_message(format!("loss {:.4}", step.loss));
 
             let last = trainer.step == hyper.steps;
-            if eval_every > 0 && (trainer.step % eval_every == 0 || last) && rank == 0 {
+            // Rank 0 reports; under ZeRO-3 evaluation gathers weights, so every rank runs it.
+            if eval_every > 0 && (trainer.step % eval_every == 0 || last) && (rank == 0 || trainer.params_sharded()) {
                 let val =
                     match trainer.evaluate(eval_count, &mut |i, inp, tgt| data.val_sequence(i, eval_count, inp, tgt)) {
                         Ok(v) => v,

@@ -322,22 +322,28 @@ impl<E: Elem> Trainer<E> {
         self.comm.as_ref().map_or(1, |c| c.world())
     }
 
+    /// The full vector of which this rank holds `part` (its shard, or everything unshared).
+    /// A collective when the state is sharded.
+    fn gather_full(&self, part: &[f32]) -> Vec<f32> {
+        if self.shard.len() == self.cfg.num_params() {
+            return part.to_vec();
+        }
+        let comm = self.comm.as_ref().expect("sharded state has a group");
+        let mut full = vec![0f32; self.cfg.num_params()];
+        full[self.shard.clone()].copy_from_slice(part);
+        comm.all_gather(&mut full, self.shard.clone());
+        full
+    }
+
+    /// All fp32 master weights (gathered from every rank when sharded: a collective).
+    pub fn full_master_params(&self) -> Vec<f32> {
+        self.gather_full(self.master_params())
+    }
+
     /// Full master weights and moments (gathered from every rank when sharded).
     fn full_state(&self) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let (m, v) = self.moments();
-        let master = self.master_params();
-        if self.shard.len() == self.cfg.num_params() {
-            return (master.to_vec(), m.to_vec(), v.to_vec());
-        }
-        let n = self.cfg.num_params();
-        let comm = self.comm.as_ref().expect("sharded state has a group");
-        let gather = |part: &[f32]| {
-            let mut full = vec![0f32; n];
-            full[self.shard.clone()].copy_from_slice(part);
-            comm.all_gather(&mut full, self.shard.clone());
-            full
-        };
-        (gather(master), gather(m), gather(v))
+        (self.full_master_params(), self.gather_full(m), self.gather_full(v))
     }
 
     pub fn loss_scale(&self) -> f64 {
@@ -504,19 +510,8 @@ impl<E: Elem> Trainer<E> {
             for i in 0..n {
                 batch(done + i, &mut inputs, &mut targets);
             }
-            // Evaluation keeps nothing for backward: only block outputs live through the pass.
-            let acts = model::forward::<E>(
-                &self.cfg,
-                source.get(),
-                &self.pool,
-                &inputs,
-                &targets,
-                n,
-                t,
-                Checkpointing::Full,
-                OffloadTarget::None,
-            )?;
-            total += acts.mean_loss() as f64 * n as f64;
+            let loss = model::forward_loss::<E>(&self.cfg, source.get(), &self.pool, &inputs, &targets, n, t)?;
+            total += loss as f64 * n as f64;
             done += n;
         }
         Ok((total / count as f64) as f32)
