@@ -101,7 +101,8 @@ pub struct TrainSpec {
     pub eval_every: i64,
     #[serde(default)]
     pub checkpoint_every: i64,
-    /// Number of validation sequences (of `micro_batch` each batch) per evaluation.
+    /// Validation sequences per evaluation, in global batches: the same sequences whatever the
+    /// micro-batch or world size, so `val_loss` compares across attempts of a job.
     #[serde(default = "default_eval_batches")]
     pub eval_batches: i64,
 }

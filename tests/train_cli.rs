@@ -199,11 +199,12 @@ fn bf16_and_fp16_learn_like_fp32_with_smaller_tensors() {
     assert_eq!(fp16["loss_scale"], 65536.0, "fp16 telemetry carries the loss scale");
 }
 
+/// A job with `offload` as its `memory.offload` map, e.g. `optimizer: cpu`.
 fn offload_job(offload: &str, device_memory: &str) -> String {
     format!(
         "name: off\nmodel: {{ n_layer: 4, n_head: 4, n_embd: 128, block_size: 32, vocab: bytes }}\n\
          data: {{ path: {} }}\ntrain: {{ steps: 6, global_batch: 4, micro_batch: 4, lr: 1.0e-3 }}\n\
-         memory: {{ offload: {{ optimizer: {offload} }} }}\ndevice: {{ kind: cpu, device_memory: {device_memory} }}\n",
+         memory: {{ offload: {{ {offload} }} }}\ndevice: {{ kind: cpu, device_memory: {device_memory} }}\n",
         data_path().display()
     )
 }
@@ -212,7 +213,7 @@ fn offload_job(offload: &str, device_memory: &str) -> String {
 fn optimizer_offload_frees_device_memory_and_trains_identically() {
     let dir = tempfile::tempdir().unwrap();
     let run = |offload: &str, mem: &str, name: &str| {
-        let job = write_job(dir.path(), &offload_job(offload, mem));
+        let job = write_job(dir.path(), &offload_job(&format!("optimizer: {offload}"), mem));
         train(&job, &dir.path().join(name), &[])
     };
     let on_device = run("none", "64MiB", "a");
@@ -237,6 +238,43 @@ fn optimizer_offload_frees_device_memory_and_trains_identically() {
     // A capacity between the two peaks: OOM without offload, finished with it.
     assert_eq!(run("none", "18MiB", "c").status.code(), Some(3));
     assert_eq!(run("cpu", "18MiB", "d").status.code(), Some(0));
+}
+
+#[test]
+fn parameter_offload_keeps_weights_on_the_host_and_trains_identically() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |offload: &str, mem: &str, name: &str| {
+        let job = write_job(dir.path(), &offload_job(offload, mem));
+        train(&job, &dir.path().join(name), &[])
+    };
+    let (on_device, offloaded) = (run("params: none", "64MiB", "a"), run("params: cpu", "64MiB", "b"));
+    assert_eq!(on_device.status.code(), Some(0));
+    assert_eq!(offloaded.status.code(), Some(0), "{}", String::from_utf8_lossy(&offloaded.stderr));
+    let (ev_a, ev_b) = (events(&on_device), events(&offloaded));
+    for ((s, a), (_, b)) in losses(&ev_a).iter().zip(losses(&ev_b)) {
+        assert_eq!(a.to_bits(), b.to_bits(), "step {s}: staged weights are the same weights");
+    }
+    let (step_a, step_b) = (of_kind(&ev_a, "step")[0], of_kind(&ev_b, "step")[0]);
+    let params = step_a["mem"]["params"].as_u64().unwrap();
+    assert_eq!(step_b["mem"]["params"], 0, "no resident weights on the device");
+    assert!(step_b["mem"]["host_params"].as_u64().unwrap() >= params, "they are on the host");
+    let (peak_a, peak_b) = (step_a["mem"]["allocated"].as_u64().unwrap(), step_b["mem"]["allocated"].as_u64().unwrap());
+    assert!(peak_b < peak_a, "device peak drops: {peak_b} vs {peak_a}");
+    // Forward and backward each bring every weight to the device once.
+    let to_device = step_b["swap"]["bytes_to_device"].as_u64().unwrap();
+    assert!(to_device >= 2 * params * 95 / 100, "{to_device} bytes staged for {params} bytes of weights");
+    // ZeRO-3 with offloaded shards on two ranks follows one rank.
+    let sharded = write_job(
+        dir.path(),
+        &offload_job("params: cpu, optimizer: cpu", "64MiB")
+            .replace("micro_batch: 4", "micro_batch: 2")
+            .replace("memory: {", "memory: { world_size: 2, zero_stage: 3,"),
+    );
+    let out = train(&sharded, &dir.path().join("z3"), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    for ((s, a), (_, b)) in losses(&ev_a).iter().zip(losses(&events(&out))) {
+        assert!((a - b).abs() / a < 1e-4, "step {s}: {a} vs {b}");
+    }
 }
 
 #[test]
@@ -273,7 +311,7 @@ fn activation_offload_moves_block_inputs_to_the_host() {
 }
 
 #[test]
-fn data_parallel_ranks_follow_one_rank_and_zero1_shards_the_optimizer() {
+fn data_parallel_ranks_follow_one_rank_at_every_zero_stage_and_shard_their_state() {
     let dir = tempfile::tempdir().unwrap();
     let run = |precision: &str, world: u32, stage: u32| {
         let yaml = job_yaml("ranks", 20, 16, 4, "128MiB")
@@ -292,7 +330,12 @@ fn data_parallel_ranks_follow_one_rank_and_zero1_shards_the_optimizer() {
         let one = run(precision, 1, 0);
         let base = losses(&one);
         let opt1 = of_kind(&one, "step")[0]["mem"]["optimizer"].as_u64().unwrap();
-        for (world, stage) in [(2, 0), (2, 1), (4, 0), (4, 1)] {
+        let (params1, grads1) = (
+            of_kind(&one, "step")[0]["mem"]["params"].as_u64().unwrap(),
+            of_kind(&one, "step")[0]["mem"]["grads"].as_u64().unwrap(),
+        );
+        let val1 = of_kind(&one, "eval")[0]["val_loss"].as_f64().unwrap();
+        for (world, stage) in [(2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 1), (4, 2), (4, 3)] {
             let ev = run(precision, world, stage);
             let tol = if precision == "fp32" { 1e-4 } else { 2e-2 };
             for ((s, a), (_, b)) in base.iter().zip(losses(&ev)) {
@@ -306,10 +349,21 @@ fn data_parallel_ranks_follow_one_rank_and_zero1_shards_the_optimizer() {
                 "{precision} w{world} z{stage}: optimizer {opt} vs {expect}"
             );
             assert_eq!(of_kind(&ev, "started")[0]["world_size"], world);
+            // Stage 2 shards the gradients, stage 3 the weights too.
+            for (name, whole, from_stage) in [("grads", grads1, 2), ("params", params1, 3)] {
+                let got = step["mem"][name].as_u64().unwrap() as f64;
+                let expect = if stage >= from_stage { whole as f64 / world as f64 } else { whole as f64 };
+                assert!(
+                    (got - expect).abs() / expect < 0.05,
+                    "{precision} w{world} z{stage}: {name} {got} vs {expect}"
+                );
+            }
+            let val = of_kind(&ev, "eval")[0]["val_loss"].as_f64().unwrap();
+            assert!((val - val1).abs() / val1 < tol, "{precision} w{world} z{stage}: val_loss {val} vs {val1}");
         }
     }
     // Resuming under another world size and stage works from the same checkpoint.
-    let yaml = job_yaml("ranks", 20, 16, 4, "128MiB") + "memory: { world_size: 2, zero_stage: 1 }\n";
+    let yaml = job_yaml("ranks", 20, 16, 4, "128MiB") + "memory: { world_size: 2, zero_stage: 3 }\n";
     let job = write_job(dir.path(), &yaml);
     assert_eq!(train(&job, &dir.path().join("switch"), &["--stop-after", "10"]).status.code(), Some(4));
     let yaml = job_yaml("ranks", 20, 16, 2, "128MiB") + "memory: { world_size: 4, zero_stage: 0 }\n";

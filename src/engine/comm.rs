@@ -292,4 +292,65 @@ mod tests {
             assert!(!ok, "one rank failed, so every rank hears it");
         }
     }
+
+    /// Run `f` on every rank of a group of `world` threads; results in rank order.
+    fn on_group<R: Send>(world: usize, f: impl Fn(LocalComm) -> R + Sync) -> Vec<R> {
+        std::thread::scope(|s| {
+            let joins: Vec<_> = LocalComm::group(world).into_iter().map(|c| s.spawn(|| f(c))).collect();
+            joins.into_iter().map(|j| j.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn reduce_scatter_adds_each_bucket_into_its_owners_shard() {
+        // 10 parameters over 3 ranks: shards 0..4, 4..8, 8..10. Two buckets (2..7 and 7..10)
+        // straddle the shard boundaries; rank r contributes (r + 1) * (index + 1).
+        let shards = on_group(3, |c| {
+            let own = shard_range(10, c.rank(), c.world());
+            let mut shard = vec![0.5f32; own.len()];
+            for (lo, hi) in [(2usize, 7usize), (7, 10)] {
+                let bucket: Vec<f32> = (lo..hi).map(|i| ((c.rank() + 1) * (i + 1)) as f32).collect();
+                c.reduce_scatter_add(&bucket, lo, &mut shard, own.clone());
+            }
+            (own, shard)
+        });
+        for (own, shard) in shards {
+            for (i, v) in own.zip(shard) {
+                // Indices 0..2 are in no bucket: only the initial 0.5 remains.
+                let expected = if i < 2 { 0.5 } else { 0.5 + 6.0 * (i + 1) as f32 };
+                assert_eq!(v, expected, "parameter {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn gather_range_assembles_a_segment_from_its_owners() {
+        let outs = on_group(4, |c| {
+            let own = shard_range(11, c.rank(), c.world());
+            let shard: Vec<f32> = own.clone().map(|i| i as f32 * 10.0).collect();
+            // A segment spanning three owners, and one inside a single shard.
+            let mut wide = vec![-1f32; 7];
+            c.gather_range(&shard, own.clone(), 2, &mut wide);
+            let mut narrow = vec![-1f32; 2];
+            c.gather_range(&shard, own, 9, &mut narrow);
+            (wide, narrow)
+        });
+        for (wide, narrow) in outs {
+            assert_eq!(wide, (2..9).map(|i| i as f32 * 10.0).collect::<Vec<_>>());
+            assert_eq!(narrow, vec![90.0, 100.0]);
+        }
+    }
+
+    #[test]
+    fn all_reduce_f64_gives_every_rank_the_same_sum() {
+        let sums = on_group(4, |c| {
+            // Values whose sum depends on the order of addition in f64.
+            let v = [1e16, 1.0, -1e16, 1.0][c.rank()];
+            (0..3).map(|_| c.all_reduce_f64(v)).collect::<Vec<_>>()
+        });
+        let expected = ((1e16 + 1.0) + -1e16) + 1.0;
+        for s in &sums {
+            assert_eq!(s, &vec![expected; 3], "rank order, the same bits everywhere");
+        }
+    }
 }

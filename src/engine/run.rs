@@ -261,7 +261,7 @@ impl Run<'_> {
         )?;
 
         let progress = progress_bar(hyper.steps, trainer.step);
-        let eval_count = spec.train.eval_batches as usize * hyper.micro_batch;
+        let eval_count = spec.train.eval_batches as usize * hyper.global_batch;
         let (eval_every, ckpt_every) = (spec.train.eval_every as u64, spec.train.checkpoint_every as u64);
         let mut last_loss = f32::NAN;
         let (mut tokens_done, mut secs_done) = (0f64, 0f64);
