@@ -213,21 +213,29 @@ pub fn print_table(results: &[BenchResult]) -> String {
 /// peak per category, host bytes and step time.
 pub fn parallel_table(data_path: &std::path::Path, steps: usize) -> Result<String, super::run::TrainError> {
     use std::sync::{Arc, Mutex};
-    let settings: [(&str, &str); 9] = [
+    let settings: [(&str, &str); 17] = [
         ("1 rank", "world_size: 1"),
         ("2 ranks, ZeRO-0", "world_size: 2, zero_stage: 0"),
         ("2 ranks, ZeRO-1", "world_size: 2, zero_stage: 1"),
+        ("2 ranks, ZeRO-2", "world_size: 2, zero_stage: 2"),
+        ("2 ranks, ZeRO-3", "world_size: 2, zero_stage: 3"),
+        ("4 ranks, ZeRO-0", "world_size: 4, zero_stage: 0"),
         ("4 ranks, ZeRO-1", "world_size: 4, zero_stage: 1"),
-        ("bf16, 4 ranks, ZeRO-1", "precision: bf16, world_size: 4, zero_stage: 1"),
+        ("4 ranks, ZeRO-2", "world_size: 4, zero_stage: 2"),
+        ("4 ranks, ZeRO-3", "world_size: 4, zero_stage: 3"),
+        ("bf16, 4 ranks, ZeRO-3", "precision: bf16, world_size: 4, zero_stage: 3"),
         ("offload optimizer", "offload: { optimizer: cpu }"),
+        ("offload params", "offload: { params: cpu }"),
+        ("offload params + optim", "offload: { params: cpu, optimizer: cpu }"),
         ("full ckpt", "checkpointing: full"),
         ("full ckpt + offload acts", "checkpointing: full, offload: { activations: cpu }"),
         ("full ckpt + acts int8", "checkpointing: full, offload: { activations: cpu-int8 }"),
+        ("4 ranks, ZeRO-3 + all off", "world_size: 4, zero_stage: 3, checkpointing: full, offload: { params: cpu, optimizer: cpu, activations: cpu }"),
     ];
     let mut out = format!(
         "d4-128 bytes, global batch 16, T 128, micro-batch 16 / ranks; rank 0's pool, mean of {steps} steps after the first\n\
-         {:<26} {:>11} {:>11} {:>11} {:>12} {:>12} {:>13} {:>9}\n",
-        "setting", "params", "grads", "optimizer", "activations", "peak alloc", "host bytes", "ms/step"
+         {:<27} {:>10} {:>10} {:>10} {:>11} {:>10} {:>11} {:>11} {:>9} {:>6}\n",
+        "setting", "params", "grads", "optimizer", "activations", "workspace", "peak alloc", "host bytes", "ms/step", "swap"
     );
     for (label, memory) in settings {
         let world: usize = memory.split("world_size: ").nth(1).and_then(|r| r[..1].parse().ok()).unwrap_or(1);
@@ -274,16 +282,21 @@ pub fn parallel_table(data_path: &std::path::Path, steps: usize) -> Result<Strin
             .iter()
             .map(|k| m[*k].as_u64().unwrap_or(0))
             .sum::<u64>();
+        // Transfer time as a share of step time, over the timed steps.
+        let swap = timed.iter().map(|e| e["swap"]["transfer_ms"].as_f64().unwrap_or(0.0)).sum::<f64>()
+            / timed.iter().map(|e| e["step_ms"].as_f64().unwrap_or(0.0)).sum::<f64>().max(1e-9);
         out.push_str(&format!(
-            "{:<26} {:>11} {:>11} {:>11} {:>12} {:>12} {:>13} {:>9.1}\n",
+            "{:<27} {:>10} {:>10} {:>10} {:>11} {:>10} {:>11} {:>11} {:>9.1} {:>5.1}%\n",
             label,
             b("params"),
             b("grads"),
             b("optimizer"),
             b("activations"),
+            b("workspace"),
             b("allocated"),
             format_bytes(host as usize),
-            ms
+            ms,
+            swap * 100.0
         ));
     }
     Ok(out)
