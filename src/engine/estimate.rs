@@ -36,8 +36,9 @@ pub struct Estimate {
     pub workspace: usize,
     /// Sum of the above: the predicted `peak_allocated`.
     pub peak_allocated: usize,
-    /// An upper allowance for `peak_reserved`: the live set at the peak placed in the pool's
-    /// segments (large blocks rounded to 2 MiB, small ones packed into 2 MiB segments).
+    /// An allowance for `peak_reserved`: the live set at the peak placed in the pool's segments
+    /// (large blocks rounded to 2 MiB, small ones packed first-fit into 2 MiB segments). Blocks
+    /// freed earlier in the step can leave more segments cached than this.
     pub reserved_allowance: usize,
     /// Which moment sets the peak.
     pub peak_at: &'static str,
@@ -66,17 +67,27 @@ impl Live {
         self.buffers.iter().filter(|b| b.0 == c).map(|&(_, b)| pool_bytes(b)).sum()
     }
     fn reserved_allowance(&self) -> usize {
-        let mut small = 0;
+        let mut small = Vec::new();
         let mut large = 0;
         for &(_, b) in &self.buffers {
             let r = pool_bytes(b);
             if r <= SMALL_LIMIT {
-                small += r;
+                small.push(r);
             } else {
                 large += r.div_ceil(LARGE_ROUND) * LARGE_ROUND;
             }
         }
-        large + small.div_ceil(SMALL_SEGMENT) * SMALL_SEGMENT
+        // Small blocks never share a segment with large ones and are not split across
+        // segments: pack them first-fit decreasing into 2 MiB segments.
+        small.sort_unstable_by(|a, b| b.cmp(a));
+        let mut segments: Vec<usize> = Vec::new();
+        for r in small {
+            match segments.iter_mut().find(|free| **free >= r) {
+                Some(free) => *free -= r,
+                None => segments.push(SMALL_SEGMENT - r),
+            }
+        }
+        large + segments.len() * SMALL_SEGMENT
     }
 }
 

@@ -630,6 +630,10 @@ impl Monitor {
                 self.oom_category = ev["category"].as_str().map(str::to_owned);
                 self.oom_requested = ev["requested_bytes"].as_i64();
                 self.oom_message = ev["message"].as_str().map(str::to_owned);
+                // An OOM while allocating the model comes before `started`.
+                if self.capacity.is_none() {
+                    self.capacity = ev["mem"]["capacity"].as_i64();
+                }
                 self.bump_peaks(&ev["mem"]);
             }
             "finished" => {
