@@ -249,36 +249,9 @@ impl<T> LayerTensors<T> {
     }
 }
 
-/// Views of the whole parameter (or gradient) buffer.
-pub struct ModelTensors<T> {
-    pub wte: T,
-    pub wpe: T,
-    pub layers: Vec<LayerTensors<T>>,
-    pub lnfw: T,
-    pub lnfb: T,
-}
-
 impl GptConfig {
-    fn top_sizes(&self) -> Vec<usize> {
-        let c = self.n_embd;
-        let mut sizes = vec![self.vocab * c, self.block_size * c];
-        sizes.extend(std::iter::repeat_n(self.layer_params(), self.n_layer));
-        sizes.extend([c, c]);
-        sizes
-    }
-
     fn layer_sizes(&self) -> Vec<usize> {
         layer_param_sizes(self.n_embd).iter().map(|t| t.1).collect()
-    }
-
-    pub fn view<'a, T>(&self, flat: &'a [T]) -> ModelTensors<&'a [T]> {
-        let mut top = split_sizes(flat, &self.top_sizes()).into_iter();
-        let wte = top.next().unwrap();
-        let wpe = top.next().unwrap();
-        let layer_sizes = self.layer_sizes();
-        let layers =
-            (0..self.n_layer).map(|_| LayerTensors::from_vec(split_sizes(top.next().unwrap(), &layer_sizes))).collect();
-        ModelTensors { wte, wpe, layers, lnfw: top.next().unwrap(), lnfb: top.next().unwrap() }
     }
 
     /// The tied token embedding / classifier weights `wte`.
@@ -310,17 +283,6 @@ impl GptConfig {
 
     pub fn layer_view_mut<'a, T>(&self, flat: &'a mut [T]) -> LayerTensors<&'a mut [T]> {
         LayerTensors::from_vec(split_sizes_mut(flat, &self.layer_sizes()))
-    }
-
-    pub fn view_mut<'a, T>(&self, flat: &'a mut [T]) -> ModelTensors<&'a mut [T]> {
-        let mut top = split_sizes_mut(flat, &self.top_sizes()).into_iter();
-        let wte = top.next().unwrap();
-        let wpe = top.next().unwrap();
-        let layer_sizes = self.layer_sizes();
-        let layers = (0..self.n_layer)
-            .map(|_| LayerTensors::from_vec(split_sizes_mut(top.next().unwrap(), &layer_sizes)))
-            .collect();
-        ModelTensors { wte, wpe, layers, lnfw: top.next().unwrap(), lnfb: top.next().unwrap() }
     }
 }
 
