@@ -217,7 +217,7 @@ impl<E: Elem> Trainer<E> {
         // Every rank initialises the same full weights and keeps what it owns.
         let mut full = vec![0.0f32; n];
         cfg.init_params(&mut full, hyper.seed);
-        let kept = if params_sharded { shard.clone() } else { 0..n };
+        let kept = held(params_sharded, &shard, n);
         let mut params = if hyper.offload_params {
             pool.set_host_bytes(Category::Params, params_len * E::BYTES);
             ParamStore::Host(Arc::new(vec![E::default(); params_len]))
@@ -285,12 +285,7 @@ impl<E: Elem> Trainer<E> {
 
     /// This rank's part of the compute weights: its shard of them under any ZeRO stage.
     fn compute_shard(&self) -> &[E] {
-        let all = self.params.as_slice();
-        if self.params_sharded {
-            &all[..self.shard.len()]
-        } else {
-            &all[self.shard.clone()]
-        }
+        &self.params.as_slice()[shard_in(self.params_sharded, &self.shard)]
     }
 
     /// This rank's fp32 master weights (all of them unless the optimizer state is sharded).
@@ -439,9 +434,8 @@ impl<E: Elem> Trainer<E> {
             let grad_mult = (coef as f64 * inv_scale) as f32;
             let shard = self.shard.clone();
             let all_grads = self.grads.as_slice::<E>();
-            let grads = if self.grads_sharded { &all_grads[..k] } else { &all_grads[shard.clone()] };
-            let params = self.params.as_mut_slice();
-            let compute = if self.params_sharded { &mut params[..k] } else { &mut params[shard.clone()] };
+            let grads = &all_grads[shard_in(self.grads_sharded, &shard)];
+            let compute = &mut self.params.as_mut_slice()[shard_in(self.params_sharded, &shard)];
             match &mut self.opt {
                 OptimizerState::Device { master: Some(mw), m, v } => {
                     let mw = &mut mw.as_mut_slice::<f32>()[..k];
@@ -553,7 +547,7 @@ impl<E: Elem> Trainer<E> {
         }
         let shard = self.shard.clone();
         let k = shard.len();
-        let kept = if self.params_sharded { shard.clone() } else { 0..self.cfg.num_params() };
+        let kept = held(self.params_sharded, &shard, self.cfg.num_params());
         narrow::<E>(&mut self.params.as_mut_slice()[..kept.len()], &ckpt.params[kept]);
         match &mut self.opt {
             OptimizerState::Device { master, m, v } => {
@@ -576,6 +570,25 @@ impl<E: Elem> Trainer<E> {
             self.loss_scale = ckpt.header.loss_scale;
         }
         Ok(())
+    }
+}
+
+/// The parameters a buffer of a rank holds: all `n`, or only its `shard` when `sharded`.
+fn held(sharded: bool, shard: &Range<usize>, n: usize) -> Range<usize> {
+    if sharded {
+        shard.clone()
+    } else {
+        0..n
+    }
+}
+
+/// Where the rank's `shard` sits in such a buffer: from index 0 when the buffer holds only the
+/// shard, at its own offsets when it holds everything.
+fn shard_in(sharded: bool, shard: &Range<usize>) -> Range<usize> {
+    if sharded {
+        0..shard.len()
+    } else {
+        shard.clone()
     }
 }
 
