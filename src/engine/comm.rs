@@ -90,10 +90,16 @@ impl LocalComm {
         self.shared.slots.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Publish one buffer that must have the same length on every rank.
+    /// Publish one buffer that every rank may write into; it must have the same length on
+    /// every rank.
     fn publish<E>(&self, buf: &mut [E]) -> Vec<(usize, usize)> {
-        let slots = self.exchange(Published { a: (buf.as_mut_ptr() as usize, buf.len()), ..Default::default() });
-        assert!(slots.iter().all(|s| s.a.1 == buf.len()), "collective on buffers of different lengths: {slots:?}");
+        self.publish_equal(buf.as_mut_ptr() as usize, buf.len())
+    }
+
+    /// Publish the buffer at `addr` of `len` elements, which must be `len` on every rank.
+    fn publish_equal(&self, addr: usize, len: usize) -> Vec<(usize, usize)> {
+        let slots = self.exchange(Published { a: (addr, len), ..Default::default() });
+        assert!(slots.iter().all(|s| s.a.1 == len), "collective on buffers of different lengths: {slots:?}");
         slots.into_iter().map(|s| s.a).collect()
     }
 }
@@ -171,16 +177,12 @@ impl Comm for LocalComm {
             }
             return;
         }
-        let slots = self.exchange(Published { a: (bucket.as_ptr() as usize, bucket.len()), ..Default::default() });
-        assert!(
-            slots.iter().all(|s| s.a.1 == bucket.len()),
-            "reduce-scatter of buckets of different lengths: {slots:?}"
-        );
+        let slots = self.publish_equal(bucket.as_ptr() as usize, bucket.len());
         if lo < hi {
             let mut sum = vec![0f32; hi - lo];
-            for p in &slots {
+            for &(addr, _) in &slots {
                 // SAFETY: every bucket stays alive, and is only read, until the barrier below.
-                let other = unsafe { std::slice::from_raw_parts((p.a.0 as *const E).add(lo - offset), hi - lo) };
+                let other = unsafe { std::slice::from_raw_parts((addr as *const E).add(lo - offset), hi - lo) };
                 for (s, v) in sum.iter_mut().zip(other) {
                     *s += v.to_f32();
                 }

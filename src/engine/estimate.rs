@@ -147,24 +147,16 @@ fn estimate_for<E: Elem>(cfg: &GptConfig, k: &Knobs) -> Estimate {
     // Transient workspace of the placement (see `placement`): weights staged on the device for
     // the segment in use (gathered under ZeRO-3, copied from the host under offload.params,
     // the next segment copied ahead when not sharded), and ZeRO-2/3 gradient reduce buckets.
-    let staged = stage >= 3 || k.offload_params;
-    let copied_ahead = k.offload_params && stage < 3;
-    let reduce_bucket = stage >= 2;
-    let weights = |live: &mut Live, elems: usize| {
-        if staged {
-            live.add(Category::Workspace, elems * E::BYTES)
+    let transient = |present: bool| {
+        move |live: &mut Live, elems: usize| {
+            if present {
+                live.add(Category::Workspace, elems * E::BYTES)
+            }
         }
     };
-    let ahead = |live: &mut Live, elems: usize| {
-        if copied_ahead {
-            live.add(Category::Workspace, elems * E::BYTES)
-        }
-    };
-    let bucket = |live: &mut Live, elems: usize| {
-        if reduce_bucket {
-            live.add(Category::Workspace, elems * E::BYTES)
-        }
-    };
+    let weights = transient(stage >= 3 || k.offload_params);
+    let ahead = transient(k.offload_params && stage < 3);
+    let bucket = transient(stage >= 2);
     let (wte, embed, block) = (cfg.wte_range().len(), cfg.embed_range().len(), cfg.layer_params());
     // With activation offload (full checkpointing) at most one kept block output is on the
     // device at any moment; the others are in host memory.
