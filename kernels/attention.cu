@@ -1,7 +1,45 @@
-// Causal softmax over attention scores (the Q·Kᵀ and att·V products go through cuBLAS).
-// One warp per (b, h, t) row of length T; entries above the diagonal are written as zero.
+// Causal self-attention around cuBLAS: head split/merge permutes, and the causal softmax over
+// the scores (the Q·Kᵀ and att·V products are strided-batched GEMMs on the host side).
+// Layouts: qkv (B,T,3,NH,HS); q, k, v, y (B,NH,T,HS); scores and att (B,NH,T,T).
 #include "common.cuh"
 
+// qkv (B,T,3C) -> q, k, v (B,NH,T,HS)
+template <typename T>
+__device__ void permute_qkv(T* q, T* k, T* v, const T* qkv, int B, int T_, int NH, int HS) {
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)B * NH * T_ * HS) return;
+    int hs = idx % HS, t = (idx / HS) % T_, h = (idx / ((long)HS * T_)) % NH, b = idx / ((long)HS * T_ * NH);
+    long src = ((long)(b * T_ + t) * 3 * NH + h) * HS + hs;
+    long C = (long)NH * HS;
+    q[idx] = qkv[src];
+    k[idx] = qkv[src + C];
+    v[idx] = qkv[src + 2 * C];
+}
+
+// f32 dq, dk, dv (B,NH,T,HS) -> dqkv (B,T,3C) [overwritten, rounded once to the storage type]
+template <typename T>
+__device__ void permute_qkv_backward(T* dqkv, const float* dq, const float* dk, const float* dv, int B, int T_, int NH, int HS) {
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)B * NH * T_ * HS) return;
+    int hs = idx % HS, t = (idx / HS) % T_, h = (idx / ((long)HS * T_)) % NH, b = idx / ((long)HS * T_ * NH);
+    long dst = ((long)(b * T_ + t) * 3 * NH + h) * HS + hs;
+    long C = (long)NH * HS;
+    store_f32(dqkv, dst, dq[idx]);
+    store_f32(dqkv, dst + C, dk[idx]);
+    store_f32(dqkv, dst + 2 * C, dv[idx]);
+}
+
+// (B,NH,T,HS) -> (B,T,C) when merge != 0, the inverse when merge == 0.
+template <typename T>
+__device__ void heads_permute(T* out, const T* in, int B, int T_, int NH, int HS, int merge) {
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)B * NH * T_ * HS) return;
+    int hs = idx % HS, t = (idx / HS) % T_, h = (idx / ((long)HS * T_)) % NH, b = idx / ((long)HS * T_ * NH);
+    long btc = ((long)(b * T_ + t) * NH + h) * HS + hs;
+    if (merge) out[btc] = in[idx]; else out[idx] = in[btc];
+}
+
+// att[row] = softmax(scale · scores[row, 0..=t]), zero above the diagonal. One warp per row.
 template <typename T>
 __device__ void softmax_causal_forward(T* att, const float* preatt, float scale, int rows, int T_) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -34,6 +72,12 @@ __device__ void softmax_causal_backward(float* dpreatt, const float* datt, const
         dpreatt[base + i] = i <= t ? load_f32(att, base + i) * (datt[base + i] - s) * scale : 0.f;
 }
 
+extern "C" __global__ void permute_qkv_f32(float* q, float* k, float* v, const float* x, int B, int T, int NH, int HS) { permute_qkv(q, k, v, x, B, T, NH, HS); }
+extern "C" __global__ void permute_qkv_bf16(bf16_t* q, bf16_t* k, bf16_t* v, const bf16_t* x, int B, int T, int NH, int HS) { permute_qkv(q, k, v, x, B, T, NH, HS); }
+extern "C" __global__ void permute_qkv_backward_f32(float* d, const float* dq, const float* dk, const float* dv, int B, int T, int NH, int HS) { permute_qkv_backward(d, dq, dk, dv, B, T, NH, HS); }
+extern "C" __global__ void permute_qkv_backward_bf16(bf16_t* d, const float* dq, const float* dk, const float* dv, int B, int T, int NH, int HS) { permute_qkv_backward(d, dq, dk, dv, B, T, NH, HS); }
+extern "C" __global__ void heads_permute_f32(float* o, const float* x, int B, int T, int NH, int HS, int merge) { heads_permute(o, x, B, T, NH, HS, merge); }
+extern "C" __global__ void heads_permute_bf16(bf16_t* o, const bf16_t* x, int B, int T, int NH, int HS, int merge) { heads_permute(o, x, B, T, NH, HS, merge); }
 extern "C" __global__ void softmax_causal_forward_f32(float* a, const float* p, float s, int rows, int T) { softmax_causal_forward(a, p, s, rows, T); }
 extern "C" __global__ void softmax_causal_forward_bf16(bf16_t* a, const float* p, float s, int rows, int T) { softmax_causal_forward(a, p, s, rows, T); }
 extern "C" __global__ void softmax_causal_backward_f32(float* dp, const float* da, const float* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }

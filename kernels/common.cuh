@@ -16,6 +16,24 @@ __device__ __forceinline__ void store_f32(bf16_t* p, long i, float v) {
     p[i] = (bf16_t)(u >> 16);
 }
 
+// p[i] += v atomically. bf16: a compare-and-swap on the aligned 32-bit word holding it (rounds
+// at each add, like the CPU reference's per-token accumulation).
+__device__ __forceinline__ void atomic_add(float* p, long i, float v) { atomicAdd(p + i, v); }
+__device__ __forceinline__ void atomic_add(bf16_t* p, long i, float v) {
+    unsigned int* word = (unsigned int*)((size_t)(p + i) & ~(size_t)3);
+    bool high = ((size_t)(p + i) & 2) != 0;
+    unsigned int old = *word, assumed;
+    do {
+        assumed = old;
+        bf16_t cur = high ? (bf16_t)(assumed >> 16) : (bf16_t)(assumed & 0xffffu);
+        bf16_t next;
+        store_f32(&next, 0, load_f32(&cur, 0) + v);
+        unsigned int updated = high ? ((assumed & 0xffffu) | ((unsigned int)next << 16))
+                                    : ((assumed & 0xffff0000u) | (unsigned int)next);
+        old = atomicCAS(word, assumed, updated);
+    } while (old != assumed);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

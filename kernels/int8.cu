@@ -12,7 +12,7 @@ __device__ void pack_int8(signed char* q, float* scales, const T* x, int rows, i
     amax = warp_max(amax);
     float scale = amax > 0.f ? amax / 127.f : 1.f;
     for (int i = lane; i < C; i += 32)
-        q[base + i] = (signed char)fmaxf(-127.f, fminf(127.f, rintf(load_f32(x, base + i) / scale)));
+        q[base + i] = (signed char)fmaxf(-127.f, fminf(127.f, roundf(load_f32(x, base + i) / scale)));
     if (lane == 0) scales[row] = scale;
 }
 

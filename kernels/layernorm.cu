@@ -1,4 +1,5 @@
-// LayerNorm over rows of C: one warp per row. Statistics (mean, rstd) are always f32.
+// LayerNorm over rows of C: one warp per row. Statistics (mean, rstd) are always f32. Parameter
+// gradients are column sums in f32, added to the stored gradient once (as the CPU reference).
 #include "common.cuh"
 
 template <typename T>
@@ -18,10 +19,19 @@ __device__ void layernorm_forward(T* out, float* mean, float* rstd, const T* inp
     if (lane == 0) { mean[row] = m; rstd[row] = r; }
 }
 
-// dinp += ...; dweight, dbias: f32 accumulators.
+// out (N,C) from the input and saved statistics (checkpointing's recompute). One thread per element.
 template <typename T>
-__device__ void layernorm_backward(T* dinp, float* dw, float* db, const T* dout, const T* inp, const T* w,
-                                   const float* mean, const float* rstd, int N, int C) {
+__device__ void layernorm_recompute(T* out, const T* inp, const T* w, const T* b, const float* mean, const float* rstd, int N, int C) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)N * C) return;
+    int row = i / C, c = i % C;
+    store_f32(out, i, (load_f32(inp, i) - mean[row]) * rstd[row] * load_f32(w, c) + load_f32(b, c));
+}
+
+// dinp (N,C) += input gradient. One warp per row.
+template <typename T>
+__device__ void layernorm_backward(T* dinp, const T* dout, const T* inp, const T* w, const float* mean,
+                                   const float* rstd, int N, int C) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= N) return;
@@ -35,16 +45,44 @@ __device__ void layernorm_backward(T* dinp, float* dw, float* db, const T* dout,
     }
     a = warp_sum(a) / C; bsum = warp_sum(bsum) / C;
     for (int i = lane; i < C; i += 32) {
-        float d = load_f32(dout, base + i);
         float n = (load_f32(inp, base + i) - m) * r;
-        float dn = load_f32(w, i) * d;
+        float dn = load_f32(w, i) * load_f32(dout, base + i);
         store_f32(dinp, base + i, load_f32(dinp, base + i) + (dn - a - n * bsum) * r);
-        atomicAdd(&db[i], d);
-        atomicAdd(&dw[i], n * d);
+    }
+}
+
+// dweight (C) += Σ_rows norm·dout, dbias (C) += Σ_rows dout. Block (32, 16): 32 columns, 16 row
+// strides, reduced in shared memory.
+template <typename T>
+__device__ void layernorm_param_backward(T* dw, T* db, const T* dout, const T* inp, const float* mean,
+                                         const float* rstd, int N, int C) {
+    __shared__ float sw[16][33];
+    __shared__ float sb[16][33];
+    int col = blockIdx.x * 32 + threadIdx.x;
+    float aw = 0.f, ab = 0.f;
+    if (col < C)
+        for (int row = threadIdx.y; row < N; row += blockDim.y) {
+            long i = (long)row * C + col;
+            float d = load_f32(dout, i);
+            ab += d;
+            aw += (load_f32(inp, i) - mean[row]) * rstd[row] * d;
+        }
+    sw[threadIdx.y][threadIdx.x] = aw;
+    sb[threadIdx.y][threadIdx.x] = ab;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < C) {
+        float w = 0.f, b = 0.f;
+        for (int y = 0; y < blockDim.y; y++) { w += sw[y][threadIdx.x]; b += sb[y][threadIdx.x]; }
+        store_f32(dw, col, load_f32(dw, col) + w);
+        store_f32(db, col, load_f32(db, col) + b);
     }
 }
 
 extern "C" __global__ void layernorm_forward_f32(float* o, float* m, float* r, const float* x, const float* w, const float* b, int N, int C) { layernorm_forward(o, m, r, x, w, b, N, C); }
 extern "C" __global__ void layernorm_forward_bf16(bf16_t* o, float* m, float* r, const bf16_t* x, const bf16_t* w, const bf16_t* b, int N, int C) { layernorm_forward(o, m, r, x, w, b, N, C); }
-extern "C" __global__ void layernorm_backward_f32(float* dx, float* dw, float* db, const float* d, const float* x, const float* w, const float* m, const float* r, int N, int C) { layernorm_backward(dx, dw, db, d, x, w, m, r, N, C); }
-extern "C" __global__ void layernorm_backward_bf16(bf16_t* dx, float* dw, float* db, const bf16_t* d, const bf16_t* x, const bf16_t* w, const float* m, const float* r, int N, int C) { layernorm_backward(dx, dw, db, d, x, w, m, r, N, C); }
+extern "C" __global__ void layernorm_recompute_f32(float* o, const float* x, const float* w, const float* b, const float* m, const float* r, int N, int C) { layernorm_recompute(o, x, w, b, m, r, N, C); }
+extern "C" __global__ void layernorm_recompute_bf16(bf16_t* o, const bf16_t* x, const bf16_t* w, const bf16_t* b, const float* m, const float* r, int N, int C) { layernorm_recompute(o, x, w, b, m, r, N, C); }
+extern "C" __global__ void layernorm_backward_f32(float* dx, const float* d, const float* x, const float* w, const float* m, const float* r, int N, int C) { layernorm_backward(dx, d, x, w, m, r, N, C); }
+extern "C" __global__ void layernorm_backward_bf16(bf16_t* dx, const bf16_t* d, const bf16_t* x, const bf16_t* w, const float* m, const float* r, int N, int C) { layernorm_backward(dx, d, x, w, m, r, N, C); }
+extern "C" __global__ void layernorm_param_backward_f32(float* dw, float* db, const float* d, const float* x, const float* m, const float* r, int N, int C) { layernorm_param_backward(dw, db, d, x, m, r, N, C); }
+extern "C" __global__ void layernorm_param_backward_bf16(bf16_t* dw, bf16_t* db, const bf16_t* d, const bf16_t* x, const float* m, const float* r, int N, int C) { layernorm_param_backward(dw, db, d, x, m, r, N, C); }

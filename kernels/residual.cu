@@ -1,4 +1,5 @@
-// out += inp (residual connections), and bias broadcast over rows for matmul outputs.
+// out += inp (residual connections), and the matmul bias: broadcast over rows before the GEMM
+// accumulates into it (one rounding, as the CPU reference), and its gradient as column sums.
 #include "common.cuh"
 
 template <typename T>
@@ -7,13 +8,33 @@ __device__ void residual_forward(T* out, const T* inp, long N) {
     if (i < N) store_f32(out, i, load_f32(out, i) + load_f32(inp, i));
 }
 
+// out (rows,OC) = bias (OC) in every row
 template <typename T>
-__device__ void bias_add(T* out, const T* bias, long rows, int OC) {
+__device__ void bias_broadcast(T* out, const T* bias, long rows, int OC) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < rows * OC) store_f32(out, i, load_f32(out, i) + load_f32(bias, i % OC));
+    if (i < rows * OC) out[i] = bias[i % OC];
+}
+
+// dbias (OC) += Σ_rows dout (rows,OC). Block (32, 16): 32 columns, 16 row strides.
+template <typename T>
+__device__ void bias_backward(T* dbias, const T* dout, int rows, int OC) {
+    __shared__ float s[16][33];
+    int col = blockIdx.x * 32 + threadIdx.x;
+    float a = 0.f;
+    if (col < OC)
+        for (int row = threadIdx.y; row < rows; row += blockDim.y) a += load_f32(dout, (long)row * OC + col);
+    s[threadIdx.y][threadIdx.x] = a;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < OC) {
+        float sum = 0.f;
+        for (int y = 0; y < blockDim.y; y++) sum += s[y][threadIdx.x];
+        store_f32(dbias, col, load_f32(dbias, col) + sum);
+    }
 }
 
 extern "C" __global__ void residual_forward_f32(float* o, const float* x, long N) { residual_forward(o, x, N); }
 extern "C" __global__ void residual_forward_bf16(bf16_t* o, const bf16_t* x, long N) { residual_forward(o, x, N); }
-extern "C" __global__ void bias_add_f32(float* o, const float* b, long rows, int OC) { bias_add(o, b, rows, OC); }
-extern "C" __global__ void bias_add_bf16(bf16_t* o, const bf16_t* b, long rows, int OC) { bias_add(o, b, rows, OC); }
+extern "C" __global__ void bias_broadcast_f32(float* o, const float* b, long rows, int OC) { bias_broadcast(o, b, rows, OC); }
+extern "C" __global__ void bias_broadcast_bf16(bf16_t* o, const bf16_t* b, long rows, int OC) { bias_broadcast(o, b, rows, OC); }
+extern "C" __global__ void bias_backward_f32(float* db, const float* d, int rows, int OC) { bias_backward(db, d, rows, OC); }
+extern "C" __global__ void bias_backward_bf16(bf16_t* db, const bf16_t* d, int rows, int OC) { bias_backward(db, d, rows, OC); }

@@ -371,3 +371,20 @@ fn data_parallel_ranks_follow_one_rank_at_every_zero_stage_and_shard_their_state
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(of_kind(&events(&out), "started")[0]["resumed_from_step"], 10);
 }
+
+#[test]
+fn gpu_check_without_a_driver_or_with_a_bad_flag_exits_2_with_the_reason() {
+    let bad = Command::new(bin()).args(["gpu-check", "--shapes", "huge"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--shapes: unknown `huge` (odd, gpt2, all)"));
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        return; // a GPU machine: scripts/gpu-check.sh runs the real check
+    }
+    let out = Command::new(bin()).arg("gpu-check").output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("no CUDA driver found") || stderr.contains("not compiled with the `cuda` feature"),
+        "{stderr}"
+    );
+}

@@ -673,3 +673,26 @@ pub fn crossentropy_backward_inplace<E: Elem>(probs: &mut [E], targets: &[u32], 
         row[tgt as usize] = E::from_f32(row[tgt as usize].to_f32() - dloss);
     });
 }
+
+// ----------------------------------------------------------------------------------------------
+// int8 transfer packing (activation offload): one scale (absmax / 127) per row of C
+
+/// q: (N,C) int8 and scales: (N) f32 from x: (N,C).
+pub fn pack_int8<E: Elem>(q: &mut [i8], scales: &mut [f32], x: &[E], c: usize) {
+    for ((row, qrow), scale) in x.chunks(c).zip(q.chunks_mut(c)).zip(scales.iter_mut()) {
+        let amax = row.iter().fold(0f32, |m, v| m.max(v.to_f32().abs()));
+        *scale = if amax > 0.0 { amax / 127.0 } else { 1.0 };
+        for (qi, v) in qrow.iter_mut().zip(row) {
+            *qi = (v.to_f32() / *scale).round().clamp(-127.0, 127.0) as i8;
+        }
+    }
+}
+
+/// x: (N,C) = q · scale of its row.
+pub fn unpack_int8<E: Elem>(x: &mut [E], q: &[i8], scales: &[f32], c: usize) {
+    for ((row, qrow), &scale) in x.chunks_mut(c).zip(q.chunks(c)).zip(scales) {
+        for (v, &qi) in row.iter_mut().zip(qrow) {
+            *v = E::from_f32(qi as f32 * scale);
+        }
+    }
+}

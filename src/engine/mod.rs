@@ -1,6 +1,7 @@
 //! The GPT training engine: CPU reference layers, model, optimizer, data, checkpoints and the
 //! `headroom train` loop. Knows nothing of HTTP, SQL or the supervisor.
 
+pub mod backend;
 pub mod bench;
 pub mod checkpoint;
 pub mod comm;
@@ -11,6 +12,7 @@ pub mod estimate;
 pub mod layers;
 pub mod model;
 pub mod optim;
+pub mod parity;
 pub mod placement;
 pub mod rng;
 pub mod run;

@@ -370,17 +370,9 @@ impl HostTensor {
             return HostTensor::Plain { bytes: buf.bytes().to_vec() };
         }
         let x = buf.as_slice::<E>();
-        let rows = x.len() / c;
         let mut q = vec![0i8; x.len()];
-        let mut scales = vec![0f32; rows];
-        for (r, (row, qrow)) in x.chunks(c).zip(q.chunks_mut(c)).enumerate() {
-            let amax = row.iter().fold(0f32, |m, v| m.max(v.to_f32().abs()));
-            let scale = if amax > 0.0 { amax / 127.0 } else { 1.0 };
-            scales[r] = scale;
-            for (qi, v) in qrow.iter_mut().zip(row) {
-                *qi = (v.to_f32() / scale).round().clamp(-127.0, 127.0) as i8;
-            }
-        }
+        let mut scales = vec![0f32; x.len() / c];
+        pack_int8(&mut q, &mut scales, x, c);
         HostTensor::Int8 { q, scales, elem_bytes: E::BYTES }
     }
 
@@ -411,14 +403,7 @@ impl HostTensor {
     fn fill<E: Elem>(&self, buf: &mut Buffer, c: usize) {
         match self {
             HostTensor::Plain { bytes } => buf.bytes_mut().copy_from_slice(bytes),
-            HostTensor::Int8 { q, scales, .. } => {
-                let x = buf.as_mut_slice::<E>();
-                for ((row, qrow), &scale) in x.chunks_mut(c).zip(q.chunks(c)).zip(scales) {
-                    for (v, &qi) in row.iter_mut().zip(qrow) {
-                        *v = E::from_f32(qi as f32 * scale);
-                    }
-                }
-            }
+            HostTensor::Int8 { q, scales, .. } => unpack_int8(buf.as_mut_slice::<E>(), q, scales, c),
         }
     }
 }

@@ -9,7 +9,10 @@
 //!   neighbours of the same segment when released;
 //! - freed blocks stay cached (reserved) for reuse until [`Pool::empty_cache`];
 //! - a request that cannot be served within `capacity` first releases every cached, wholly free
-//!   segment, then fails with a typed [`OomError`] — nothing panics.
+//!   segment, then fails with a typed [`OomError`] — nothing panics;
+//! - segments come from a [`SegmentSource`]: host memory for the `cpu` device ([`HostSegments`]),
+//!   `cuMemAlloc` for a CUDA device. A source that refuses (the device is full whatever
+//!   `capacity` says) is treated like the capacity check: release the cache, retry once, OOM.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::BTreeSet;
@@ -42,9 +45,43 @@ pub struct OomError {
     pub stats: Box<MemStats>,
 }
 
+/// Where a pool's segments come from.
+pub trait SegmentSource: Send + Sync {
+    /// Reserve `size` bytes (a multiple of [`ROUND`], aligned to at least 4 KiB); `None` when
+    /// the device refuses.
+    fn reserve(&self, size: usize) -> Option<u64>;
+    /// Give back a segment from `reserve` of exactly `size` bytes.
+    fn release(&self, address: u64, size: usize);
+    /// Whether addresses are host memory (so [`Buffer::bytes`] may read them).
+    fn host_visible(&self) -> bool;
+}
+
+/// Host memory, zeroed: the `cpu` device.
+#[derive(Debug, Default)]
+pub struct HostSegments;
+
+impl SegmentSource for HostSegments {
+    fn reserve(&self, size: usize) -> Option<u64> {
+        let layout = Layout::from_size_align(size, SEGMENT_ALIGN).ok()?;
+        // SAFETY: layout has non-zero size (size >= ROUND).
+        let ptr = unsafe { alloc_zeroed(layout) };
+        (!ptr.is_null()).then_some(ptr as u64)
+    }
+
+    fn release(&self, address: u64, size: usize) {
+        let layout = Layout::from_size_align(size, SEGMENT_ALIGN).expect("segment layout");
+        // SAFETY: allocated by `reserve` with this exact layout; the pool holds no live block.
+        unsafe { dealloc(address as *mut u8, layout) };
+    }
+
+    fn host_visible(&self) -> bool {
+        true
+    }
+}
+
 #[derive(Debug)]
 struct Segment {
-    ptr: *mut u8,
+    address: u64,
     size: usize,
     small: bool,
     /// Blocks of this segment, keyed by offset: (size, free, category when used).
@@ -67,6 +104,7 @@ struct FreeKey {
 
 struct PoolInner {
     capacity: usize,
+    source: Arc<dyn SegmentSource>,
     segments: Vec<Option<Segment>>,
     free_small: BTreeSet<FreeKey>,
     free_large: BTreeSet<FreeKey>,
@@ -82,6 +120,7 @@ unsafe impl Send for PoolInner {}
 pub struct Pool {
     inner: Arc<Mutex<PoolInner>>,
     name: Arc<str>,
+    host_visible: bool,
 }
 
 impl fmt::Debug for Pool {
@@ -95,11 +134,19 @@ fn round_up(x: usize, to: usize) -> usize {
 }
 
 impl Pool {
-    /// A pool over `capacity` bytes of device memory for the device called `name`.
+    /// A pool over `capacity` bytes of host memory for the device called `name`.
     pub fn new(name: &str, capacity: usize) -> Pool {
+        Pool::with_source(name, capacity, Arc::new(HostSegments))
+    }
+
+    /// A pool over `capacity` bytes whose segments come from `source`.
+    pub fn with_source(name: &str, capacity: usize, source: Arc<dyn SegmentSource>) -> Pool {
+        let host_visible = source.host_visible();
         Pool {
+            host_visible,
             inner: Arc::new(Mutex::new(PoolInner {
                 capacity,
+                source,
                 segments: Vec::new(),
                 free_small: BTreeSet::new(),
                 free_large: BTreeSet::new(),
@@ -133,8 +180,8 @@ impl Pool {
     pub fn alloc(&self, bytes: usize, category: Category) -> Result<Buffer, OomError> {
         let size = round_up(bytes.max(1), ROUND);
         let mut inner = self.lock();
-        let (segment, offset, ptr) = inner.alloc_block(size, bytes, category)?;
-        Ok(Buffer { pool: self.clone(), ptr, len: bytes, size, segment, offset, category })
+        let (segment, offset, address) = inner.alloc_block(size, bytes, category)?;
+        Ok(Buffer { pool: self.clone(), address, len: bytes, size, segment, offset, category })
     }
 
     /// Release every cached segment that holds no live block.
@@ -180,16 +227,24 @@ impl PoolInner {
                 return Err(OomError { requested_bytes: size, category, stats: Box::new(self.stats.clone()) });
             }
         }
-        let layout = Layout::from_size_align(size, SEGMENT_ALIGN).expect("segment layout");
-        // SAFETY: layout has non-zero size (size >= ROUND).
-        let ptr = unsafe { alloc_zeroed(layout) };
-        if ptr.is_null() {
-            self.stats.num_ooms += 1;
-            return Err(OomError { requested_bytes: size, category, stats: Box::new(self.stats.clone()) });
-        }
+        let address = match self.source.reserve(size) {
+            Some(a) => a,
+            None => {
+                // The device itself is full (other processes, fragmentation of the driver's own
+                // heap): give back the cache and try once more.
+                self.release_free_segments();
+                match self.source.reserve(size) {
+                    Some(a) => a,
+                    None => {
+                        self.stats.num_ooms += 1;
+                        return Err(OomError { requested_bytes: size, category, stats: Box::new(self.stats.clone()) });
+                    }
+                }
+            }
+        };
         let mut blocks = std::collections::BTreeMap::new();
         blocks.insert(0, BlockState { size, category: None });
-        let seg = Segment { ptr, size, small, blocks };
+        let seg = Segment { address, size, small, blocks };
         let index = match self.segments.iter().position(Option::is_none) {
             Some(i) => {
                 self.segments[i] = Some(seg);
@@ -211,7 +266,7 @@ impl PoolInner {
         size: usize,
         requested: usize,
         category: Category,
-    ) -> Result<(usize, usize, *mut u8), OomError> {
+    ) -> Result<(usize, usize, u64), OomError> {
         let small = size <= SMALL_LIMIT;
         let probe = FreeKey { size, segment: 0, offset: 0 };
         let found = {
@@ -244,12 +299,12 @@ impl PoolInner {
             key.size
         };
         seg.blocks.insert(key.offset, BlockState { size: used, category: Some(category) });
-        // SAFETY: offset + used <= segment size by construction of the block map.
-        let ptr = unsafe { seg.ptr.add(key.offset) };
+        // offset + used <= segment size by construction of the block map.
+        let address = seg.address + key.offset as u64;
         // Allocated counts the rounded request; an unsplit tail shows up as fragmentation.
         self.stats.add(category, size);
         self.stats.num_allocs += 1;
-        Ok((key.segment, key.offset, ptr))
+        Ok((key.segment, key.offset, address))
     }
 
     fn free_block(&mut self, segment: usize, offset: usize, size: usize, category: Category) {
@@ -296,9 +351,7 @@ impl PoolInner {
             let seg = self.segments[index].take().expect("checked above");
             let set = if seg.small { &mut self.free_small } else { &mut self.free_large };
             set.remove(&FreeKey { size: seg.size, segment: index, offset: 0 });
-            let layout = Layout::from_size_align(seg.size, SEGMENT_ALIGN).expect("segment layout");
-            // SAFETY: allocated in new_segment with this exact layout, no live blocks remain.
-            unsafe { dealloc(seg.ptr, layout) };
+            self.source.release(seg.address, seg.size);
             self.stats.reserved -= seg.size;
             self.stats.num_segments -= 1;
         }
@@ -307,10 +360,9 @@ impl PoolInner {
 
 impl Drop for PoolInner {
     fn drop(&mut self) {
+        // Every buffer holds an Arc to the pool, so no block outlives this drop.
         for seg in self.segments.drain(..).flatten() {
-            let layout = Layout::from_size_align(seg.size, SEGMENT_ALIGN).expect("segment layout");
-            // SAFETY: every buffer holds an Arc to the pool, so no block outlives this drop.
-            unsafe { dealloc(seg.ptr, layout) };
+            self.source.release(seg.address, seg.size);
         }
     }
 }
@@ -318,7 +370,8 @@ impl Drop for PoolInner {
 /// One live block of device memory. Not `Clone`: a buffer is owned once and freed on drop.
 pub struct Buffer {
     pool: Pool,
-    ptr: *mut u8,
+    /// Host pointer or device address of the first byte.
+    address: u64,
     /// Requested length in bytes (the block may be larger).
     len: usize,
     /// Rounded size of the request.
@@ -339,14 +392,38 @@ impl fmt::Debug for Buffer {
 }
 
 impl Buffer {
+    /// The bytes, for a buffer in host memory. Panics for device memory: that is a bug in the
+    /// caller (device buffers are read through the backend's copies), not a runtime condition.
     pub fn bytes(&self) -> &[u8] {
-        // SAFETY: ptr..ptr+len lies inside this buffer's block, which nobody else references.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+        assert!(self.pool.host_visible, "host read of a device buffer on {}", self.pool.name);
+        // SAFETY: address..address+len lies inside this buffer's block in host memory, which
+        // nobody else references.
+        unsafe { std::slice::from_raw_parts(self.address as *const u8, self.len) }
     }
 
     pub fn bytes_mut(&mut self) -> &mut [u8] {
+        assert!(self.pool.host_visible, "host write of a device buffer on {}", self.pool.name);
         // SAFETY: as above, and &mut self guarantees exclusivity.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.address as *mut u8, self.len) }
+    }
+
+    /// Requested length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Address of the first byte: a host pointer, or a device pointer for a device pool.
+    pub fn address(&self) -> u64 {
+        self.address
+    }
+
+    /// Whether the buffer lives in host memory.
+    pub fn host_visible(&self) -> bool {
+        self.pool.host_visible
     }
 
     /// View as a slice of plain-old-data elements (f32, bf16, u16...).

@@ -116,3 +116,74 @@ fn unsplit_tail_counts_as_fragmentation_not_allocation() {
     assert_eq!(s.fragmentation(), 6 * MIB - round(5 * MIB + 7));
     drop(a);
 }
+
+/// A device that refuses reservations beyond `limit` bytes whatever the pool's capacity says
+/// (as cuMemAlloc does when other processes hold memory), backed by host memory.
+struct LimitedDevice {
+    limit: usize,
+    held: std::sync::Mutex<usize>,
+}
+
+impl SegmentSource for LimitedDevice {
+    fn reserve(&self, size: usize) -> Option<u64> {
+        let mut held = self.held.lock().unwrap();
+        if *held + size > self.limit {
+            return None;
+        }
+        *held += size;
+        HostSegments.reserve(size)
+    }
+    fn release(&self, address: u64, size: usize) {
+        *self.held.lock().unwrap() -= size;
+        HostSegments.release(address, size)
+    }
+    fn host_visible(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn a_refusing_device_is_an_oom_after_the_cache_is_released() {
+    let device = std::sync::Arc::new(LimitedDevice { limit: 12 * MIB, held: Default::default() });
+    let pool = Pool::with_source("cuda:0", 64 * MIB, device.clone());
+    // 8 MiB cached, then a 10 MiB request: the device refuses, the pool gives back the cached
+    // segment and the retry succeeds.
+    drop(pool.alloc(8 * MIB, Category::Activations).unwrap());
+    assert_eq!(pool.stats().reserved, 8 * MIB);
+    let a = pool.alloc(10 * MIB, Category::Params).unwrap();
+    assert_eq!(pool.stats().reserved, 10 * MIB, "cached segment released for the retry");
+    // Nothing cached left to give back: a typed OOM, well under `capacity`.
+    let err = pool.alloc(4 * MIB, Category::Activations).unwrap_err();
+    assert_eq!(err.requested_bytes, 4 * MIB);
+    assert_eq!(err.category, Category::Activations);
+    assert_eq!(err.stats.capacity, 64 * MIB);
+    assert_eq!(pool.stats().num_ooms, 1);
+    drop(a);
+    drop(pool);
+    assert_eq!(*device.held.lock().unwrap(), 0, "every segment given back to the device");
+}
+
+/// A source whose addresses are not host memory.
+struct OpaqueDevice;
+
+impl SegmentSource for OpaqueDevice {
+    fn reserve(&self, _size: usize) -> Option<u64> {
+        Some(0x7000_0000_0000)
+    }
+    fn release(&self, _address: u64, _size: usize) {}
+    fn host_visible(&self) -> bool {
+        false
+    }
+}
+
+#[test]
+fn device_buffers_carry_addresses_and_refuse_host_reads() {
+    let pool = Pool::with_source("cuda:0", 64 * MIB, std::sync::Arc::new(OpaqueDevice));
+    let a = pool.alloc(1000, Category::Params).unwrap();
+    let b = pool.alloc(1000, Category::Params).unwrap();
+    assert!(!a.host_visible());
+    assert_eq!(a.address(), 0x7000_0000_0000);
+    assert_eq!(b.address(), a.address() + round(1000) as u64, "blocks carved from one small segment");
+    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.bytes().len()));
+    assert!(read.is_err(), "a host read of device memory is refused");
+}

@@ -1,27 +1,30 @@
-//! The CUDA backend, as far as it is built: the kernel sources of kernels/ (one .cu per op
-//! family, entry points `<op>_<dtype>`), their NVRTC compilation (cached once per process and
-//! architecture), and the driver probe that turns "no driver" into a typed error instead of
-//! cudarc's panic. Device execution (pool over cudaMalloc, cuBLAS matmuls, launches) is not
-//! implemented yet: `headroom train` on `cuda` stops with a clear error.
+//! The CUDA backend's foundations: the kernel sources of kernels/ (one .cu per op family, entry
+//! points `<op>_<dtype>`), their NVRTC compilation (cached once per process and architecture),
+//! and the library probes that turn "no driver" into a typed error instead of cudarc's panic.
+//! `backend` executes the `Backend` ops on a device; the model and trainer do not run on it yet,
+//! so `headroom train` on `cuda` stops with a clear error.
+
+mod backend;
+pub use backend::CudaBackend;
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
 /// Shared helpers, spliced in front of every kernel family (NVRTC gets no include path).
-const COMMON: &str = include_str!("../../kernels/common.cuh");
+const COMMON: &str = include_str!("../../../kernels/common.cuh");
 
 /// Every kernel family: (name, source).
 pub const KERNELS: &[(&str, &str)] = &[
-    ("encoder", include_str!("../../kernels/encoder.cu")),
-    ("layernorm", include_str!("../../kernels/layernorm.cu")),
-    ("attention", include_str!("../../kernels/attention.cu")),
-    ("gelu", include_str!("../../kernels/gelu.cu")),
-    ("residual", include_str!("../../kernels/residual.cu")),
-    ("classifier", include_str!("../../kernels/classifier.cu")),
-    ("adamw", include_str!("../../kernels/adamw.cu")),
-    ("norm", include_str!("../../kernels/norm.cu")),
-    ("cast", include_str!("../../kernels/cast.cu")),
-    ("int8", include_str!("../../kernels/int8.cu")),
+    ("encoder", include_str!("../../../kernels/encoder.cu")),
+    ("layernorm", include_str!("../../../kernels/layernorm.cu")),
+    ("attention", include_str!("../../../kernels/attention.cu")),
+    ("gelu", include_str!("../../../kernels/gelu.cu")),
+    ("residual", include_str!("../../../kernels/residual.cu")),
+    ("classifier", include_str!("../../../kernels/classifier.cu")),
+    ("adamw", include_str!("../../../kernels/adamw.cu")),
+    ("norm", include_str!("../../../kernels/norm.cu")),
+    ("cast", include_str!("../../../kernels/cast.cu")),
+    ("int8", include_str!("../../../kernels/int8.cu")),
 ];
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -32,10 +35,14 @@ pub enum CudaError {
     NoNvrtc,
     #[error("kernel {family} does not compile for {arch}: {log}")]
     Compile { family: String, arch: String, log: String },
+    #[error("cuBLAS (libcublas) not found: install the CUDA toolkit or `pip install nvidia-cublas-cu12` and put its lib folder on LD_LIBRARY_PATH")]
+    NoCublas,
+    #[error("device cuda:{index}: {op} failed: {detail}")]
+    Driver { index: u32, op: &'static str, detail: String },
     #[error("unknown kernel family `{0}`")]
     UnknownFamily(String),
     #[error(
-        "device cuda:{index}: the CUDA execution backend is not implemented in this build (kernels compile; issue #7)"
+        "device cuda:{index}: the model does not run on the CUDA backend yet (its ops do: `headroom gpu-check`; issue #7)"
     )]
     NotImplemented { index: u32 },
 }
@@ -61,23 +68,31 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+pub fn cublas_present() -> bool {
+    // SAFETY: only tries to dlopen libcublas.
+    unsafe { cudarc::cublas::sys::is_culib_present() }
+}
+
 pub fn nvrtc_present() -> bool {
     // SAFETY: only tries to dlopen libnvrtc.
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
 /// PTX text of one family for `arch` (e.g. "sm_80"), compiled once per process.
-pub fn compile(family: &str, arch: &'static str) -> Result<String, CudaError> {
-    static CACHE: OnceLock<Mutex<HashMap<(String, &'static str), String>>> = OnceLock::new();
+pub fn compile(family: &str, arch: &str) -> Result<String, CudaError> {
+    static CACHE: OnceLock<Mutex<HashMap<(String, String), String>>> = OnceLock::new();
     let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
-    if let Some(ptx) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&(family.to_string(), arch)) {
+    let key = (family.to_string(), arch.to_string());
+    if let Some(ptx) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok(ptx.clone());
     }
     if !nvrtc_present() {
         return Err(CudaError::NoNvrtc);
     }
+    // NVRTC wants a 'static arch name; the few distinct ones a process sees are interned.
+    let arch_static: &'static str = Box::leak(arch.to_string().into_boxed_str());
     let opts = cudarc::nvrtc::CompileOptions {
-        arch: Some(arch),
+        arch: Some(arch_static),
         name: Some(format!("{family}.cu")),
         options: vec!["--std=c++17".into()],
         ..Default::default()
@@ -91,7 +106,7 @@ pub fn compile(family: &str, arch: &'static str) -> Result<String, CudaError> {
         },
     })?;
     let text = ptx.to_src();
-    cache.lock().unwrap_or_else(|e| e.into_inner()).insert((family.to_string(), arch), text.clone());
+    cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, text.clone());
     Ok(text)
 }
 

@@ -1,0 +1,814 @@
+//! The `Backend` trait: the op set the engine's layers are written in, over pool buffers, with
+//! `CpuBackend` (the reference, over `layers.rs`) and, behind the `cuda` feature,
+//! `cuda::CudaBackend` (NVRTC kernels + cuBLAS). Ops take typed views into pool buffers, check
+//! shapes before touching memory, and return `Result`: an OOM of a scratch buffer is a value.
+//!
+//! Semantics are the CPU reference's (see `layers.rs`): backward ops *accumulate* into
+//! parameter gradients and *overwrite* activation gradients unless documented otherwise;
+//! statistics, softmax and losses are f32 whatever the storage type.
+
+use std::marker::PhantomData;
+use std::ops::Range;
+
+use bytemuck::Pod;
+
+use crate::memory::{Buffer, Category, OomError, Pool};
+
+use super::layers::{self, Elem};
+use super::model::TensorInfo;
+use super::optim::{self, AdamW};
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error(transparent)]
+    Oom(#[from] OomError),
+    #[error("{backend}: {op} does not support {dtype}")]
+    Unsupported { backend: String, op: &'static str, dtype: &'static str },
+    #[error("{op}: {detail}")]
+    Shape { op: &'static str, detail: String },
+    #[error("{op} on {device}: {detail}")]
+    Device { op: &'static str, device: String, detail: String },
+}
+
+pub type BackendResult<T = ()> = Result<T, BackendError>;
+
+/// Fail with a shape error naming the op when `ok` is false.
+pub fn check_shape(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> BackendResult {
+    if ok {
+        Ok(())
+    } else {
+        Err(BackendError::Shape { op, detail: detail() })
+    }
+}
+
+/// A read-only run of `T` elements inside a pool buffer.
+pub struct View<'a, T> {
+    buf: &'a Buffer,
+    start: usize,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+impl<T> Clone for View<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for View<'_, T> {}
+
+impl<'a, T: Pod> View<'a, T> {
+    /// The whole buffer as elements of `T`.
+    pub fn of(buf: &'a Buffer) -> Self {
+        View { buf, start: 0, len: buf.len() / std::mem::size_of::<T>(), _t: PhantomData }
+    }
+
+    /// Elements `range` of the buffer. Panics when out of bounds (a caller bug).
+    pub fn range(buf: &'a Buffer, range: Range<usize>) -> Self {
+        let whole = buf.len() / std::mem::size_of::<T>();
+        assert!(range.start <= range.end && range.end <= whole, "view {range:?} of {whole} elements");
+        View { buf, start: range.start, len: range.end - range.start, _t: PhantomData }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The elements, for a buffer in host memory.
+    pub fn host(&self) -> &'a [T] {
+        &self.buf.as_slice::<T>()[self.start..self.start + self.len]
+    }
+
+    /// Address of the first element (host pointer or device pointer).
+    pub fn address(&self) -> u64 {
+        self.buf.address() + (self.start * std::mem::size_of::<T>()) as u64
+    }
+}
+
+/// A writable run of `T` elements inside a pool buffer.
+pub struct ViewMut<'a, T> {
+    buf: &'a mut Buffer,
+    start: usize,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+impl<'a, T: Pod> ViewMut<'a, T> {
+    pub fn of(buf: &'a mut Buffer) -> Self {
+        let len = buf.len() / std::mem::size_of::<T>();
+        ViewMut { buf, start: 0, len, _t: PhantomData }
+    }
+
+    pub fn range(buf: &'a mut Buffer, range: Range<usize>) -> Self {
+        let whole = buf.len() / std::mem::size_of::<T>();
+        assert!(range.start <= range.end && range.end <= whole, "view {range:?} of {whole} elements");
+        ViewMut { buf, start: range.start, len: range.end - range.start, _t: PhantomData }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn host_mut(&mut self) -> &mut [T] {
+        &mut self.buf.as_mut_slice::<T>()[self.start..self.start + self.len]
+    }
+
+    pub fn address(&self) -> u64 {
+        self.buf.address() + (self.start * std::mem::size_of::<T>()) as u64
+    }
+
+    /// The whole underlying buffer (to re-slice it).
+    pub fn buf_mut(&mut self) -> &mut Buffer {
+        self.buf
+    }
+
+    /// A read-only view of the same elements.
+    pub fn as_view(&self) -> View<'_, T> {
+        View { buf: self.buf, start: self.start, len: self.len, _t: PhantomData }
+    }
+}
+
+/// The op set. Shapes follow llm.c: B batch, T time, C channels, NH heads, V vocabulary,
+/// N = B·T rows.
+#[allow(clippy::too_many_arguments)]
+pub trait Backend {
+    /// The device, e.g. `cpu` or `cuda:0`.
+    fn device(&self) -> String;
+    /// The pool every buffer of this backend comes from.
+    fn pool(&self) -> &Pool;
+    /// Wait for every op issued so far.
+    fn synchronize(&self) -> BackendResult;
+
+    fn upload<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult;
+    fn download<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult;
+    fn zero<T: Pod>(&self, dst: ViewMut<T>) -> BackendResult;
+
+    /// out: (B,T,C) = wte[inp] + wpe[t]; inp: (B,T); wte: (V,C); wpe: (maxT,C).
+    fn encoder_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        inp: View<u32>,
+        wte: View<E>,
+        wpe: View<E>,
+        t: usize,
+        c: usize,
+    ) -> BackendResult;
+    /// dwte (V,C) += scatter of dout (B,T,C) by token; dwpe (maxT,C) += dout summed over B.
+    fn encoder_backward<E: Elem>(
+        &self,
+        dwte: ViewMut<E>,
+        dwpe: ViewMut<E>,
+        dout: View<E>,
+        inp: View<u32>,
+        t: usize,
+        c: usize,
+    ) -> BackendResult;
+
+    /// out: (N,C); mean, rstd: (N) f32; inp: (N,C); weight, bias: (C).
+    fn layernorm_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        mean: ViewMut<f32>,
+        rstd: ViewMut<f32>,
+        inp: View<E>,
+        weight: View<E>,
+        bias: View<E>,
+        c: usize,
+    ) -> BackendResult;
+    /// out: (N,C) from inp and the saved statistics (checkpointing's recompute).
+    fn layernorm_recompute<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        inp: View<E>,
+        weight: View<E>,
+        bias: View<E>,
+        mean: View<f32>,
+        rstd: View<f32>,
+        c: usize,
+    ) -> BackendResult;
+    /// dinp (N,C) += input gradient; dweight, dbias (C) += parameter gradients.
+    fn layernorm_backward<E: Elem>(
+        &self,
+        dinp: ViewMut<E>,
+        dweight: ViewMut<E>,
+        dbias: ViewMut<E>,
+        dout: View<E>,
+        inp: View<E>,
+        weight: View<E>,
+        mean: View<f32>,
+        rstd: View<f32>,
+        c: usize,
+    ) -> BackendResult;
+
+    /// out: (N,OC) = inp (N,C) · weightᵀ (weight: (OC,C)) + bias (OC).
+    fn matmul_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        inp: View<E>,
+        weight: View<E>,
+        bias: Option<View<E>>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> BackendResult;
+    /// dinp (N,C) = dout · weight [overwritten]; dweight (OC,C) += doutᵀ · inp; dbias (OC) += Σ dout.
+    fn matmul_backward<E: Elem>(
+        &self,
+        dinp: ViewMut<E>,
+        dweight: ViewMut<E>,
+        dbias: Option<ViewMut<E>>,
+        dout: View<E>,
+        inp: View<E>,
+        weight: View<E>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> BackendResult;
+
+    /// out: (B,T,C); att: (B,NH,T,T) causal softmax probabilities; qkv: (B,T,3C).
+    fn attention_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        att: ViewMut<E>,
+        qkv: View<E>,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) -> BackendResult;
+    /// dqkv: (B,T,3C) [overwritten]; dout: (B,T,C); qkv, att as saved by forward.
+    fn attention_backward<E: Elem>(
+        &self,
+        dqkv: ViewMut<E>,
+        dout: View<E>,
+        qkv: View<E>,
+        att: View<E>,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) -> BackendResult;
+
+    /// out: (N) = gelu(inp)
+    fn gelu_forward<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult;
+    /// dinout: (N) dout on entry, gelu'(inp) · dout on return.
+    fn gelu_backward_inplace<E: Elem>(&self, dinout: ViewMut<E>, inp: View<E>) -> BackendResult;
+    /// out (N) += inp (N)
+    fn residual_forward_inplace<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult;
+
+    /// logits: (N,V) turned into probabilities in place; losses: (N) f32; targets: (N).
+    fn crossentropy_forward<E: Elem>(
+        &self,
+        logits: ViewMut<E>,
+        losses: ViewMut<f32>,
+        targets: View<u32>,
+        v: usize,
+    ) -> BackendResult;
+    /// probs: (N,V) turned into logit gradients (p - onehot) · dloss in place.
+    fn crossentropy_backward_inplace<E: Elem>(
+        &self,
+        probs: ViewMut<E>,
+        targets: View<u32>,
+        dloss: f32,
+        v: usize,
+    ) -> BackendResult;
+
+    /// One AdamW step of one tensor: fp32 `master` and moments updated from `grads × grad_mult`;
+    /// `params`, the compute copy in `E`, rewritten from the master (None: the master is it, f32).
+    fn adamw<E: Elem>(
+        &self,
+        master: ViewMut<f32>,
+        params: Option<ViewMut<E>>,
+        grads: View<E>,
+        m: ViewMut<f32>,
+        v: ViewMut<f32>,
+        step: &AdamW,
+        decay: bool,
+        grad_mult: f32,
+    ) -> BackendResult;
+    /// Σ x² in f64 (not NaN-safe: a NaN or inf gradient gives a non-finite sum, as on CPU).
+    fn sum_squares<E: Elem>(&self, x: View<E>) -> BackendResult<f64>;
+
+    /// dst (N) = src rounded to `E`.
+    fn narrow<E: Elem>(&self, dst: ViewMut<E>, src: View<f32>) -> BackendResult;
+    /// dst (N) = src widened to f32.
+    fn widen<E: Elem>(&self, dst: ViewMut<f32>, src: View<E>) -> BackendResult;
+
+    /// q: (N,C) int8, scales: (N) f32 from x: (N,C) (activation offload's transfer format).
+    fn pack_int8<E: Elem>(&self, q: ViewMut<i8>, scales: ViewMut<f32>, x: View<E>, c: usize) -> BackendResult;
+    /// x: (N,C) = q · scale of its row.
+    fn unpack_int8<E: Elem>(&self, x: ViewMut<E>, q: View<i8>, scales: View<f32>, c: usize) -> BackendResult;
+}
+
+/// Shape checks shared by every backend, so a bad call is the same error everywhere.
+pub mod shapes {
+    use super::*;
+
+    pub fn same(op: &'static str, what: &str, a: usize, b: usize) -> BackendResult {
+        check_shape(op, a == b, || format!("{what}: {a} elements, expected {b}"))
+    }
+
+    pub fn rows(op: &'static str, len: usize, c: usize) -> BackendResult<usize> {
+        check_shape(op, c > 0 && len.is_multiple_of(c), || format!("{len} elements are not whole rows of {c}"))?;
+        Ok(len / c)
+    }
+
+    pub fn attention(op: &'static str, qkv: usize, b: usize, t: usize, c: usize, nh: usize) -> BackendResult {
+        check_shape(op, nh > 0 && c.is_multiple_of(nh), || format!("C={c} is not a multiple of NH={nh}"))?;
+        same(op, "qkv (B,T,3C)", qkv, b * t * 3 * c)
+    }
+}
+
+/// The CPU reference: `layers.rs` on host buffers of its pool; scratch comes from the same pool
+/// as workspace.
+#[derive(Debug, Clone)]
+pub struct CpuBackend {
+    pool: Pool,
+}
+
+impl CpuBackend {
+    pub fn new(pool: Pool) -> CpuBackend {
+        CpuBackend { pool }
+    }
+
+    fn scratch(&self, elems: usize) -> BackendResult<Buffer> {
+        Ok(self.pool.alloc(elems * 4, Category::Workspace)?)
+    }
+}
+
+impl Backend for CpuBackend {
+    fn device(&self) -> String {
+        "cpu".into()
+    }
+
+    fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    fn synchronize(&self) -> BackendResult {
+        Ok(())
+    }
+
+    fn upload<T: Pod>(&self, mut dst: ViewMut<T>, src: &[T]) -> BackendResult {
+        shapes::same("upload", "destination", dst.len(), src.len())?;
+        dst.host_mut().copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult {
+        shapes::same("download", "destination", dst.len(), src.len())?;
+        dst.copy_from_slice(src.host());
+        Ok(())
+    }
+
+    fn zero<T: Pod>(&self, mut dst: ViewMut<T>) -> BackendResult {
+        dst.host_mut().fill(T::zeroed());
+        Ok(())
+    }
+
+    fn encoder_forward<E: Elem>(
+        &self,
+        mut out: ViewMut<E>,
+        inp: View<u32>,
+        wte: View<E>,
+        wpe: View<E>,
+        t: usize,
+        c: usize,
+    ) -> BackendResult {
+        shapes::same("encoder_forward", "out (B,T,C)", out.len(), inp.len() * c)?;
+        check_shape("encoder_forward", wpe.len() >= t * c, || {
+            format!("wpe has {} elements, T·C = {}", wpe.len(), t * c)
+        })?;
+        check_tokens("encoder_forward", inp, wte.len() / c.max(1))?;
+        layers::encoder_forward(out.host_mut(), inp.host(), wte.host(), wpe.host(), t, c);
+        Ok(())
+    }
+
+    fn encoder_backward<E: Elem>(
+        &self,
+        mut dwte: ViewMut<E>,
+        mut dwpe: ViewMut<E>,
+        dout: View<E>,
+        inp: View<u32>,
+        t: usize,
+        c: usize,
+    ) -> BackendResult {
+        shapes::same("encoder_backward", "dout (B,T,C)", dout.len(), inp.len() * c)?;
+        check_shape("encoder_backward", dwpe.len() >= t * c, || format!("dwpe has {} elements", dwpe.len()))?;
+        check_tokens("encoder_backward", inp, dwte.len() / c.max(1))?;
+        layers::encoder_backward(dwte.host_mut(), dwpe.host_mut(), dout.host(), inp.host(), t, c);
+        Ok(())
+    }
+
+    fn layernorm_forward<E: Elem>(
+        &self,
+        mut out: ViewMut<E>,
+        mut mean: ViewMut<f32>,
+        mut rstd: ViewMut<f32>,
+        inp: View<E>,
+        weight: View<E>,
+        bias: View<E>,
+        c: usize,
+    ) -> BackendResult {
+        let n = layernorm_shapes("layernorm_forward", out.len(), inp.len(), weight.len(), bias.len(), c)?;
+        shapes::same("layernorm_forward", "mean", mean.len(), n)?;
+        shapes::same("layernorm_forward", "rstd", rstd.len(), n)?;
+        layers::layernorm_forward(
+            out.host_mut(),
+            mean.host_mut(),
+            rstd.host_mut(),
+            inp.host(),
+            weight.host(),
+            bias.host(),
+            c,
+        );
+        Ok(())
+    }
+
+    fn layernorm_recompute<E: Elem>(
+        &self,
+        mut out: ViewMut<E>,
+        inp: View<E>,
+        weight: View<E>,
+        bias: View<E>,
+        mean: View<f32>,
+        rstd: View<f32>,
+        c: usize,
+    ) -> BackendResult {
+        let n = layernorm_shapes("layernorm_recompute", out.len(), inp.len(), weight.len(), bias.len(), c)?;
+        shapes::same("layernorm_recompute", "mean", mean.len(), n)?;
+        shapes::same("layernorm_recompute", "rstd", rstd.len(), n)?;
+        layers::layernorm_recompute(
+            out.host_mut(),
+            inp.host(),
+            weight.host(),
+            bias.host(),
+            mean.host(),
+            rstd.host(),
+            c,
+        );
+        Ok(())
+    }
+
+    fn layernorm_backward<E: Elem>(
+        &self,
+        mut dinp: ViewMut<E>,
+        mut dweight: ViewMut<E>,
+        mut dbias: ViewMut<E>,
+        dout: View<E>,
+        inp: View<E>,
+        weight: View<E>,
+        mean: View<f32>,
+        rstd: View<f32>,
+        c: usize,
+    ) -> BackendResult {
+        let n = layernorm_shapes("layernorm_backward", dinp.len(), inp.len(), weight.len(), dbias.len(), c)?;
+        shapes::same("layernorm_backward", "dout", dout.len(), n * c)?;
+        shapes::same("layernorm_backward", "dweight", dweight.len(), c)?;
+        shapes::same("layernorm_backward", "mean", mean.len(), n)?;
+        shapes::same("layernorm_backward", "rstd", rstd.len(), n)?;
+        let (dw, db) = (dweight.host_mut(), dbias.host_mut());
+        layers::layernorm_backward(
+            dinp.host_mut(),
+            dw,
+            db,
+            dout.host(),
+            inp.host(),
+            weight.host(),
+            mean.host(),
+            rstd.host(),
+            c,
+        );
+        Ok(())
+    }
+
+    fn matmul_forward<E: Elem>(
+        &self,
+        mut out: ViewMut<E>,
+        inp: View<E>,
+        weight: View<E>,
+        bias: Option<View<E>>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> BackendResult {
+        matmul_shapes("matmul_forward", out.len(), inp.len(), weight.len(), bias.map(|b| b.len()), n, c, oc)?;
+        let mut scratch = self.scratch(layers::matmul_forward_scratch::<E>(n, c, oc))?;
+        let bias = bias.map(|b| b.host());
+        layers::matmul_forward(out.host_mut(), inp.host(), weight.host(), bias, n, c, oc, scratch.as_mut_slice());
+        Ok(())
+    }
+
+    fn matmul_backward<E: Elem>(
+        &self,
+        mut dinp: ViewMut<E>,
+        mut dweight: ViewMut<E>,
+        dbias: Option<ViewMut<E>>,
+        dout: View<E>,
+        inp: View<E>,
+        weight: View<E>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> BackendResult {
+        matmul_shapes(
+            "matmul_backward",
+            dout.len(),
+            inp.len(),
+            weight.len(),
+            dbias.as_ref().map(|b| b.len()),
+            n,
+            c,
+            oc,
+        )?;
+        shapes::same("matmul_backward", "dinp (N,C)", dinp.len(), n * c)?;
+        shapes::same("matmul_backward", "dweight (OC,C)", dweight.len(), oc * c)?;
+        let mut scratch = self.scratch(layers::matmul_backward_scratch::<E>(n, c, oc))?;
+        let mut dbias = dbias;
+        let db = dbias.as_mut().map(|b| b.host_mut());
+        let dw = dweight.host_mut();
+        layers::matmul_backward(
+            dinp.host_mut(),
+            dw,
+            db,
+            dout.host(),
+            inp.host(),
+            weight.host(),
+            n,
+            c,
+            oc,
+            scratch.as_mut_slice(),
+        );
+        Ok(())
+    }
+
+    fn attention_forward<E: Elem>(
+        &self,
+        mut out: ViewMut<E>,
+        mut att: ViewMut<E>,
+        qkv: View<E>,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) -> BackendResult {
+        shapes::attention("attention_forward", qkv.len(), b, t, c, nh)?;
+        shapes::same("attention_forward", "out (B,T,C)", out.len(), b * t * c)?;
+        shapes::same("attention_forward", "att (B,NH,T,T)", att.len(), b * nh * t * t)?;
+        let mut scratch = self.scratch(layers::attention_forward_scratch(b, t, nh))?;
+        layers::attention_forward(out.host_mut(), att.host_mut(), qkv.host(), scratch.as_mut_slice(), b, t, c, nh);
+        Ok(())
+    }
+
+    fn attention_backward<E: Elem>(
+        &self,
+        mut dqkv: ViewMut<E>,
+        dout: View<E>,
+        qkv: View<E>,
+        att: View<E>,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) -> BackendResult {
+        shapes::attention("attention_backward", qkv.len(), b, t, c, nh)?;
+        shapes::same("attention_backward", "dqkv (B,T,3C)", dqkv.len(), b * t * 3 * c)?;
+        shapes::same("attention_backward", "dout (B,T,C)", dout.len(), b * t * c)?;
+        shapes::same("attention_backward", "att (B,NH,T,T)", att.len(), b * nh * t * t)?;
+        let mut scratch = self.scratch(layers::attention_backward_scratch::<E>(b, t, c, nh))?;
+        layers::attention_backward(
+            dqkv.host_mut(),
+            scratch.as_mut_slice(),
+            dout.host(),
+            qkv.host(),
+            att.host(),
+            b,
+            t,
+            c,
+            nh,
+        );
+        Ok(())
+    }
+
+    fn gelu_forward<E: Elem>(&self, mut out: ViewMut<E>, inp: View<E>) -> BackendResult {
+        shapes::same("gelu_forward", "out", out.len(), inp.len())?;
+        layers::gelu_forward(out.host_mut(), inp.host());
+        Ok(())
+    }
+
+    fn gelu_backward_inplace<E: Elem>(&self, mut dinout: ViewMut<E>, inp: View<E>) -> BackendResult {
+        shapes::same("gelu_backward", "dinout", dinout.len(), inp.len())?;
+        layers::gelu_backward_inplace(dinout.host_mut(), inp.host());
+        Ok(())
+    }
+
+    fn residual_forward_inplace<E: Elem>(&self, mut out: ViewMut<E>, inp: View<E>) -> BackendResult {
+        shapes::same("residual_forward", "out", out.len(), inp.len())?;
+        layers::residual_forward_inplace(out.host_mut(), inp.host());
+        Ok(())
+    }
+
+    fn crossentropy_forward<E: Elem>(
+        &self,
+        mut logits: ViewMut<E>,
+        mut losses: ViewMut<f32>,
+        targets: View<u32>,
+        v: usize,
+    ) -> BackendResult {
+        let n = shapes::rows("crossentropy_forward", logits.len(), v)?;
+        shapes::same("crossentropy_forward", "losses", losses.len(), n)?;
+        shapes::same("crossentropy_forward", "targets", targets.len(), n)?;
+        check_tokens("crossentropy_forward", targets, v)?;
+        layers::crossentropy_forward(logits.host_mut(), losses.host_mut(), targets.host(), v);
+        Ok(())
+    }
+
+    fn crossentropy_backward_inplace<E: Elem>(
+        &self,
+        mut probs: ViewMut<E>,
+        targets: View<u32>,
+        dloss: f32,
+        v: usize,
+    ) -> BackendResult {
+        let n = shapes::rows("crossentropy_backward", probs.len(), v)?;
+        shapes::same("crossentropy_backward", "targets", targets.len(), n)?;
+        check_tokens("crossentropy_backward", targets, v)?;
+        layers::crossentropy_backward_inplace(probs.host_mut(), targets.host(), dloss, v);
+        Ok(())
+    }
+
+    fn adamw<E: Elem>(
+        &self,
+        mut master: ViewMut<f32>,
+        params: Option<ViewMut<E>>,
+        grads: View<E>,
+        mut m: ViewMut<f32>,
+        mut v: ViewMut<f32>,
+        step: &AdamW,
+        decay: bool,
+        grad_mult: f32,
+    ) -> BackendResult {
+        let n = master.len();
+        adamw_shapes::<E>(n, params.as_ref().map(|p| p.len()), grads.len(), m.len(), v.len())?;
+        let tensor = [TensorInfo { name: "tensor".into(), offset: 0, len: n, decay }];
+        step.update(&tensor, master.host_mut(), grads.host(), grad_mult, m.host_mut(), v.host_mut());
+        if let Some(mut p) = params {
+            layers::narrow(p.host_mut(), master.as_view().host());
+        }
+        Ok(())
+    }
+
+    fn sum_squares<E: Elem>(&self, x: View<E>) -> BackendResult<f64> {
+        Ok(optim::sum_squares(x.host()))
+    }
+
+    fn narrow<E: Elem>(&self, mut dst: ViewMut<E>, src: View<f32>) -> BackendResult {
+        shapes::same("narrow", "dst", dst.len(), src.len())?;
+        layers::narrow(dst.host_mut(), src.host());
+        Ok(())
+    }
+
+    fn widen<E: Elem>(&self, mut dst: ViewMut<f32>, src: View<E>) -> BackendResult {
+        shapes::same("widen", "dst", dst.len(), src.len())?;
+        layers::widen(dst.host_mut(), src.host());
+        Ok(())
+    }
+
+    fn pack_int8<E: Elem>(&self, mut q: ViewMut<i8>, mut scales: ViewMut<f32>, x: View<E>, c: usize) -> BackendResult {
+        let n = shapes::rows("pack_int8", x.len(), c)?;
+        shapes::same("pack_int8", "q", q.len(), x.len())?;
+        shapes::same("pack_int8", "scales", scales.len(), n)?;
+        layers::pack_int8(q.host_mut(), scales.host_mut(), x.host(), c);
+        Ok(())
+    }
+
+    fn unpack_int8<E: Elem>(&self, mut x: ViewMut<E>, q: View<i8>, scales: View<f32>, c: usize) -> BackendResult {
+        let n = shapes::rows("unpack_int8", x.len(), c)?;
+        shapes::same("unpack_int8", "q", q.len(), x.len())?;
+        shapes::same("unpack_int8", "scales", scales.len(), n)?;
+        layers::unpack_int8(x.host_mut(), q.host(), scales.host(), c);
+        Ok(())
+    }
+}
+
+/// Token ids below `v` (checked on the host copy; device backends check before upload).
+fn check_tokens(op: &'static str, ids: View<u32>, v: usize) -> BackendResult {
+    if ids.buf_host_visible() {
+        if let Some(bad) = ids.host().iter().find(|&&id| id as usize >= v) {
+            return Err(BackendError::Shape {
+                op,
+                detail: format!("token id {bad} is not below the vocabulary size {v}"),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl<T> View<'_, T> {
+    fn buf_host_visible(&self) -> bool {
+        self.buf.host_visible()
+    }
+}
+
+pub(crate) fn layernorm_shapes(
+    op: &'static str,
+    out: usize,
+    inp: usize,
+    weight: usize,
+    bias: usize,
+    c: usize,
+) -> BackendResult<usize> {
+    let n = shapes::rows(op, inp, c)?;
+    shapes::same(op, "output (N,C)", out, inp)?;
+    shapes::same(op, "weight (C)", weight, c)?;
+    shapes::same(op, "bias (C)", bias, c)?;
+    Ok(n)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_shapes(
+    op: &'static str,
+    out: usize,
+    inp: usize,
+    weight: usize,
+    bias: Option<usize>,
+    n: usize,
+    c: usize,
+    oc: usize,
+) -> BackendResult {
+    shapes::same(op, "out (N,OC)", out, n * oc)?;
+    shapes::same(op, "inp (N,C)", inp, n * c)?;
+    shapes::same(op, "weight (OC,C)", weight, oc * c)?;
+    if let Some(b) = bias {
+        shapes::same(op, "bias (OC)", b, oc)?;
+    }
+    Ok(())
+}
+
+pub(crate) fn adamw_shapes<E: Elem>(
+    n: usize,
+    params: Option<usize>,
+    grads: usize,
+    m: usize,
+    v: usize,
+) -> BackendResult {
+    shapes::same("adamw", "grads", grads, n)?;
+    shapes::same("adamw", "m", m, n)?;
+    shapes::same("adamw", "v", v, n)?;
+    match params {
+        Some(p) => shapes::same("adamw", "params", p, n),
+        None => check_shape("adamw", E::is_f32(), || {
+            format!("{} weights need a compute copy besides the fp32 master", E::NAME)
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn bad_shapes_and_token_ids_are_errors_naming_the_op() {
+        let be = CpuBackend::new(Pool::new("cpu", 16 * MIB));
+        let pool = be.pool().clone();
+        let mut out = pool.alloc(4 * 8 * 4, Category::Activations).unwrap();
+        let inp = pool.alloc(4 * 6 * 4, Category::Activations).unwrap();
+        let w = pool.alloc(8 * 6 * 4, Category::Params).unwrap();
+        let err =
+            be.matmul_forward::<f32>(ViewMut::of(&mut out), View::of(&inp), View::of(&w), None, 4, 6, 7).unwrap_err();
+        assert_eq!(err.to_string(), "matmul_forward: out (N,OC): 32 elements, expected 28");
+
+        let mut ids = pool.alloc(2 * 4, Category::Activations).unwrap();
+        ids.as_mut_slice::<u32>().copy_from_slice(&[1, 9]);
+        let mut logits = pool.alloc(2 * 5 * 4, Category::Activations).unwrap();
+        let mut losses = pool.alloc(2 * 4, Category::Activations).unwrap();
+        let err = be
+            .crossentropy_forward::<f32>(ViewMut::of(&mut logits), ViewMut::of(&mut losses), View::of(&ids), 5)
+            .unwrap_err();
+        assert_eq!(err.to_string(), "crossentropy_forward: token id 9 is not below the vocabulary size 5");
+    }
+
+    #[test]
+    fn scratch_that_does_not_fit_is_an_oom_value() {
+        // bf16 matmul widens its operands into f32 scratch from the same pool.
+        let pool = Pool::new("cpu", 3 * MIB);
+        let be = CpuBackend::new(pool.clone());
+        let (n, c, oc) = (64, 256, 1024);
+        let mut out = pool.alloc(n * oc * 2, Category::Activations).unwrap();
+        let inp = pool.alloc(n * c * 2, Category::Activations).unwrap();
+        let w = pool.alloc(oc * c * 2, Category::Params).unwrap();
+        let err = be
+            .matmul_forward::<half::bf16>(ViewMut::of(&mut out), View::of(&inp), View::of(&w), None, n, c, oc)
+            .unwrap_err();
+        assert!(matches!(err, BackendError::Oom(ref e) if e.category == Category::Workspace), "{err}");
+    }
+}

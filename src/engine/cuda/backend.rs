@@ -1,0 +1,954 @@
+//! `CudaBackend`: the `Backend` ops on one CUDA device — a pool over cuMemAlloc'd segments,
+//! every kernel family compiled by NVRTC for the device's architecture and loaded once, matmuls
+//! and attention products through cuBLAS (fp32 accumulation, no TF32), all on one stream.
+//!
+//! Status: compile-checked only. It has not yet run on a GPU; `headroom gpu-check` (and
+//! `scripts/gpu-check.sh`) compares every op against `CpuBackend` on a machine that has one.
+//!
+//! Stream ordering makes the pool's reuse safe: a block freed after an op was issued is only
+//! handed to ops issued later on the same stream. Host copies synchronise before returning.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use bytemuck::Pod;
+use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+
+use crate::memory::{Buffer, Category, Pool, SegmentSource};
+
+use super::{compile, cublas_present, driver_present, entry_points, nvrtc_present, CudaError, KERNELS};
+use crate::engine::backend::{
+    adamw_shapes, check_shape, layernorm_shapes, matmul_shapes, shapes, Backend, BackendError, BackendResult, View,
+    ViewMut,
+};
+use crate::engine::layers::Elem;
+use crate::engine::optim::{AdamW, BETA1, BETA2, EPS};
+
+/// Threads per block of the elementwise kernels.
+const THREADS: u32 = 256;
+/// Blocks of the sum-of-squares first pass.
+const NORM_BLOCKS: usize = 1024;
+
+/// Segments from cuMemAlloc on one context.
+struct CudaSegments {
+    ctx: Arc<CudaContext>,
+}
+
+impl SegmentSource for CudaSegments {
+    fn reserve(&self, size: usize) -> Option<u64> {
+        self.ctx.bind_to_thread().ok()?;
+        // SAFETY: a plain allocation; a failure (out of memory included) is None, i.e. an OOM.
+        unsafe { drv::malloc_sync(size) }.ok()
+    }
+
+    fn release(&self, address: u64, _size: usize) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `address` came from `reserve` and the pool holds no live block in it.
+            // cuMemFree waits for work still using it. An error here (context torn down) leaks
+            // nothing the process keeps.
+            let _ = unsafe { drv::free_sync(address) };
+        }
+    }
+
+    fn host_visible(&self) -> bool {
+        false
+    }
+}
+
+/// One kernel argument, by the C type of its parameter.
+#[derive(Clone, Copy)]
+enum Arg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+/// The storage types the kernels are compiled for.
+fn suffix<E: Elem>(backend: &CudaBackend, op: &'static str) -> BackendResult<&'static str> {
+    match E::NAME {
+        "fp32" => Ok("f32"),
+        "bf16" => Ok("bf16"),
+        other => Err(BackendError::Unsupported { backend: backend.device(), op, dtype: other }),
+    }
+}
+
+fn data_type<E: Elem>() -> blas_sys::cudaDataType {
+    if E::is_f32() {
+        blas_sys::cudaDataType::CUDA_R_32F
+    } else {
+        blas_sys::cudaDataType::CUDA_R_16BF
+    }
+}
+
+const F32: blas_sys::cudaDataType = blas_sys::cudaDataType::CUDA_R_32F;
+
+/// A value that must fit a kernel's `int` parameter.
+fn int(op: &'static str, what: &str, v: usize) -> BackendResult<Arg> {
+    i32::try_from(v)
+        .map(Arg::I32)
+        .map_err(|_| BackendError::Shape { op, detail: format!("{what} = {v} exceeds the kernel's int range") })
+}
+
+fn long(v: usize) -> Arg {
+    Arg::I64(v as i64)
+}
+
+fn elementwise(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(THREADS).max(1), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One warp per row, eight rows per block.
+fn warp_rows(rows: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: ((rows as u32).div_ceil(8).max(1), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Column sums: blocks of 32 columns × 16 row strides.
+fn column_sums(cols: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: ((cols as u32).div_ceil(32).max(1), 1, 1), block_dim: (32, 16, 1), shared_mem_bytes: 0 }
+}
+
+/// One GEMM (or a strided batch of them) in cuBLAS's column-major terms.
+struct Gemm {
+    trans_a: bool,
+    trans_b: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: (u64, blas_sys::cudaDataType, usize, usize),
+    b: (u64, blas_sys::cudaDataType, usize, usize),
+    c: (u64, blas_sys::cudaDataType, usize, usize),
+    beta: f32,
+    batch: usize,
+}
+
+pub struct CudaBackend {
+    index: u32,
+    name: String,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    functions: HashMap<String, CudaFunction>,
+    pool: Pool,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend").field("device", &self.index).field("name", &self.name).finish()
+    }
+}
+
+impl CudaBackend {
+    /// Open device `index`: probe the libraries, create the context and stream, compile and load
+    /// every kernel family, and make a pool of `device_memory` bytes (default: the free memory).
+    pub fn new(index: u32, device_memory: Option<usize>) -> Result<CudaBackend, CudaError> {
+        if !driver_present() {
+            return Err(CudaError::NoDriver { index });
+        }
+        if !nvrtc_present() {
+            return Err(CudaError::NoNvrtc);
+        }
+        if !cublas_present() {
+            return Err(CudaError::NoCublas);
+        }
+        let err =
+            |op: &'static str| move |e: &dyn std::fmt::Debug| CudaError::Driver { index, op, detail: format!("{e:?}") };
+        let ctx = CudaContext::new(index as usize).map_err(|e| err("context creation")(&e))?;
+        let name = ctx.name().unwrap_or_else(|_| format!("cuda:{index}"));
+        let (major, minor) = ctx.compute_capability().map_err(|e| err("compute capability query")(&e))?;
+        let arch = format!("sm_{major}{minor}");
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS handle creation")(&e))?;
+        let mut functions = HashMap::new();
+        for (family, _) in KERNELS {
+            let ptx = compile(family, &arch)?;
+            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| err("module load")(&e))?;
+            for ep in entry_points(family)? {
+                let f = module.load_function(&ep).map_err(|e| err("kernel lookup")(&e))?;
+                functions.insert(ep, f);
+            }
+        }
+        let (free, _total) = ctx.mem_get_info().map_err(|e| err("memory query")(&e))?;
+        let capacity = device_memory.unwrap_or(free);
+        let pool = Pool::with_source(&format!("cuda:{index}"), capacity, Arc::new(CudaSegments { ctx: ctx.clone() }));
+        Ok(CudaBackend { index, name, ctx, stream, blas, functions, pool })
+    }
+
+    /// The device's marketing name, e.g. "NVIDIA H200".
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn device_err(&self, op: &'static str, e: impl std::fmt::Debug) -> BackendError {
+        BackendError::Device { op, device: self.device(), detail: format!("{e:?}") }
+    }
+
+    fn launch(&self, op: &'static str, kernel: &str, cfg: LaunchConfig, args: &[Arg]) -> BackendResult {
+        let f = self.functions.get(kernel).ok_or_else(|| self.device_err(op, format!("no kernel {kernel}")))?;
+        let mut builder = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::Ptr(v) => builder.arg(v),
+                Arg::I32(v) => builder.arg(v),
+                Arg::I64(v) => builder.arg(v),
+                Arg::F32(v) => builder.arg(v),
+            };
+        }
+        // SAFETY: every caller checks the views' lengths against the shapes it passes, and the
+        // argument list follows the kernel's C signature (see kernels/*.cu).
+        unsafe { builder.launch(cfg) }.map(|_| ()).map_err(|e| self.device_err(op, e))
+    }
+
+    fn gemm(&self, op: &'static str, g: Gemm) -> BackendResult {
+        let t = |x: bool| {
+            if x {
+                blas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let alpha = 1.0f32;
+        let beta = g.beta;
+        let i = |v: usize| v as std::ffi::c_int;
+        let l = |v: usize| v as std::ffi::c_longlong;
+        // SAFETY: operand extents are checked by the callers; alpha/beta are host f32 as
+        // CUBLAS_COMPUTE_32F expects.
+        unsafe {
+            blas::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                t(g.trans_a),
+                t(g.trans_b),
+                i(g.m),
+                i(g.n),
+                i(g.k),
+                &alpha as *const f32 as *const _,
+                g.a.0 as *const _,
+                g.a.1,
+                i(g.a.2),
+                l(g.a.3),
+                g.b.0 as *const _,
+                g.b.1,
+                i(g.b.2),
+                l(g.b.3),
+                &beta as *const f32 as *const _,
+                g.c.0 as *mut _,
+                g.c.1,
+                i(g.c.2),
+                l(g.c.3),
+                i(g.batch),
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }
+        .map_err(|e| self.device_err(op, e))
+    }
+
+    fn scratch(&self, bytes: usize) -> BackendResult<Buffer> {
+        Ok(self.pool.alloc(bytes, Category::Workspace)?)
+    }
+
+    fn cast_to_f32<E: Elem>(&self, op: &'static str, dst: &Buffer, src: u64, n: usize) -> BackendResult {
+        if E::is_f32() {
+            // SAFETY: both ranges hold n f32 (checked by the caller).
+            unsafe { drv::memcpy_dtod_async(dst.address(), src, n * 4, self.stream.cu_stream()) }
+                .map_err(|e| self.device_err(op, e))
+        } else {
+            self.launch(op, "cast_bf16_to_f32", elementwise(n), &[Arg::Ptr(dst.address()), Arg::Ptr(src), long(n)])
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    fn device(&self) -> String {
+        format!("cuda:{}", self.index)
+    }
+
+    fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    fn synchronize(&self) -> BackendResult {
+        self.stream.synchronize().map_err(|e| self.device_err("synchronize", e))
+    }
+
+    fn upload<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult {
+        shapes::same("upload", "destination", dst.len(), src.len())?;
+        self.ctx.bind_to_thread().map_err(|e| self.device_err("upload", e))?;
+        // SAFETY: dst holds src.len() elements; the synchronize keeps `src` borrowed until done.
+        unsafe { drv::memcpy_htod_async(dst.address(), src, self.stream.cu_stream()) }
+            .map_err(|e| self.device_err("upload", e))?;
+        self.synchronize()
+    }
+
+    fn download<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult {
+        shapes::same("download", "destination", dst.len(), src.len())?;
+        self.ctx.bind_to_thread().map_err(|e| self.device_err("download", e))?;
+        // SAFETY: as for upload.
+        unsafe { drv::memcpy_dtoh_async(dst, src.address(), self.stream.cu_stream()) }
+            .map_err(|e| self.device_err("download", e))?;
+        self.synchronize()
+    }
+
+    fn zero<T: Pod>(&self, dst: ViewMut<T>) -> BackendResult {
+        let bytes = dst.len() * std::mem::size_of::<T>();
+        // SAFETY: the view's bytes lie inside its buffer.
+        unsafe { drv::memset_d8_async(dst.address(), 0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| self.device_err("zero", e))
+    }
+
+    fn encoder_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        inp: View<u32>,
+        wte: View<E>,
+        wpe: View<E>,
+        t: usize,
+        c: usize,
+    ) -> BackendResult {
+        const OP: &str = "encoder_forward";
+        let dt = suffix::<E>(self, OP)?;
+        shapes::same(OP, "out (B,T,C)", out.len(), inp.len() * c)?;
+        check_shape(OP, wpe.len() >= t * c, || format!("wpe has {} elements, T·C = {}", wpe.len(), t * c))?;
+        let bt = inp.len();
+        let args = [
+            Arg::Ptr(out.address()),
+            Arg::Ptr(inp.address()),
+            Arg::Ptr(wte.address()),
+            Arg::Ptr(wpe.address()),
+            int(OP, "B·T", bt)?,
+            int(OP, "T", t)?,
+            int(OP, "C", c)?,
+        ];
+        self.launch(OP, &format!("encoder_forward_{dt}"), elementwise(bt * c), &args)
+    }
+
+    fn encoder_backward<E: Elem>(
+        &self,
+        dwte: ViewMut<E>,
+        dwpe: ViewMut<E>,
+        dout: View<E>,
+        inp: View<u32>,
+        t: usize,
+        c: usize,
+    ) -> BackendResult {
+        const OP: &str = "encoder_backward";
+        let dt = suffix::<E>(self, OP)?;
+        shapes::same(OP, "dout (B,T,C)", dout.len(), inp.len() * c)?;
+        check_shape(OP, dwpe.len() >= t * c, || format!("dwpe has {} elements", dwpe.len()))?;
+        let bt = inp.len();
+        let args = [
+            Arg::Ptr(dwte.address()),
+            Arg::Ptr(dwpe.address()),
+            Arg::Ptr(dout.address()),
+            Arg::Ptr(inp.address()),
+            int(OP, "B·T", bt)?,
+            int(OP, "T", t)?,
+            int(OP, "C", c)?,
+        ];
+        self.launch(OP, &format!("encoder_backward_{dt}"), elementwise(bt * c), &args)
+    }
+
+    fn layernorm_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        mean: ViewMut<f32>,
+        rstd: ViewMut<f32>,
+        inp: View<E>,
+        weight: View<E>,
+        bias: View<E>,
+        c: usize,
+    ) -> BackendResult {
+        const OP: &str = "layernorm_forward";
+        let dt = suffix::<E>(self, OP)?;
+        let n = layernorm_shapes(OP, out.len(), inp.len(), weight.len(), bias.len(), c)?;
+        shapes::same(OP, "mean", mean.len(), n)?;
+        shapes::same(OP, "rstd", rstd.len(), n)?;
+        let args = [
+            Arg::Ptr(out.address()),
+            Arg::Ptr(mean.address()),
+            Arg::Ptr(rstd.address()),
+            Arg::Ptr(inp.address()),
+            Arg::Ptr(weight.address()),
+            Arg::Ptr(bias.address()),
+            int(OP, "N", n)?,
+            int(OP, "C", c)?,
+        ];
+        self.launch(OP, &format!("layernorm_forward_{dt}"), warp_rows(n), &args)
+    }
+
+    fn layernorm_recompute<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        inp: View<E>,
+        weight: View<E>,
+        bias: View<E>,
+        mean: View<f32>,
+        rstd: View<f32>,
+        c: usize,
+    ) -> BackendResult {
+        const OP: &str = "layernorm_recompute";
+        let dt = suffix::<E>(self, OP)?;
+        let n = layernorm_shapes(OP, out.len(), inp.len(), weight.len(), bias.len(), c)?;
+        shapes::same(OP, "mean", mean.len(), n)?;
+        shapes::same(OP, "rstd", rstd.len(), n)?;
+        let args = [
+            Arg::Ptr(out.address()),
+            Arg::Ptr(inp.address()),
+            Arg::Ptr(weight.address()),
+            Arg::Ptr(bias.address()),
+            Arg::Ptr(mean.address()),
+            Arg::Ptr(rstd.address()),
+            int(OP, "N", n)?,
+            int(OP, "C", c)?,
+        ];
+        self.launch(OP, &format!("layernorm_recompute_{dt}"), elementwise(n * c), &args)
+    }
+
+    fn layernorm_backward<E: Elem>(
+        &self,
+        dinp: ViewMut<E>,
+        dweight: ViewMut<E>,
+        dbias: ViewMut<E>,
+        dout: View<E>,
+        inp: View<E>,
+        weight: View<E>,
+        mean: View<f32>,
+        rstd: View<f32>,
+        c: usize,
+    ) -> BackendResult {
+        const OP: &str = "layernorm_backward";
+        let dt = suffix::<E>(self, OP)?;
+        let n = layernorm_shapes(OP, dinp.len(), inp.len(), weight.len(), dbias.len(), c)?;
+        shapes::same(OP, "dout", dout.len(), n * c)?;
+        shapes::same(OP, "dweight", dweight.len(), c)?;
+        shapes::same(OP, "mean", mean.len(), n)?;
+        shapes::same(OP, "rstd", rstd.len(), n)?;
+        let (nn, cc) = (int(OP, "N", n)?, int(OP, "C", c)?);
+        let args = [
+            Arg::Ptr(dinp.address()),
+            Arg::Ptr(dout.address()),
+            Arg::Ptr(inp.address()),
+            Arg::Ptr(weight.address()),
+            Arg::Ptr(mean.address()),
+            Arg::Ptr(rstd.address()),
+            nn,
+            cc,
+        ];
+        self.launch(OP, &format!("layernorm_backward_{dt}"), warp_rows(n), &args)?;
+        let args = [
+            Arg::Ptr(dweight.address()),
+            Arg::Ptr(dbias.address()),
+            Arg::Ptr(dout.address()),
+            Arg::Ptr(inp.address()),
+            Arg::Ptr(mean.address()),
+            Arg::Ptr(rstd.address()),
+            nn,
+            cc,
+        ];
+        self.launch(OP, &format!("layernorm_param_backward_{dt}"), column_sums(c), &args)
+    }
+
+    fn matmul_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        inp: View<E>,
+        weight: View<E>,
+        bias: Option<View<E>>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> BackendResult {
+        const OP: &str = "matmul_forward";
+        let dt = suffix::<E>(self, OP)?;
+        matmul_shapes(OP, out.len(), inp.len(), weight.len(), bias.map(|b| b.len()), n, c, oc)?;
+        // The bias goes in first and the GEMM accumulates onto it: one rounding, as on CPU.
+        if let Some(b) = bias {
+            let args = [Arg::Ptr(out.address()), Arg::Ptr(b.address()), long(n), int(OP, "OC", oc)?];
+            self.launch(OP, &format!("bias_broadcast_{dt}"), elementwise(n * oc), &args)?;
+        }
+        // out (N,OC) row-major = (weight (OC,C) row-major)ᵀ-applied: C_cm (OC×N) = Wᵀ_cm · inp_cm.
+        self.gemm(
+            OP,
+            Gemm {
+                trans_a: true,
+                trans_b: false,
+                m: oc,
+                n,
+                k: c,
+                a: (weight.address(), data_type::<E>(), c, 0),
+                b: (inp.address(), data_type::<E>(), c, 0),
+                c: (out.address(), data_type::<E>(), oc, 0),
+                beta: if bias.is_some() { 1.0 } else { 0.0 },
+                batch: 1,
+            },
+        )
+    }
+
+    fn matmul_backward<E: Elem>(
+        &self,
+        dinp: ViewMut<E>,
+        dweight: ViewMut<E>,
+        dbias: Option<ViewMut<E>>,
+        dout: View<E>,
+        inp: View<E>,
+        weight: View<E>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> BackendResult {
+        const OP: &str = "matmul_backward";
+        let dt = suffix::<E>(self, OP)?;
+        matmul_shapes(OP, dout.len(), inp.len(), weight.len(), dbias.as_ref().map(|b| b.len()), n, c, oc)?;
+        shapes::same(OP, "dinp (N,C)", dinp.len(), n * c)?;
+        shapes::same(OP, "dweight (OC,C)", dweight.len(), oc * c)?;
+        let ty = data_type::<E>();
+        // dinp (N,C) = dout (N,OC) · weight (OC,C)
+        self.gemm(
+            OP,
+            Gemm {
+                trans_a: false,
+                trans_b: false,
+                m: c,
+                n,
+                k: oc,
+                a: (weight.address(), ty, c, 0),
+                b: (dout.address(), ty, oc, 0),
+                c: (dinp.address(), ty, c, 0),
+                beta: 0.0,
+                batch: 1,
+            },
+        )?;
+        // dweight (OC,C) += doutᵀ · inp
+        self.gemm(
+            OP,
+            Gemm {
+                trans_a: false,
+                trans_b: true,
+                m: c,
+                n: oc,
+                k: n,
+                a: (inp.address(), ty, c, 0),
+                b: (dout.address(), ty, oc, 0),
+                c: (dweight.address(), ty, c, 0),
+                beta: 1.0,
+                batch: 1,
+            },
+        )?;
+        if let Some(db) = dbias {
+            let args = [Arg::Ptr(db.address()), Arg::Ptr(dout.address()), int(OP, "N", n)?, int(OP, "OC", oc)?];
+            self.launch(OP, &format!("bias_backward_{dt}"), column_sums(oc), &args)?;
+        }
+        Ok(())
+    }
+
+    fn attention_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        att: ViewMut<E>,
+        qkv: View<E>,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) -> BackendResult {
+        const OP: &str = "attention_forward";
+        let dt = suffix::<E>(self, OP)?;
+        shapes::attention(OP, qkv.len(), b, t, c, nh)?;
+        shapes::same(OP, "out (B,T,C)", out.len(), b * t * c)?;
+        shapes::same(OP, "att (B,NH,T,T)", att.len(), b * nh * t * t)?;
+        let hs = c / nh;
+        let (bh, head) = (b * nh, t * hs);
+        let dims = [int(OP, "B", b)?, int(OP, "T", t)?, int(OP, "NH", nh)?, int(OP, "HS", hs)?];
+        let (q, k, v) = (
+            self.scratch(b * t * c * E::BYTES)?,
+            self.scratch(b * t * c * E::BYTES)?,
+            self.scratch(b * t * c * E::BYTES)?,
+        );
+        let mut args =
+            vec![Arg::Ptr(q.address()), Arg::Ptr(k.address()), Arg::Ptr(v.address()), Arg::Ptr(qkv.address())];
+        args.extend(dims);
+        self.launch(OP, &format!("permute_qkv_{dt}"), elementwise(b * t * c), &args)?;
+        // scores (B·NH, T, T) f32 = q · kᵀ
+        let preatt = self.scratch(bh * t * t * 4)?;
+        let ty = data_type::<E>();
+        self.gemm(
+            OP,
+            Gemm {
+                trans_a: true,
+                trans_b: false,
+                m: t,
+                n: t,
+                k: hs,
+                a: (k.address(), ty, hs, head),
+                b: (q.address(), ty, hs, head),
+                c: (preatt.address(), F32, t, t * t),
+                beta: 0.0,
+                batch: bh,
+            },
+        )?;
+        let scale = 1.0 / (hs as f32).sqrt();
+        let args = [
+            Arg::Ptr(att.address()),
+            Arg::Ptr(preatt.address()),
+            Arg::F32(scale),
+            int(OP, "B·NH·T", bh * t)?,
+            int(OP, "T", t)?,
+        ];
+        self.launch(OP, &format!("softmax_causal_forward_{dt}"), warp_rows(bh * t), &args)?;
+        drop(preatt);
+        // y (B·NH, T, HS) = att · v, then merged back to (B,T,C)
+        let y = q; // q is no longer needed
+        self.gemm(
+            OP,
+            Gemm {
+                trans_a: false,
+                trans_b: false,
+                m: hs,
+                n: t,
+                k: t,
+                a: (v.address(), ty, hs, head),
+                b: (att.address(), ty, t, t * t),
+                c: (y.address(), ty, hs, head),
+                beta: 0.0,
+                batch: bh,
+            },
+        )?;
+        let mut args = vec![Arg::Ptr(out.address()), Arg::Ptr(y.address())];
+        args.extend(dims);
+        args.push(Arg::I32(1));
+        self.launch(OP, &format!("heads_permute_{dt}"), elementwise(b * t * c), &args)
+    }
+
+    fn attention_backward<E: Elem>(
+        &self,
+        dqkv: ViewMut<E>,
+        dout: View<E>,
+        qkv: View<E>,
+        att: View<E>,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) -> BackendResult {
+        const OP: &str = "attention_backward";
+        let dt = suffix::<E>(self, OP)?;
+        shapes::attention(OP, qkv.len(), b, t, c, nh)?;
+        shapes::same(OP, "dqkv (B,T,3C)", dqkv.len(), b * t * 3 * c)?;
+        shapes::same(OP, "dout (B,T,C)", dout.len(), b * t * c)?;
+        shapes::same(OP, "att (B,NH,T,T)", att.len(), b * nh * t * t)?;
+        let hs = c / nh;
+        let (bh, head, elems) = (b * nh, t * hs, b * t * c);
+        let dims = [int(OP, "B", b)?, int(OP, "T", t)?, int(OP, "NH", nh)?, int(OP, "HS", hs)?];
+        let ty = data_type::<E>();
+        // Heads of q, k, v (recomputed from qkv) and of dout.
+        let (q, k, v, dy) = (
+            self.scratch(elems * E::BYTES)?,
+            self.scratch(elems * E::BYTES)?,
+            self.scratch(elems * E::BYTES)?,
+            self.scratch(elems * E::BYTES)?,
+        );
+        let mut args =
+            vec![Arg::Ptr(q.address()), Arg::Ptr(k.address()), Arg::Ptr(v.address()), Arg::Ptr(qkv.address())];
+        args.extend(dims);
+        self.launch(OP, &format!("permute_qkv_{dt}"), elementwise(elems), &args)?;
+        let mut args = vec![Arg::Ptr(dy.address()), Arg::Ptr(dout.address())];
+        args.extend(dims);
+        args.push(Arg::I32(0));
+        self.launch(OP, &format!("heads_permute_{dt}"), elementwise(elems), &args)?;
+        // datt (B·NH,T,T) f32 = dy · vᵀ ; dv f32 = attᵀ · dy
+        let datt = self.scratch(bh * t * t * 4)?;
+        self.gemm(
+            OP,
+            Gemm {
+                trans_a: true,
+                trans_b: false,
+                m: t,
+                n: t,
+                k: hs,
+                a: (v.address(), ty, hs, head),
+                b: (dy.address(), ty, hs, head),
+                c: (datt.address(), F32, t, t * t),
+                beta: 0.0,
+                batch: bh,
+            },
+        )?;
+        let dv = self.scratch(elems * 4)?;
+        self.gemm(
+            OP,
+            Gemm {
+                trans_a: false,
+                trans_b: true,
+                m: hs,
+                n: t,
+                k: t,
+                a: (dy.address(), ty, hs, head),
+                b: (att.address(), ty, t, t * t),
+                c: (dv.address(), F32, hs, head),
+                beta: 0.0,
+                batch: bh,
+            },
+        )?;
+        drop((v, dy));
+        // dpreatt, in place over datt (each row is read before it is written, by the same lanes).
+        let scale = 1.0 / (hs as f32).sqrt();
+        let args = [
+            Arg::Ptr(datt.address()),
+            Arg::Ptr(datt.address()),
+            Arg::Ptr(att.address()),
+            Arg::F32(scale),
+            int(OP, "B·NH·T", bh * t)?,
+            int(OP, "T", t)?,
+        ];
+        self.launch(OP, &format!("softmax_causal_backward_{dt}"), warp_rows(bh * t), &args)?;
+        // dq = dpreatt · k ; dk = dpreattᵀ · q, in f32 (cuBLAS takes no f32 × bf16 product).
+        let (q32, k32) = (self.scratch(elems * 4)?, self.scratch(elems * 4)?);
+        self.cast_to_f32::<E>(OP, &q32, q.address(), elems)?;
+        self.cast_to_f32::<E>(OP, &k32, k.address(), elems)?;
+        drop((q, k));
+        let (dq, dk) = (self.scratch(elems * 4)?, self.scratch(elems * 4)?);
+        self.gemm(
+            OP,
+            Gemm {
+                trans_a: false,
+                trans_b: false,
+                m: hs,
+                n: t,
+                k: t,
+                a: (k32.address(), F32, hs, head),
+                b: (datt.address(), F32, t, t * t),
+                c: (dq.address(), F32, hs, head),
+                beta: 0.0,
+                batch: bh,
+            },
+        )?;
+        self.gemm(
+            OP,
+            Gemm {
+                trans_a: false,
+                trans_b: true,
+                m: hs,
+                n: t,
+                k: t,
+                a: (q32.address(), F32, hs, head),
+                b: (datt.address(), F32, t, t * t),
+                c: (dk.address(), F32, hs, head),
+                beta: 0.0,
+                batch: bh,
+            },
+        )?;
+        let mut args =
+            vec![Arg::Ptr(dqkv.address()), Arg::Ptr(dq.address()), Arg::Ptr(dk.address()), Arg::Ptr(dv.address())];
+        args.extend(dims);
+        self.launch(OP, &format!("permute_qkv_backward_{dt}"), elementwise(elems), &args)
+    }
+
+    fn gelu_forward<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult {
+        const OP: &str = "gelu_forward";
+        let dt = suffix::<E>(self, OP)?;
+        shapes::same(OP, "out", out.len(), inp.len())?;
+        self.launch(
+            OP,
+            &format!("gelu_forward_{dt}"),
+            elementwise(inp.len()),
+            &[Arg::Ptr(out.address()), Arg::Ptr(inp.address()), long(inp.len())],
+        )
+    }
+
+    fn gelu_backward_inplace<E: Elem>(&self, dinout: ViewMut<E>, inp: View<E>) -> BackendResult {
+        const OP: &str = "gelu_backward";
+        let dt = suffix::<E>(self, OP)?;
+        shapes::same(OP, "dinout", dinout.len(), inp.len())?;
+        self.launch(
+            OP,
+            &format!("gelu_backward_{dt}"),
+            elementwise(inp.len()),
+            &[Arg::Ptr(dinout.address()), Arg::Ptr(inp.address()), long(inp.len())],
+        )
+    }
+
+    fn residual_forward_inplace<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult {
+        const OP: &str = "residual_forward";
+        let dt = suffix::<E>(self, OP)?;
+        shapes::same(OP, "out", out.len(), inp.len())?;
+        self.launch(
+            OP,
+            &format!("residual_forward_{dt}"),
+            elementwise(inp.len()),
+            &[Arg::Ptr(out.address()), Arg::Ptr(inp.address()), long(inp.len())],
+        )
+    }
+
+    fn crossentropy_forward<E: Elem>(
+        &self,
+        logits: ViewMut<E>,
+        losses: ViewMut<f32>,
+        targets: View<u32>,
+        v: usize,
+    ) -> BackendResult {
+        const OP: &str = "crossentropy_forward";
+        let dt = suffix::<E>(self, OP)?;
+        let n = shapes::rows(OP, logits.len(), v)?;
+        shapes::same(OP, "losses", losses.len(), n)?;
+        shapes::same(OP, "targets", targets.len(), n)?;
+        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+        let args = [
+            Arg::Ptr(logits.address()),
+            Arg::Ptr(losses.address()),
+            Arg::Ptr(targets.address()),
+            int(OP, "N", n)?,
+            int(OP, "V", v)?,
+        ];
+        self.launch(OP, &format!("crossentropy_forward_{dt}"), cfg, &args)
+    }
+
+    fn crossentropy_backward_inplace<E: Elem>(
+        &self,
+        probs: ViewMut<E>,
+        targets: View<u32>,
+        dloss: f32,
+        v: usize,
+    ) -> BackendResult {
+        const OP: &str = "crossentropy_backward";
+        let dt = suffix::<E>(self, OP)?;
+        let n = shapes::rows(OP, probs.len(), v)?;
+        shapes::same(OP, "targets", targets.len(), n)?;
+        let args = [
+            Arg::Ptr(probs.address()),
+            Arg::Ptr(targets.address()),
+            Arg::F32(dloss),
+            int(OP, "N", n)?,
+            int(OP, "V", v)?,
+        ];
+        self.launch(OP, &format!("crossentropy_backward_{dt}"), elementwise(n * v), &args)
+    }
+
+    fn adamw<E: Elem>(
+        &self,
+        master: ViewMut<f32>,
+        params: Option<ViewMut<E>>,
+        grads: View<E>,
+        m: ViewMut<f32>,
+        v: ViewMut<f32>,
+        step: &AdamW,
+        decay: bool,
+        grad_mult: f32,
+    ) -> BackendResult {
+        const OP: &str = "adamw";
+        let dt = suffix::<E>(self, OP)?;
+        let n = master.len();
+        adamw_shapes::<E>(n, params.as_ref().map(|p| p.len()), grads.len(), m.len(), v.len())?;
+        let p = params.as_ref().map(|p| p.address()).unwrap_or(master.address());
+        let bc1 = 1.0 - BETA1.powi(step.t as i32);
+        let bc2 = 1.0 - BETA2.powi(step.t as i32);
+        let wd = if decay { step.weight_decay } else { 0.0 };
+        let args = [
+            Arg::Ptr(master.address()),
+            Arg::Ptr(p),
+            Arg::Ptr(grads.address()),
+            Arg::Ptr(m.address()),
+            Arg::Ptr(v.address()),
+            long(n),
+            Arg::F32(step.lr),
+            Arg::F32(BETA1),
+            Arg::F32(BETA2),
+            Arg::F32(EPS),
+            Arg::F32(wd),
+            Arg::F32(bc1),
+            Arg::F32(bc2),
+            Arg::F32(grad_mult),
+        ];
+        self.launch(OP, &format!("adamw_{dt}"), elementwise(n), &args)
+    }
+
+    fn sum_squares<E: Elem>(&self, x: View<E>) -> BackendResult<f64> {
+        const OP: &str = "sum_squares";
+        let dt = suffix::<E>(self, OP)?;
+        let blocks = x.len().div_ceil(THREADS as usize).clamp(1, NORM_BLOCKS);
+        let partial = self.scratch(blocks * 4)?;
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        self.launch(
+            OP,
+            &format!("sum_squares_{dt}"),
+            cfg,
+            &[Arg::Ptr(partial.address()), Arg::Ptr(x.address()), long(x.len())],
+        )?;
+        let mut host = vec![0f32; blocks];
+        self.download(View::of(&partial), &mut host)?;
+        Ok(host.iter().map(|&p| p as f64).sum())
+    }
+
+    fn narrow<E: Elem>(&self, dst: ViewMut<E>, src: View<f32>) -> BackendResult {
+        const OP: &str = "narrow";
+        suffix::<E>(self, OP)?;
+        shapes::same(OP, "dst", dst.len(), src.len())?;
+        if E::is_f32() {
+            // SAFETY: both views hold src.len() f32.
+            return unsafe {
+                drv::memcpy_dtod_async(dst.address(), src.address(), src.len() * 4, self.stream.cu_stream())
+            }
+            .map_err(|e| self.device_err(OP, e));
+        }
+        self.launch(
+            OP,
+            "cast_f32_to_bf16",
+            elementwise(src.len()),
+            &[Arg::Ptr(dst.address()), Arg::Ptr(src.address()), long(src.len())],
+        )
+    }
+
+    fn widen<E: Elem>(&self, dst: ViewMut<f32>, src: View<E>) -> BackendResult {
+        const OP: &str = "widen";
+        suffix::<E>(self, OP)?;
+        shapes::same(OP, "dst", dst.len(), src.len())?;
+        if E::is_f32() {
+            // SAFETY: both views hold src.len() f32.
+            return unsafe {
+                drv::memcpy_dtod_async(dst.address(), src.address(), src.len() * 4, self.stream.cu_stream())
+            }
+            .map_err(|e| self.device_err(OP, e));
+        }
+        self.launch(
+            OP,
+            "cast_bf16_to_f32",
+            elementwise(src.len()),
+            &[Arg::Ptr(dst.address()), Arg::Ptr(src.address()), long(src.len())],
+        )
+    }
+
+    fn pack_int8<E: Elem>(&self, q: ViewMut<i8>, scales: ViewMut<f32>, x: View<E>, c: usize) -> BackendResult {
+        const OP: &str = "pack_int8";
+        let dt = suffix::<E>(self, OP)?;
+        let n = shapes::rows(OP, x.len(), c)?;
+        shapes::same(OP, "q", q.len(), x.len())?;
+        shapes::same(OP, "scales", scales.len(), n)?;
+        let args = [
+            Arg::Ptr(q.address()),
+            Arg::Ptr(scales.address()),
+            Arg::Ptr(x.address()),
+            int(OP, "N", n)?,
+            int(OP, "C", c)?,
+        ];
+        self.launch(OP, &format!("pack_int8_{dt}"), warp_rows(n), &args)
+    }
+
+    fn unpack_int8<E: Elem>(&self, x: ViewMut<E>, q: View<i8>, scales: View<f32>, c: usize) -> BackendResult {
+        const OP: &str = "unpack_int8";
+        let dt = suffix::<E>(self, OP)?;
+        let n = shapes::rows(OP, x.len(), c)?;
+        shapes::same(OP, "q", q.len(), x.len())?;
+        shapes::same(OP, "scales", scales.len(), n)?;
+        let args = [
+            Arg::Ptr(x.address()),
+            Arg::Ptr(q.address()),
+            Arg::Ptr(scales.address()),
+            int(OP, "N", n)?,
+            int(OP, "C", c)?,
+        ];
+        self.launch(OP, &format!("unpack_int8_{dt}"), elementwise(n * c), &args)
+    }
+}
