@@ -14,6 +14,8 @@
 set -uo pipefail
 BIN=${1:-target/release/headroom}
 [ -x "$BIN" ] || { echo "no executable at $BIN (build with: cargo build --release)" >&2; exit 2; }
+BIN="$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")"
+cd "$(dirname "$0")/.."
 
 # libnvrtc and libcublas from the CUDA toolkit, or from the pip wheels.
 for pkg in cuda_nvrtc cublas; do
