@@ -44,6 +44,9 @@ pub struct ParityRow {
     pub rel_err: f64,
     pub threshold: f64,
     pub error: Option<String>,
+    /// Wall time of the op on the reference and on the candidate (synchronised), milliseconds.
+    pub reference_ms: f64,
+    pub candidate_ms: f64,
 }
 
 impl ParityRow {
@@ -86,6 +89,8 @@ struct Harness<'a, R: Backend, C: Backend> {
     rng: Rng,
     rows: Vec<ParityRow>,
     shape: String,
+    reference_ms: f64,
+    candidate_ms: f64,
 }
 
 impl<R: Backend, C: Backend> Harness<'_, R, C> {
@@ -151,7 +156,18 @@ impl<R: Backend, C: Backend> Harness<'_, R, C> {
             Err(e) => ("-", f64::NAN, Some(e.to_string())),
         };
         let shape = self.shape.clone();
-        self.rows.push(ParityRow { op, dtype: E::NAME, shape, worst, rel_err, threshold: threshold::<E>(), error });
+        let (reference_ms, candidate_ms) = (self.reference_ms, self.candidate_ms);
+        self.rows.push(ParityRow {
+            op,
+            dtype: E::NAME,
+            shape,
+            worst,
+            rel_err,
+            threshold: threshold::<E>(),
+            error,
+            reference_ms,
+            candidate_ms,
+        });
     }
 }
 
@@ -164,6 +180,8 @@ pub fn run<R: Backend, C: Backend>(reference: &R, candidate: &C, shape: ParitySh
         rng: Rng::new(seed),
         rows: Vec::new(),
         shape: format!("B{b} T{t} C{c} NH{nh} V{v}"),
+        reference_ms: 0.0,
+        candidate_ms: 0.0,
     };
     ops::<f32, R, C>(&mut h, shape);
     ops::<bf16, R, C>(&mut h, shape);
@@ -185,9 +203,23 @@ macro_rules! both {
     };
     // Run one op on the reference (side `r`) and the candidate (side `c`) with the same arguments.
     ($h:ident, $op:ident::<$e:ty>($($arg:tt)*)) => {{
-        both!(@call $h.r, $op, $e, r; [] $($arg)*)?;
-        both!(@call $h.c, $op, $e, c; [] $($arg)*)?;
+        let r = timed(&mut $h.reference_ms, || both!(@call $h.r, $op, $e, r; [] $($arg)*))?;
+        $h.c.synchronize()?;
+        let c = timed(&mut $h.candidate_ms, || {
+            let out = both!(@call $h.c, $op, $e, c; [] $($arg)*)?;
+            $h.c.synchronize()?;
+            Ok(out)
+        })?;
+        (r, c)
     }};
+}
+
+/// Run `f`, adding its wall time to `ms`.
+fn timed<T>(ms: &mut f64, f: impl FnOnce() -> BackendResult<T>) -> BackendResult<T> {
+    let t0 = std::time::Instant::now();
+    let out = f();
+    *ms += t0.elapsed().as_secs_f64() * 1e3;
+    out
 }
 
 fn ops<E: Elem, R: Backend, C: Backend>(h: &mut Harness<'_, R, C>, s: ParityShape) {
@@ -245,24 +277,30 @@ fn ops<E: Elem, R: Backend, C: Backend>(h: &mut Harness<'_, R, C>, s: ParityShap
                 h.input::<E>(oc, 1.0)?,
                 h.poisoned::<E>(n * oc)?,
             );
-            h.r.matmul_forward::<E>(
-                ViewMut::of(&mut out.r),
-                View::of(&inp.r),
-                View::of(&w.r),
-                with_bias.then(|| View::of(&bias.r)),
-                n,
-                c,
-                oc,
-            )?;
-            h.c.matmul_forward::<E>(
-                ViewMut::of(&mut out.c),
-                View::of(&inp.c),
-                View::of(&w.c),
-                with_bias.then(|| View::of(&bias.c)),
-                n,
-                c,
-                oc,
-            )?;
+            timed(&mut h.reference_ms, || {
+                h.r.matmul_forward::<E>(
+                    ViewMut::of(&mut out.r),
+                    View::of(&inp.r),
+                    View::of(&w.r),
+                    with_bias.then(|| View::of(&bias.r)),
+                    n,
+                    c,
+                    oc,
+                )
+            })?;
+            h.c.synchronize()?;
+            timed(&mut h.candidate_ms, || {
+                h.c.matmul_forward::<E>(
+                    ViewMut::of(&mut out.c),
+                    View::of(&inp.c),
+                    View::of(&w.c),
+                    with_bias.then(|| View::of(&bias.c)),
+                    n,
+                    c,
+                    oc,
+                )?;
+                h.c.synchronize()
+            })?;
             Ok(vec![("out", h.err::<E>(&out)?)])
         });
     }
@@ -270,28 +308,34 @@ fn ops<E: Elem, R: Backend, C: Backend>(h: &mut Harness<'_, R, C>, s: ParityShap
         let oc = 4 * c;
         let (inp, w, dout) = (h.input::<E>(n * c, 1.0)?, h.input::<E>(oc * c, 0.05)?, h.input::<E>(n * oc, 1.0)?);
         let (mut dinp, mut dw, mut db) = (h.poisoned::<E>(n * c)?, h.input::<E>(oc * c, 1.0)?, h.input::<E>(oc, 1.0)?);
-        h.r.matmul_backward::<E>(
-            ViewMut::of(&mut dinp.r),
-            ViewMut::of(&mut dw.r),
-            Some(ViewMut::of(&mut db.r)),
-            View::of(&dout.r),
-            View::of(&inp.r),
-            View::of(&w.r),
-            n,
-            c,
-            oc,
-        )?;
-        h.c.matmul_backward::<E>(
-            ViewMut::of(&mut dinp.c),
-            ViewMut::of(&mut dw.c),
-            Some(ViewMut::of(&mut db.c)),
-            View::of(&dout.c),
-            View::of(&inp.c),
-            View::of(&w.c),
-            n,
-            c,
-            oc,
-        )?;
+        timed(&mut h.reference_ms, || {
+            h.r.matmul_backward::<E>(
+                ViewMut::of(&mut dinp.r),
+                ViewMut::of(&mut dw.r),
+                Some(ViewMut::of(&mut db.r)),
+                View::of(&dout.r),
+                View::of(&inp.r),
+                View::of(&w.r),
+                n,
+                c,
+                oc,
+            )
+        })?;
+        h.c.synchronize()?;
+        timed(&mut h.candidate_ms, || {
+            h.c.matmul_backward::<E>(
+                ViewMut::of(&mut dinp.c),
+                ViewMut::of(&mut dw.c),
+                Some(ViewMut::of(&mut db.c)),
+                View::of(&dout.c),
+                View::of(&inp.c),
+                View::of(&w.c),
+                n,
+                c,
+                oc,
+            )?;
+            h.c.synchronize()
+        })?;
         Ok(vec![("dinp", h.err::<E>(&dinp)?), ("dweight", h.err::<E>(&dw)?), ("dbias", h.err::<E>(&db)?)])
     });
     h.record::<E>("attention_forward", |h| {
@@ -345,26 +389,32 @@ fn ops<E: Elem, R: Backend, C: Backend>(h: &mut Harness<'_, R, C>, s: ParityShap
         let mut vm = h.pair(&vv)?;
         let mut params = h.poisoned::<E>(len)?;
         let step = AdamW { lr: 1e-3, weight_decay: 0.1, t: 3 };
-        h.r.adamw::<E>(
-            ViewMut::of(&mut master.r),
-            Some(ViewMut::of(&mut params.r)),
-            View::of(&grads.r),
-            ViewMut::of(&mut m.r),
-            ViewMut::of(&mut vm.r),
-            &step,
-            true,
-            0.5,
-        )?;
-        h.c.adamw::<E>(
-            ViewMut::of(&mut master.c),
-            Some(ViewMut::of(&mut params.c)),
-            View::of(&grads.c),
-            ViewMut::of(&mut m.c),
-            ViewMut::of(&mut vm.c),
-            &step,
-            true,
-            0.5,
-        )?;
+        timed(&mut h.reference_ms, || {
+            h.r.adamw::<E>(
+                ViewMut::of(&mut master.r),
+                Some(ViewMut::of(&mut params.r)),
+                View::of(&grads.r),
+                ViewMut::of(&mut m.r),
+                ViewMut::of(&mut vm.r),
+                &step,
+                true,
+                0.5,
+            )
+        })?;
+        h.c.synchronize()?;
+        timed(&mut h.candidate_ms, || {
+            h.c.adamw::<E>(
+                ViewMut::of(&mut master.c),
+                Some(ViewMut::of(&mut params.c)),
+                View::of(&grads.c),
+                ViewMut::of(&mut m.c),
+                ViewMut::of(&mut vm.c),
+                &step,
+                true,
+                0.5,
+            )?;
+            h.c.synchronize()
+        })?;
         Ok(vec![
             ("master", h.err::<f32>(&master)?),
             ("m", h.err::<f32>(&m)?),
@@ -374,7 +424,9 @@ fn ops<E: Elem, R: Backend, C: Backend>(h: &mut Harness<'_, R, C>, s: ParityShap
     });
     h.record::<E>("sum_squares", |h| {
         let x = h.input::<E>(n * c + 13, 1.0)?;
-        let (r, c) = (h.r.sum_squares::<E>(View::of(&x.r))?, h.c.sum_squares::<E>(View::of(&x.c))?);
+        let r = timed(&mut h.reference_ms, || h.r.sum_squares::<E>(View::of(&x.r)))?;
+        h.c.synchronize()?;
+        let c = timed(&mut h.candidate_ms, || h.c.sum_squares::<E>(View::of(&x.c)))?;
         Ok(vec![("sum", if c.is_finite() { (r - c).abs() / r.abs().max(1e-30) } else { f64::INFINITY })])
     });
     h.record::<E>("narrow / widen", |h| {
@@ -407,13 +459,13 @@ fn ops<E: Elem, R: Backend, C: Backend>(h: &mut Harness<'_, R, C>, s: ParityShap
     });
 }
 
-/// The rows as a table, worst first within failures, then in run order.
+/// The rows as a table, in run order.
 pub fn table(rows: &[ParityRow]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<26} {:<5} {:<24} {:<9} {:>10} {:>9}  result",
-        "op", "dtype", "shape", "worst", "rel err", "bound"
+        "{:<26} {:<5} {:<24} {:<9} {:>10} {:>9} {:>10} {:>10}  result",
+        "op", "dtype", "shape", "worst", "rel err", "bound", "ref ms", "cand ms"
     );
     for r in rows {
         let result = match &r.error {
@@ -423,8 +475,8 @@ pub fn table(rows: &[ParityRow]) -> String {
         };
         let _ = writeln!(
             out,
-            "{:<26} {:<5} {:<24} {:<9} {:>10.2e} {:>9.0e}  {result}",
-            r.op, r.dtype, r.shape, r.worst, r.rel_err, r.threshold
+            "{:<26} {:<5} {:<24} {:<9} {:>10.2e} {:>9.0e} {:>10.3} {:>10.3}  {result}",
+            r.op, r.dtype, r.shape, r.worst, r.rel_err, r.threshold, r.reference_ms, r.candidate_ms
         );
     }
     out
