@@ -307,7 +307,9 @@ pub trait Backend {
     fn unpack_int8<E: Elem>(&self, x: ViewMut<E>, q: View<i8>, scales: View<f32>, c: usize) -> BackendResult;
 }
 
-/// Shape checks shared by every backend, so a bad call is the same error everywhere.
+/// Each op's shape contract, shared by every backend so a bad call is the same error everywhere.
+/// Lengths are in elements; functions that need N return it.
+#[allow(clippy::too_many_arguments)]
 pub mod shapes {
     use super::*;
 
@@ -320,9 +322,227 @@ pub mod shapes {
         Ok(len / c)
     }
 
-    pub fn attention(op: &'static str, qkv: usize, b: usize, t: usize, c: usize, nh: usize) -> BackendResult {
+    /// Token ids below `v`, checked where the ids are in host memory (device ids come from an
+    /// upload of host data that the trainer has checked).
+    fn tokens(op: &'static str, ids: View<u32>, v: usize) -> BackendResult {
+        if ids.buf.host_visible() {
+            if let Some(bad) = ids.host().iter().find(|&&id| id as usize >= v) {
+                return Err(BackendError::Shape {
+                    op,
+                    detail: format!("token id {bad} is not below the vocabulary size {v}"),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    pub fn encoder_forward(out: usize, inp: View<u32>, wte: usize, wpe: usize, t: usize, c: usize) -> BackendResult {
+        const OP: &str = "encoder_forward";
+        same(OP, "out (B,T,C)", out, inp.len() * c)?;
+        check_shape(OP, wpe >= t * c, || format!("wpe has {wpe} elements, T·C = {}", t * c))?;
+        tokens(OP, inp, wte / c.max(1))
+    }
+
+    pub fn encoder_backward(
+        dwte: usize,
+        dwpe: usize,
+        dout: usize,
+        inp: View<u32>,
+        t: usize,
+        c: usize,
+    ) -> BackendResult {
+        const OP: &str = "encoder_backward";
+        same(OP, "dout (B,T,C)", dout, inp.len() * c)?;
+        check_shape(OP, dwpe >= t * c, || format!("dwpe has {dwpe} elements"))?;
+        tokens(OP, inp, dwte / c.max(1))
+    }
+
+    fn layernorm(
+        op: &'static str,
+        out: usize,
+        inp: usize,
+        weight: usize,
+        bias: usize,
+        c: usize,
+    ) -> BackendResult<usize> {
+        let n = rows(op, inp, c)?;
+        same(op, "output (N,C)", out, inp)?;
+        same(op, "weight (C)", weight, c)?;
+        same(op, "bias (C)", bias, c)?;
+        Ok(n)
+    }
+
+    fn statistics(op: &'static str, mean: usize, rstd: usize, n: usize) -> BackendResult<usize> {
+        same(op, "mean", mean, n)?;
+        same(op, "rstd", rstd, n)?;
+        Ok(n)
+    }
+
+    pub fn layernorm_forward(
+        out: usize,
+        mean: usize,
+        rstd: usize,
+        inp: usize,
+        weight: usize,
+        bias: usize,
+        c: usize,
+    ) -> BackendResult<usize> {
+        const OP: &str = "layernorm_forward";
+        let n = layernorm(OP, out, inp, weight, bias, c)?;
+        statistics(OP, mean, rstd, n)
+    }
+
+    pub fn layernorm_recompute(
+        out: usize,
+        inp: usize,
+        weight: usize,
+        bias: usize,
+        mean: usize,
+        rstd: usize,
+        c: usize,
+    ) -> BackendResult<usize> {
+        const OP: &str = "layernorm_recompute";
+        let n = layernorm(OP, out, inp, weight, bias, c)?;
+        statistics(OP, mean, rstd, n)
+    }
+
+    pub fn layernorm_backward(
+        dinp: usize,
+        dweight: usize,
+        dbias: usize,
+        dout: usize,
+        inp: usize,
+        weight: usize,
+        mean: usize,
+        rstd: usize,
+        c: usize,
+    ) -> BackendResult<usize> {
+        const OP: &str = "layernorm_backward";
+        let n = layernorm(OP, dinp, inp, weight, dbias, c)?;
+        same(OP, "dout", dout, n * c)?;
+        same(OP, "dweight", dweight, c)?;
+        statistics(OP, mean, rstd, n)
+    }
+
+    fn matmul(
+        op: &'static str,
+        out: usize,
+        inp: usize,
+        weight: usize,
+        bias: Option<usize>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> BackendResult {
+        same(op, "out (N,OC)", out, n * oc)?;
+        same(op, "inp (N,C)", inp, n * c)?;
+        same(op, "weight (OC,C)", weight, oc * c)?;
+        if let Some(b) = bias {
+            same(op, "bias (OC)", b, oc)?;
+        }
+        Ok(())
+    }
+
+    pub fn matmul_forward(
+        out: usize,
+        inp: usize,
+        weight: usize,
+        bias: Option<usize>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> BackendResult {
+        matmul("matmul_forward", out, inp, weight, bias, n, c, oc)
+    }
+
+    pub fn matmul_backward(
+        dinp: usize,
+        dweight: usize,
+        dbias: Option<usize>,
+        dout: usize,
+        inp: usize,
+        weight: usize,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> BackendResult {
+        const OP: &str = "matmul_backward";
+        matmul(OP, dout, inp, weight, dbias, n, c, oc)?;
+        same(OP, "dinp (N,C)", dinp, n * c)?;
+        same(OP, "dweight (OC,C)", dweight, oc * c)
+    }
+
+    fn attention(op: &'static str, qkv: usize, att: usize, b: usize, t: usize, c: usize, nh: usize) -> BackendResult {
         check_shape(op, nh > 0 && c.is_multiple_of(nh), || format!("C={c} is not a multiple of NH={nh}"))?;
-        same(op, "qkv (B,T,3C)", qkv, b * t * 3 * c)
+        same(op, "qkv (B,T,3C)", qkv, b * t * 3 * c)?;
+        same(op, "att (B,NH,T,T)", att, b * nh * t * t)
+    }
+
+    pub fn attention_forward(
+        out: usize,
+        att: usize,
+        qkv: usize,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) -> BackendResult {
+        const OP: &str = "attention_forward";
+        attention(OP, qkv, att, b, t, c, nh)?;
+        same(OP, "out (B,T,C)", out, b * t * c)
+    }
+
+    pub fn attention_backward(
+        dqkv: usize,
+        dout: usize,
+        qkv: usize,
+        att: usize,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) -> BackendResult {
+        const OP: &str = "attention_backward";
+        attention(OP, qkv, att, b, t, c, nh)?;
+        same(OP, "dqkv (B,T,3C)", dqkv, b * t * 3 * c)?;
+        same(OP, "dout (B,T,C)", dout, b * t * c)
+    }
+
+    pub fn crossentropy_forward(logits: usize, losses: usize, targets: View<u32>, v: usize) -> BackendResult<usize> {
+        const OP: &str = "crossentropy_forward";
+        let n = rows(OP, logits, v)?;
+        same(OP, "losses", losses, n)?;
+        same(OP, "targets", targets.len(), n)?;
+        tokens(OP, targets, v)?;
+        Ok(n)
+    }
+
+    pub fn crossentropy_backward(probs: usize, targets: View<u32>, v: usize) -> BackendResult<usize> {
+        const OP: &str = "crossentropy_backward";
+        let n = rows(OP, probs, v)?;
+        same(OP, "targets", targets.len(), n)?;
+        tokens(OP, targets, v)?;
+        Ok(n)
+    }
+
+    pub fn adamw<E: Elem>(n: usize, params: Option<usize>, grads: usize, m: usize, v: usize) -> BackendResult {
+        same("adamw", "grads", grads, n)?;
+        same("adamw", "m", m, n)?;
+        same("adamw", "v", v, n)?;
+        match params {
+            Some(p) => same("adamw", "params", p, n),
+            None => check_shape("adamw", E::is_f32(), || {
+                format!("{} weights need a compute copy besides the fp32 master", E::NAME)
+            }),
+        }
+    }
+
+    /// pack_int8 / unpack_int8: x (N,C), q (N,C), scales (N).
+    pub fn int8(op: &'static str, x: usize, q: usize, scales: usize, c: usize) -> BackendResult<usize> {
+        let n = rows(op, x, c)?;
+        same(op, "q", q, x)?;
+        same(op, "scales", scales, n)?;
+        Ok(n)
     }
 }
 
@@ -382,11 +602,7 @@ impl Backend for CpuBackend {
         t: usize,
         c: usize,
     ) -> BackendResult {
-        shapes::same("encoder_forward", "out (B,T,C)", out.len(), inp.len() * c)?;
-        check_shape("encoder_forward", wpe.len() >= t * c, || {
-            format!("wpe has {} elements, T·C = {}", wpe.len(), t * c)
-        })?;
-        check_tokens("encoder_forward", inp, wte.len() / c.max(1))?;
+        shapes::encoder_forward(out.len(), inp, wte.len(), wpe.len(), t, c)?;
         layers::encoder_forward(out.host_mut(), inp.host(), wte.host(), wpe.host(), t, c);
         Ok(())
     }
@@ -400,9 +616,7 @@ impl Backend for CpuBackend {
         t: usize,
         c: usize,
     ) -> BackendResult {
-        shapes::same("encoder_backward", "dout (B,T,C)", dout.len(), inp.len() * c)?;
-        check_shape("encoder_backward", dwpe.len() >= t * c, || format!("dwpe has {} elements", dwpe.len()))?;
-        check_tokens("encoder_backward", inp, dwte.len() / c.max(1))?;
+        shapes::encoder_backward(dwte.len(), dwpe.len(), dout.len(), inp, t, c)?;
         layers::encoder_backward(dwte.host_mut(), dwpe.host_mut(), dout.host(), inp.host(), t, c);
         Ok(())
     }
@@ -417,9 +631,7 @@ impl Backend for CpuBackend {
         bias: View<E>,
         c: usize,
     ) -> BackendResult {
-        let n = layernorm_shapes("layernorm_forward", out.len(), inp.len(), weight.len(), bias.len(), c)?;
-        shapes::same("layernorm_forward", "mean", mean.len(), n)?;
-        shapes::same("layernorm_forward", "rstd", rstd.len(), n)?;
+        shapes::layernorm_forward(out.len(), mean.len(), rstd.len(), inp.len(), weight.len(), bias.len(), c)?;
         layers::layernorm_forward(
             out.host_mut(),
             mean.host_mut(),
@@ -442,9 +654,7 @@ impl Backend for CpuBackend {
         rstd: View<f32>,
         c: usize,
     ) -> BackendResult {
-        let n = layernorm_shapes("layernorm_recompute", out.len(), inp.len(), weight.len(), bias.len(), c)?;
-        shapes::same("layernorm_recompute", "mean", mean.len(), n)?;
-        shapes::same("layernorm_recompute", "rstd", rstd.len(), n)?;
+        shapes::layernorm_recompute(out.len(), inp.len(), weight.len(), bias.len(), mean.len(), rstd.len(), c)?;
         layers::layernorm_recompute(
             out.host_mut(),
             inp.host(),
@@ -469,11 +679,17 @@ impl Backend for CpuBackend {
         rstd: View<f32>,
         c: usize,
     ) -> BackendResult {
-        let n = layernorm_shapes("layernorm_backward", dinp.len(), inp.len(), weight.len(), dbias.len(), c)?;
-        shapes::same("layernorm_backward", "dout", dout.len(), n * c)?;
-        shapes::same("layernorm_backward", "dweight", dweight.len(), c)?;
-        shapes::same("layernorm_backward", "mean", mean.len(), n)?;
-        shapes::same("layernorm_backward", "rstd", rstd.len(), n)?;
+        shapes::layernorm_backward(
+            dinp.len(),
+            dweight.len(),
+            dbias.len(),
+            dout.len(),
+            inp.len(),
+            weight.len(),
+            mean.len(),
+            rstd.len(),
+            c,
+        )?;
         let (dw, db) = (dweight.host_mut(), dbias.host_mut());
         layers::layernorm_backward(
             dinp.host_mut(),
@@ -499,7 +715,7 @@ impl Backend for CpuBackend {
         c: usize,
         oc: usize,
     ) -> BackendResult {
-        matmul_shapes("matmul_forward", out.len(), inp.len(), weight.len(), bias.map(|b| b.len()), n, c, oc)?;
+        shapes::matmul_forward(out.len(), inp.len(), weight.len(), bias.map(|b| b.len()), n, c, oc)?;
         let mut scratch = self.scratch(layers::matmul_forward_scratch::<E>(n, c, oc))?;
         let bias = bias.map(|b| b.host());
         layers::matmul_forward(out.host_mut(), inp.host(), weight.host(), bias, n, c, oc, scratch.as_mut_slice());
@@ -518,18 +734,17 @@ impl Backend for CpuBackend {
         c: usize,
         oc: usize,
     ) -> BackendResult {
-        matmul_shapes(
-            "matmul_backward",
+        shapes::matmul_backward(
+            dinp.len(),
+            dweight.len(),
+            dbias.as_ref().map(|b| b.len()),
             dout.len(),
             inp.len(),
             weight.len(),
-            dbias.as_ref().map(|b| b.len()),
             n,
             c,
             oc,
         )?;
-        shapes::same("matmul_backward", "dinp (N,C)", dinp.len(), n * c)?;
-        shapes::same("matmul_backward", "dweight (OC,C)", dweight.len(), oc * c)?;
         let mut scratch = self.scratch(layers::matmul_backward_scratch::<E>(n, c, oc))?;
         let mut dbias = dbias;
         let db = dbias.as_mut().map(|b| b.host_mut());
@@ -559,9 +774,7 @@ impl Backend for CpuBackend {
         c: usize,
         nh: usize,
     ) -> BackendResult {
-        shapes::attention("attention_forward", qkv.len(), b, t, c, nh)?;
-        shapes::same("attention_forward", "out (B,T,C)", out.len(), b * t * c)?;
-        shapes::same("attention_forward", "att (B,NH,T,T)", att.len(), b * nh * t * t)?;
+        shapes::attention_forward(out.len(), att.len(), qkv.len(), b, t, c, nh)?;
         let mut scratch = self.scratch(layers::attention_forward_scratch(b, t, nh))?;
         layers::attention_forward(out.host_mut(), att.host_mut(), qkv.host(), scratch.as_mut_slice(), b, t, c, nh);
         Ok(())
@@ -578,10 +791,7 @@ impl Backend for CpuBackend {
         c: usize,
         nh: usize,
     ) -> BackendResult {
-        shapes::attention("attention_backward", qkv.len(), b, t, c, nh)?;
-        shapes::same("attention_backward", "dqkv (B,T,3C)", dqkv.len(), b * t * 3 * c)?;
-        shapes::same("attention_backward", "dout (B,T,C)", dout.len(), b * t * c)?;
-        shapes::same("attention_backward", "att (B,NH,T,T)", att.len(), b * nh * t * t)?;
+        shapes::attention_backward(dqkv.len(), dout.len(), qkv.len(), att.len(), b, t, c, nh)?;
         let mut scratch = self.scratch(layers::attention_backward_scratch::<E>(b, t, c, nh))?;
         layers::attention_backward(
             dqkv.host_mut(),
@@ -622,10 +832,7 @@ impl Backend for CpuBackend {
         targets: View<u32>,
         v: usize,
     ) -> BackendResult {
-        let n = shapes::rows("crossentropy_forward", logits.len(), v)?;
-        shapes::same("crossentropy_forward", "losses", losses.len(), n)?;
-        shapes::same("crossentropy_forward", "targets", targets.len(), n)?;
-        check_tokens("crossentropy_forward", targets, v)?;
+        shapes::crossentropy_forward(logits.len(), losses.len(), targets, v)?;
         layers::crossentropy_forward(logits.host_mut(), losses.host_mut(), targets.host(), v);
         Ok(())
     }
@@ -637,9 +844,7 @@ impl Backend for CpuBackend {
         dloss: f32,
         v: usize,
     ) -> BackendResult {
-        let n = shapes::rows("crossentropy_backward", probs.len(), v)?;
-        shapes::same("crossentropy_backward", "targets", targets.len(), n)?;
-        check_tokens("crossentropy_backward", targets, v)?;
+        shapes::crossentropy_backward(probs.len(), targets, v)?;
         layers::crossentropy_backward_inplace(probs.host_mut(), targets.host(), dloss, v);
         Ok(())
     }
@@ -656,7 +861,7 @@ impl Backend for CpuBackend {
         grad_mult: f32,
     ) -> BackendResult {
         let n = master.len();
-        adamw_shapes::<E>(n, params.as_ref().map(|p| p.len()), grads.len(), m.len(), v.len())?;
+        shapes::adamw::<E>(n, params.as_ref().map(|p| p.len()), grads.len(), m.len(), v.len())?;
         let tensor = [TensorInfo { name: "tensor".into(), offset: 0, len: n, decay }];
         step.update(&tensor, master.host_mut(), grads.host(), grad_mult, m.host_mut(), v.host_mut());
         if let Some(mut p) = params {
@@ -682,91 +887,15 @@ impl Backend for CpuBackend {
     }
 
     fn pack_int8<E: Elem>(&self, mut q: ViewMut<i8>, mut scales: ViewMut<f32>, x: View<E>, c: usize) -> BackendResult {
-        let n = shapes::rows("pack_int8", x.len(), c)?;
-        shapes::same("pack_int8", "q", q.len(), x.len())?;
-        shapes::same("pack_int8", "scales", scales.len(), n)?;
+        shapes::int8("pack_int8", x.len(), q.len(), scales.len(), c)?;
         layers::pack_int8(q.host_mut(), scales.host_mut(), x.host(), c);
         Ok(())
     }
 
     fn unpack_int8<E: Elem>(&self, mut x: ViewMut<E>, q: View<i8>, scales: View<f32>, c: usize) -> BackendResult {
-        let n = shapes::rows("unpack_int8", x.len(), c)?;
-        shapes::same("unpack_int8", "q", q.len(), x.len())?;
-        shapes::same("unpack_int8", "scales", scales.len(), n)?;
+        shapes::int8("unpack_int8", x.len(), q.len(), scales.len(), c)?;
         layers::unpack_int8(x.host_mut(), q.host(), scales.host(), c);
         Ok(())
-    }
-}
-
-/// Token ids below `v` (checked on the host copy; device backends check before upload).
-fn check_tokens(op: &'static str, ids: View<u32>, v: usize) -> BackendResult {
-    if ids.buf_host_visible() {
-        if let Some(bad) = ids.host().iter().find(|&&id| id as usize >= v) {
-            return Err(BackendError::Shape {
-                op,
-                detail: format!("token id {bad} is not below the vocabulary size {v}"),
-            });
-        }
-    }
-    Ok(())
-}
-
-impl<T> View<'_, T> {
-    fn buf_host_visible(&self) -> bool {
-        self.buf.host_visible()
-    }
-}
-
-pub(crate) fn layernorm_shapes(
-    op: &'static str,
-    out: usize,
-    inp: usize,
-    weight: usize,
-    bias: usize,
-    c: usize,
-) -> BackendResult<usize> {
-    let n = shapes::rows(op, inp, c)?;
-    shapes::same(op, "output (N,C)", out, inp)?;
-    shapes::same(op, "weight (C)", weight, c)?;
-    shapes::same(op, "bias (C)", bias, c)?;
-    Ok(n)
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul_shapes(
-    op: &'static str,
-    out: usize,
-    inp: usize,
-    weight: usize,
-    bias: Option<usize>,
-    n: usize,
-    c: usize,
-    oc: usize,
-) -> BackendResult {
-    shapes::same(op, "out (N,OC)", out, n * oc)?;
-    shapes::same(op, "inp (N,C)", inp, n * c)?;
-    shapes::same(op, "weight (OC,C)", weight, oc * c)?;
-    if let Some(b) = bias {
-        shapes::same(op, "bias (OC)", b, oc)?;
-    }
-    Ok(())
-}
-
-pub(crate) fn adamw_shapes<E: Elem>(
-    n: usize,
-    params: Option<usize>,
-    grads: usize,
-    m: usize,
-    v: usize,
-) -> BackendResult {
-    shapes::same("adamw", "grads", grads, n)?;
-    shapes::same("adamw", "m", m, n)?;
-    shapes::same("adamw", "v", v, n)?;
-    match params {
-        Some(p) => shapes::same("adamw", "params", p, n),
-        None => check_shape("adamw", E::is_f32(), || {
-            format!("{} weights need a compute copy besides the fp32 master", E::NAME)
-        }),
     }
 }
 

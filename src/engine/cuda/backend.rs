@@ -18,10 +18,7 @@ use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaStream, Launc
 use crate::memory::{Buffer, Category, Pool, SegmentSource};
 
 use super::{compile, cublas_present, driver_present, entry_points, nvrtc_present, CudaError, KERNELS};
-use crate::engine::backend::{
-    adamw_shapes, check_shape, layernorm_shapes, matmul_shapes, shapes, Backend, BackendError, BackendResult, View,
-    ViewMut,
-};
+use crate::engine::backend::{shapes, Backend, BackendError, BackendResult, View, ViewMut};
 use crate::engine::layers::Elem;
 use crate::engine::optim::{AdamW, BETA1, BETA2, EPS};
 
@@ -252,13 +249,15 @@ impl CudaBackend {
         Ok(self.pool.alloc(bytes, Category::Workspace)?)
     }
 
-    fn cast_to_f32<E: Elem>(&self, op: &'static str, dst: &Buffer, src: u64, n: usize) -> BackendResult {
+    /// n elements from `src` to `dst` between f32 and `E`: a copy when `E` is f32, else the
+    /// `bf16_kernel` cast (`cast_f32_to_bf16` or `cast_bf16_to_f32`).
+    fn convert<E: Elem>(&self, op: &'static str, bf16_kernel: &str, dst: u64, src: u64, n: usize) -> BackendResult {
         if E::is_f32() {
             // SAFETY: both ranges hold n f32 (checked by the caller).
-            unsafe { drv::memcpy_dtod_async(dst.address(), src, n * 4, self.stream.cu_stream()) }
+            unsafe { drv::memcpy_dtod_async(dst, src, n * 4, self.stream.cu_stream()) }
                 .map_err(|e| self.device_err(op, e))
         } else {
-            self.launch(op, "cast_bf16_to_f32", elementwise(n), &[Arg::Ptr(dst.address()), Arg::Ptr(src), long(n)])
+            self.launch(op, bf16_kernel, elementwise(n), &[Arg::Ptr(dst), Arg::Ptr(src), long(n)])
         }
     }
 }
@@ -312,8 +311,7 @@ impl Backend for CudaBackend {
     ) -> BackendResult {
         const OP: &str = "encoder_forward";
         let dt = suffix::<E>(self, OP)?;
-        shapes::same(OP, "out (B,T,C)", out.len(), inp.len() * c)?;
-        check_shape(OP, wpe.len() >= t * c, || format!("wpe has {} elements, T·C = {}", wpe.len(), t * c))?;
+        shapes::encoder_forward(out.len(), inp, wte.len(), wpe.len(), t, c)?;
         let bt = inp.len();
         let args = [
             Arg::Ptr(out.address()),
@@ -338,8 +336,7 @@ impl Backend for CudaBackend {
     ) -> BackendResult {
         const OP: &str = "encoder_backward";
         let dt = suffix::<E>(self, OP)?;
-        shapes::same(OP, "dout (B,T,C)", dout.len(), inp.len() * c)?;
-        check_shape(OP, dwpe.len() >= t * c, || format!("dwpe has {} elements", dwpe.len()))?;
+        shapes::encoder_backward(dwte.len(), dwpe.len(), dout.len(), inp, t, c)?;
         let bt = inp.len();
         let args = [
             Arg::Ptr(dwte.address()),
@@ -365,9 +362,7 @@ impl Backend for CudaBackend {
     ) -> BackendResult {
         const OP: &str = "layernorm_forward";
         let dt = suffix::<E>(self, OP)?;
-        let n = layernorm_shapes(OP, out.len(), inp.len(), weight.len(), bias.len(), c)?;
-        shapes::same(OP, "mean", mean.len(), n)?;
-        shapes::same(OP, "rstd", rstd.len(), n)?;
+        let n = shapes::layernorm_forward(out.len(), mean.len(), rstd.len(), inp.len(), weight.len(), bias.len(), c)?;
         let args = [
             Arg::Ptr(out.address()),
             Arg::Ptr(mean.address()),
@@ -393,9 +388,7 @@ impl Backend for CudaBackend {
     ) -> BackendResult {
         const OP: &str = "layernorm_recompute";
         let dt = suffix::<E>(self, OP)?;
-        let n = layernorm_shapes(OP, out.len(), inp.len(), weight.len(), bias.len(), c)?;
-        shapes::same(OP, "mean", mean.len(), n)?;
-        shapes::same(OP, "rstd", rstd.len(), n)?;
+        let n = shapes::layernorm_recompute(out.len(), inp.len(), weight.len(), bias.len(), mean.len(), rstd.len(), c)?;
         let args = [
             Arg::Ptr(out.address()),
             Arg::Ptr(inp.address()),
@@ -423,11 +416,17 @@ impl Backend for CudaBackend {
     ) -> BackendResult {
         const OP: &str = "layernorm_backward";
         let dt = suffix::<E>(self, OP)?;
-        let n = layernorm_shapes(OP, dinp.len(), inp.len(), weight.len(), dbias.len(), c)?;
-        shapes::same(OP, "dout", dout.len(), n * c)?;
-        shapes::same(OP, "dweight", dweight.len(), c)?;
-        shapes::same(OP, "mean", mean.len(), n)?;
-        shapes::same(OP, "rstd", rstd.len(), n)?;
+        let n = shapes::layernorm_backward(
+            dinp.len(),
+            dweight.len(),
+            dbias.len(),
+            dout.len(),
+            inp.len(),
+            weight.len(),
+            mean.len(),
+            rstd.len(),
+            c,
+        )?;
         let (nn, cc) = (int(OP, "N", n)?, int(OP, "C", c)?);
         let args = [
             Arg::Ptr(dinp.address()),
@@ -465,7 +464,7 @@ impl Backend for CudaBackend {
     ) -> BackendResult {
         const OP: &str = "matmul_forward";
         let dt = suffix::<E>(self, OP)?;
-        matmul_shapes(OP, out.len(), inp.len(), weight.len(), bias.map(|b| b.len()), n, c, oc)?;
+        shapes::matmul_forward(out.len(), inp.len(), weight.len(), bias.map(|b| b.len()), n, c, oc)?;
         // The bias goes in first and the GEMM accumulates onto it: one rounding, as on CPU.
         if let Some(b) = bias {
             let args = [Arg::Ptr(out.address()), Arg::Ptr(b.address()), long(n), int(OP, "OC", oc)?];
@@ -503,9 +502,17 @@ impl Backend for CudaBackend {
     ) -> BackendResult {
         const OP: &str = "matmul_backward";
         let dt = suffix::<E>(self, OP)?;
-        matmul_shapes(OP, dout.len(), inp.len(), weight.len(), dbias.as_ref().map(|b| b.len()), n, c, oc)?;
-        shapes::same(OP, "dinp (N,C)", dinp.len(), n * c)?;
-        shapes::same(OP, "dweight (OC,C)", dweight.len(), oc * c)?;
+        shapes::matmul_backward(
+            dinp.len(),
+            dweight.len(),
+            dbias.as_ref().map(|b| b.len()),
+            dout.len(),
+            inp.len(),
+            weight.len(),
+            n,
+            c,
+            oc,
+        )?;
         let ty = data_type::<E>();
         // dinp (N,C) = dout (N,OC) · weight (OC,C)
         self.gemm(
@@ -558,9 +565,7 @@ impl Backend for CudaBackend {
     ) -> BackendResult {
         const OP: &str = "attention_forward";
         let dt = suffix::<E>(self, OP)?;
-        shapes::attention(OP, qkv.len(), b, t, c, nh)?;
-        shapes::same(OP, "out (B,T,C)", out.len(), b * t * c)?;
-        shapes::same(OP, "att (B,NH,T,T)", att.len(), b * nh * t * t)?;
+        shapes::attention_forward(out.len(), att.len(), qkv.len(), b, t, c, nh)?;
         let hs = c / nh;
         let (bh, head) = (b * nh, t * hs);
         let dims = [int(OP, "B", b)?, int(OP, "T", t)?, int(OP, "NH", nh)?, int(OP, "HS", hs)?];
@@ -637,10 +642,7 @@ impl Backend for CudaBackend {
     ) -> BackendResult {
         const OP: &str = "attention_backward";
         let dt = suffix::<E>(self, OP)?;
-        shapes::attention(OP, qkv.len(), b, t, c, nh)?;
-        shapes::same(OP, "dqkv (B,T,3C)", dqkv.len(), b * t * 3 * c)?;
-        shapes::same(OP, "dout (B,T,C)", dout.len(), b * t * c)?;
-        shapes::same(OP, "att (B,NH,T,T)", att.len(), b * nh * t * t)?;
+        shapes::attention_backward(dqkv.len(), dout.len(), qkv.len(), att.len(), b, t, c, nh)?;
         let hs = c / nh;
         let (bh, head, elems) = (b * nh, t * hs, b * t * c);
         let dims = [int(OP, "B", b)?, int(OP, "T", t)?, int(OP, "NH", nh)?, int(OP, "HS", hs)?];
@@ -707,8 +709,8 @@ impl Backend for CudaBackend {
         self.launch(OP, &format!("softmax_causal_backward_{dt}"), warp_rows(bh * t), &args)?;
         // dq = dpreatt · k ; dk = dpreattᵀ · q, in f32 (cuBLAS takes no f32 × bf16 product).
         let (q32, k32) = (self.scratch(elems * 4)?, self.scratch(elems * 4)?);
-        self.cast_to_f32::<E>(OP, &q32, q.address(), elems)?;
-        self.cast_to_f32::<E>(OP, &k32, k.address(), elems)?;
+        self.convert::<E>(OP, "cast_bf16_to_f32", q32.address(), q.address(), elems)?;
+        self.convert::<E>(OP, "cast_bf16_to_f32", k32.address(), k.address(), elems)?;
         drop((q, k));
         let (dq, dk) = (self.scratch(elems * 4)?, self.scratch(elems * 4)?);
         self.gemm(
@@ -792,9 +794,7 @@ impl Backend for CudaBackend {
     ) -> BackendResult {
         const OP: &str = "crossentropy_forward";
         let dt = suffix::<E>(self, OP)?;
-        let n = shapes::rows(OP, logits.len(), v)?;
-        shapes::same(OP, "losses", losses.len(), n)?;
-        shapes::same(OP, "targets", targets.len(), n)?;
+        let n = shapes::crossentropy_forward(logits.len(), losses.len(), targets, v)?;
         let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
         let args = [
             Arg::Ptr(logits.address()),
@@ -815,8 +815,7 @@ impl Backend for CudaBackend {
     ) -> BackendResult {
         const OP: &str = "crossentropy_backward";
         let dt = suffix::<E>(self, OP)?;
-        let n = shapes::rows(OP, probs.len(), v)?;
-        shapes::same(OP, "targets", targets.len(), n)?;
+        let n = shapes::crossentropy_backward(probs.len(), targets, v)?;
         let args = [
             Arg::Ptr(probs.address()),
             Arg::Ptr(targets.address()),
@@ -841,7 +840,7 @@ impl Backend for CudaBackend {
         const OP: &str = "adamw";
         let dt = suffix::<E>(self, OP)?;
         let n = master.len();
-        adamw_shapes::<E>(n, params.as_ref().map(|p| p.len()), grads.len(), m.len(), v.len())?;
+        shapes::adamw::<E>(n, params.as_ref().map(|p| p.len()), grads.len(), m.len(), v.len())?;
         let p = params.as_ref().map(|p| p.address()).unwrap_or(master.address());
         let bc1 = 1.0 - BETA1.powi(step.t as i32);
         let bc2 = 1.0 - BETA2.powi(step.t as i32);
@@ -886,46 +885,20 @@ impl Backend for CudaBackend {
         const OP: &str = "narrow";
         suffix::<E>(self, OP)?;
         shapes::same(OP, "dst", dst.len(), src.len())?;
-        if E::is_f32() {
-            // SAFETY: both views hold src.len() f32.
-            return unsafe {
-                drv::memcpy_dtod_async(dst.address(), src.address(), src.len() * 4, self.stream.cu_stream())
-            }
-            .map_err(|e| self.device_err(OP, e));
-        }
-        self.launch(
-            OP,
-            "cast_f32_to_bf16",
-            elementwise(src.len()),
-            &[Arg::Ptr(dst.address()), Arg::Ptr(src.address()), long(src.len())],
-        )
+        self.convert::<E>(OP, "cast_f32_to_bf16", dst.address(), src.address(), src.len())
     }
 
     fn widen<E: Elem>(&self, dst: ViewMut<f32>, src: View<E>) -> BackendResult {
         const OP: &str = "widen";
         suffix::<E>(self, OP)?;
         shapes::same(OP, "dst", dst.len(), src.len())?;
-        if E::is_f32() {
-            // SAFETY: both views hold src.len() f32.
-            return unsafe {
-                drv::memcpy_dtod_async(dst.address(), src.address(), src.len() * 4, self.stream.cu_stream())
-            }
-            .map_err(|e| self.device_err(OP, e));
-        }
-        self.launch(
-            OP,
-            "cast_bf16_to_f32",
-            elementwise(src.len()),
-            &[Arg::Ptr(dst.address()), Arg::Ptr(src.address()), long(src.len())],
-        )
+        self.convert::<E>(OP, "cast_bf16_to_f32", dst.address(), src.address(), src.len())
     }
 
     fn pack_int8<E: Elem>(&self, q: ViewMut<i8>, scales: ViewMut<f32>, x: View<E>, c: usize) -> BackendResult {
         const OP: &str = "pack_int8";
         let dt = suffix::<E>(self, OP)?;
-        let n = shapes::rows(OP, x.len(), c)?;
-        shapes::same(OP, "q", q.len(), x.len())?;
-        shapes::same(OP, "scales", scales.len(), n)?;
+        let n = shapes::int8("pack_int8", x.len(), q.len(), scales.len(), c)?;
         let args = [
             Arg::Ptr(q.address()),
             Arg::Ptr(scales.address()),
@@ -939,9 +912,7 @@ impl Backend for CudaBackend {
     fn unpack_int8<E: Elem>(&self, x: ViewMut<E>, q: View<i8>, scales: View<f32>, c: usize) -> BackendResult {
         const OP: &str = "unpack_int8";
         let dt = suffix::<E>(self, OP)?;
-        let n = shapes::rows(OP, x.len(), c)?;
-        shapes::same(OP, "q", q.len(), x.len())?;
-        shapes::same(OP, "scales", scales.len(), n)?;
+        let n = shapes::int8("unpack_int8", x.len(), q.len(), scales.len(), c)?;
         let args = [
             Arg::Ptr(x.address()),
             Arg::Ptr(q.address()),
