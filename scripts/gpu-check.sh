@@ -2,15 +2,20 @@
 # GPU checks of the CUDA backend, on a machine with an NVIDIA GPU (no Rust needed there: build
 # `cargo build --release` elsewhere and carry target/release/headroom).
 #
-#   scripts/gpu-check.sh [path/to/headroom]
+#   scripts/gpu-check.sh [path/to/headroom] [gpu-check flags...]
 #
-# 1. `headroom gpu-check`: every backend op (fp32 and bf16, two shapes) against the CPU reference
-#    with fresh random inputs and NaN-poisoned outputs, and the device pool's OOM paths
-#    (device_memory capacity; cuMemAlloc refused by the driver). Prints a table; exit 1 on failure.
-# 2. Training parity (CUDA vs CPU losses over 20 steps), an OOM of a training job with a small
-#    device_memory, and the GPT-2 124M B=16 T=1024 bf16 tokens/s benchmark need the model to run
-#    on the CUDA backend, which it does not yet (issue #7): the script says so instead of
-#    pretending.
+# 1. `headroom train` of data/example-job.yaml on `cuda` (20 steps): the CLI, the event stream
+#    and checkpoints end to end on the device.
+# 2. `headroom gpu-check`, which prints its summary table last:
+#    - every backend op (fp32 and bf16, two shapes) against the CPU reference with fresh random
+#      inputs and NaN-poisoned outputs (relative-error bound per dtype);
+#    - the device pool's OOM paths (device_memory capacity; cuMemAlloc refused by the driver);
+#    - training parity: CUDA vs CPU losses step by step over 20 steps and the final weights,
+#      fp32 and bf16;
+#    - an OOM in training: a budget between the estimator's plain and fully checkpointed peaks,
+#      where the plain job must OOM (typed, mid-step) and the checkpointed one must fit;
+#    - the GPT-2 124M benchmark: tokens/s at B=16, T=1024, bf16.
+# Exit status: that of gpu-check (1 if any check failed), or 1 if the training run failed.
 set -uo pipefail
 BIN=${1:-target/release/headroom}
 [ -x "$BIN" ] || { echo "no executable at $BIN (build with: cargo build --release)" >&2; exit 2; }
@@ -25,12 +30,19 @@ for pkg in cuda_nvrtc cublas; do
 done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi not found"
 
+job=$(mktemp /tmp/headroom-cuda-job.XXXXXX.yaml)
+run=$(mktemp -d /tmp/headroom-cuda-run.XXXXXX)
+sed 's/^device: .*/device: { kind: cuda, index: 0 }/; s/steps: 200/steps: 20/; s/eval_every: 50/eval_every: 10/' \
+    data/example-job.yaml > "$job"
+echo "== headroom train on cuda (data/example-job.yaml, 20 steps)"
+"$BIN" train --config "$job" --fresh --run-dir "$run" > "$run/events.jsonl"
+train_status=$?
+grep -E '"event":"(started|eval|finished|oom)"' "$run/events.jsonl" | cut -c1-400
+echo "train exit status: $train_status"
+
+echo
+echo "== headroom gpu-check"
 "$BIN" gpu-check "${@:2}"
 status=$?
-
-sed 's/^device: .*/device: { kind: cuda, index: 0 }/; s/steps: 200/steps: 20/' data/example-job.yaml > /tmp/headroom-cuda-job.yaml
-echo
-echo "training on cuda (20-step parity, small device_memory OOM, GPT-2 124M tokens/s):"
-"$BIN" train --config /tmp/headroom-cuda-job.yaml --fresh --run-dir /tmp/headroom-cuda-run 2>&1 | tail -n 2
-echo "  -> not run: the model and trainer do not execute on the CUDA backend yet (issue #7)"
+[ $status -eq 0 ] && [ $train_status -ne 0 ] && status=1
 exit $status

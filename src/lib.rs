@@ -1,10 +1,11 @@
 //! headroom: an adaptive training-job supervisor and the GPT training engine it supervises.
 //!
 //! `engine` trains; `memory` is the budgeted device pool every engine byte goes through;
-//! `config` is the job spec shared by the trainer and (later) the supervisor.
+//! `config` is the job spec shared by the trainer and the supervisor; `gpu` reads NVML for both.
 
 pub mod cli;
 pub mod config;
 pub mod engine;
+pub mod gpu;
 pub mod memory;
 pub mod supervisor;

@@ -157,6 +157,12 @@ fn bad_job_files_exit_2_naming_the_field() {
         (good.replace("vocab: bytes", "vocab: words"), "words"),
         (good.replace("kind: cpu", "kind: cuda"), "cuda"),
         (good.clone() + "memory: { precision: fp8 }\n", "fp8"),
+        // What the CUDA backend cannot run is refused before the device is opened.
+        (good.replace("kind: cpu", "kind: cuda") + "memory: { precision: fp16 }\n", "memory.precision"),
+        (
+            job_yaml("bad", 10, 16, 8, "64MiB").replace("kind: cpu", "kind: cuda") + "memory: { world_size: 2 }\n",
+            "memory.world_size",
+        ),
     ];
     for (yaml, needle) in cases {
         let job = write_job(dir.path(), &yaml);

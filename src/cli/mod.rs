@@ -9,6 +9,7 @@ use crate::config::{ConfigError, JobSpec};
 use crate::engine::{self, bench, ResumeMode, TrainError, TrainOptions};
 
 mod client;
+mod gpu_check;
 
 #[derive(Debug, Parser)]
 #[command(name = "headroom", version, about = "Adaptive training-job supervisor and GPT training engine")]
@@ -49,6 +50,12 @@ pub struct GpuCheckArgs {
     /// Shapes to check: odd (small, nothing block-aligned), gpt2 (GPT-2 124M widths, T 256), all.
     #[arg(long, default_value = "all")]
     pub shapes: String,
+    /// Optimizer steps of the training parity runs (CUDA vs CPU losses); 0 skips them.
+    #[arg(long, default_value_t = 20)]
+    pub train_steps: usize,
+    /// Timed steps of the GPT-2 124M benchmark (B=16, T=1024, bf16); 0 skips it.
+    #[arg(long, default_value_t = 5)]
+    pub bench_steps: usize,
 }
 
 #[derive(Debug, clap::Args)]
@@ -131,69 +138,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Submit(args) => client::submit(args),
         Command::Jobs(args) => client::jobs(args),
         Command::Show(args) => client::show(args),
-        Command::GpuCheck(args) => gpu_check(args),
+        Command::GpuCheck(args) => gpu_check::run(args),
     }
-}
-
-fn gpu_check(args: GpuCheckArgs) -> anyhow::Result<()> {
-    use engine::parity::ParityShape;
-    let shapes = match args.shapes.as_str() {
-        "odd" => vec![ParityShape::ODD],
-        "gpt2" => vec![ParityShape::GPT2],
-        "all" => vec![ParityShape::ODD, ParityShape::GPT2],
-        other => return Err(client::UsageError(format!("--shapes: unknown `{other}` (odd, gpt2, all)")).into()),
-    };
-    let seed = args.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
-    });
-    gpu_check_on(args.index, &shapes, seed)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn gpu_check_on(index: u32, _shapes: &[engine::parity::ParityShape], _seed: u64) -> anyhow::Result<()> {
-    Err(client::UsageError(format!("device cuda:{index}: this build was not compiled with the `cuda` feature")).into())
-}
-
-#[cfg(feature = "cuda")]
-fn gpu_check_on(index: u32, shapes: &[engine::parity::ParityShape], seed: u64) -> anyhow::Result<()> {
-    use crate::memory::{format_bytes, Category, Pool};
-    use engine::backend::{Backend, CpuBackend};
-    use engine::cuda::CudaBackend;
-    let device = CudaBackend::new(index, None).map_err(|e| client::UsageError(e.to_string()))?;
-    println!("device: cuda:{index} {} (pool capacity {})", device.name(), format_bytes(device.pool().stats().capacity));
-    println!("seed: {seed}");
-    let reference = CpuBackend::new(Pool::new("cpu", 64 << 30));
-    let mut rows = Vec::new();
-    for &shape in shapes {
-        rows.extend(engine::parity::run(&reference, &device, shape, seed));
-    }
-    let mut failed = rows.iter().filter(|r| !r.passed()).count();
-    // The device pool's two OOM paths: its own capacity, and the driver refusing cuMemAlloc.
-    let mut oom_lines = Vec::new();
-    let small = CudaBackend::new(index, Some(8 << 20)).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let held = small.pool().alloc(6 << 20, Category::Params);
-    let over = small.pool().alloc(6 << 20, Category::Activations);
-    let ok = held.is_ok() && over.as_ref().is_err_and(|e| e.category == Category::Activations);
-    oom_lines
-        .push(format!("device_memory 8 MiB: 6 MiB ok, 6 MiB more -> OomError   {}", if ok { "ok" } else { "FAIL" }));
-    failed += usize::from(!ok);
-    drop((held, over));
-    let unbounded = CudaBackend::new(index, Some(usize::MAX / 4)).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let beyond = unbounded.pool().alloc(2 << 40, Category::Activations);
-    let ok = beyond.as_ref().is_err_and(|e| e.requested_bytes == 2 << 40);
-    oom_lines
-        .push(format!("cuMemAlloc of 2 TiB refused by the driver -> OomError      {}", if ok { "ok" } else { "FAIL" }));
-    failed += usize::from(!ok);
-    print!("{}", engine::parity::table(&rows));
-    for l in &oom_lines {
-        println!("{l}");
-    }
-    let total = rows.len() + oom_lines.len();
-    if failed > 0 {
-        anyhow::bail!("{failed} of {total} GPU checks failed");
-    }
-    println!("all {total} GPU checks passed");
-    Ok(())
 }
 
 fn train(args: TrainArgs) -> anyhow::Result<()> {

@@ -41,12 +41,13 @@ pub fn check_shape(op: &'static str, ok: bool, detail: impl FnOnce() -> String) 
     }
 }
 
-/// A read-only run of `T` elements inside a pool buffer.
+/// A read-only run of `T` elements inside a pool buffer (host or device memory). It borrows
+/// the buffer, so the buffer outlives it and is not written meanwhile.
 pub struct View<'a, T> {
-    buf: &'a Buffer,
-    start: usize,
+    address: u64,
     len: usize,
-    _t: PhantomData<T>,
+    host_visible: bool,
+    _borrow: PhantomData<&'a [T]>,
 }
 
 impl<T> Clone for View<'_, T> {
@@ -56,17 +57,46 @@ impl<T> Clone for View<'_, T> {
 }
 impl<T> Copy for View<'_, T> {}
 
+fn check_alignment<T>(buf: &Buffer) {
+    assert!(
+        (buf.address() as usize).is_multiple_of(std::mem::align_of::<T>()),
+        "buffer at {:#x} is not aligned for its element type",
+        buf.address()
+    );
+}
+
 impl<'a, T: Pod> View<'a, T> {
     /// The whole buffer as elements of `T`.
     pub fn of(buf: &'a Buffer) -> Self {
-        View { buf, start: 0, len: buf.len() / std::mem::size_of::<T>(), _t: PhantomData }
+        Self::range(buf, 0..buf.len() / std::mem::size_of::<T>())
     }
 
     /// Elements `range` of the buffer. Panics when out of bounds (a caller bug).
     pub fn range(buf: &'a Buffer, range: Range<usize>) -> Self {
         let whole = buf.len() / std::mem::size_of::<T>();
         assert!(range.start <= range.end && range.end <= whole, "view {range:?} of {whole} elements");
-        View { buf, start: range.start, len: range.end - range.start, _t: PhantomData }
+        check_alignment::<T>(buf);
+        View {
+            address: buf.address() + (range.start * std::mem::size_of::<T>()) as u64,
+            len: range.end - range.start,
+            host_visible: buf.host_visible(),
+            _borrow: PhantomData,
+        }
+    }
+
+    /// Elements `range` of this view. Panics when out of bounds.
+    pub fn slice(self, range: Range<usize>) -> Self {
+        assert!(range.start <= range.end && range.end <= self.len, "view {range:?} of {} elements", self.len);
+        View {
+            address: self.address + (range.start * std::mem::size_of::<T>()) as u64,
+            len: range.end - range.start,
+            ..self
+        }
+    }
+
+    /// The first `mid` elements and the rest.
+    pub fn split_at(self, mid: usize) -> (Self, Self) {
+        (self.slice(0..mid), self.slice(mid..self.len))
     }
 
     pub fn len(&self) -> usize {
@@ -77,35 +107,103 @@ impl<'a, T: Pod> View<'a, T> {
         self.len == 0
     }
 
-    /// The elements, for a buffer in host memory.
+    /// Whether the elements are in host memory.
+    pub fn host_visible(&self) -> bool {
+        self.host_visible
+    }
+
+    /// The elements, for a buffer in host memory. Panics for device memory (a caller bug:
+    /// device data is read through the backend's `download`).
     pub fn host(&self) -> &'a [T] {
-        &self.buf.as_slice::<T>()[self.start..self.start + self.len]
+        assert!(self.host_visible, "host read of device memory at {:#x}", self.address);
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: the view was made from a live, aligned, host-visible buffer borrowed for 'a
+        // and lies inside it (checked in `range` / `slice`); shared borrows only read.
+        unsafe { std::slice::from_raw_parts(self.address as *const T, self.len) }
     }
 
     /// Address of the first element (host pointer or device pointer).
     pub fn address(&self) -> u64 {
-        self.buf.address() + (self.start * std::mem::size_of::<T>()) as u64
+        self.address
     }
 }
 
-/// A writable run of `T` elements inside a pool buffer.
+/// A writable run of `T` elements inside a pool buffer. It borrows the buffer exclusively;
+/// `split_at` / `split_sizes` cut it into disjoint writable parts.
 pub struct ViewMut<'a, T> {
-    buf: &'a mut Buffer,
-    start: usize,
+    address: u64,
     len: usize,
-    _t: PhantomData<T>,
+    host_visible: bool,
+    _borrow: PhantomData<&'a mut [T]>,
 }
 
 impl<'a, T: Pod> ViewMut<'a, T> {
     pub fn of(buf: &'a mut Buffer) -> Self {
         let len = buf.len() / std::mem::size_of::<T>();
-        ViewMut { buf, start: 0, len, _t: PhantomData }
+        Self::range(buf, 0..len)
     }
 
     pub fn range(buf: &'a mut Buffer, range: Range<usize>) -> Self {
         let whole = buf.len() / std::mem::size_of::<T>();
         assert!(range.start <= range.end && range.end <= whole, "view {range:?} of {whole} elements");
-        ViewMut { buf, start: range.start, len: range.end - range.start, _t: PhantomData }
+        check_alignment::<T>(buf);
+        ViewMut {
+            address: buf.address() + (range.start * std::mem::size_of::<T>()) as u64,
+            len: range.end - range.start,
+            host_visible: buf.host_visible(),
+            _borrow: PhantomData,
+        }
+    }
+
+    /// A view of host memory that is not a pool buffer (e.g. host-resident weights), for a
+    /// backend whose pool is host memory too.
+    pub fn from_host(s: &'a mut [T]) -> Self {
+        ViewMut { address: s.as_mut_ptr() as u64, len: s.len(), host_visible: true, _borrow: PhantomData }
+    }
+
+    /// Elements `range` of this view (consuming it: the rest is not reachable meanwhile).
+    pub fn slice(self, range: Range<usize>) -> Self {
+        assert!(range.start <= range.end && range.end <= self.len, "view {range:?} of {} elements", self.len);
+        ViewMut {
+            address: self.address + (range.start * std::mem::size_of::<T>()) as u64,
+            len: range.end - range.start,
+            ..self
+        }
+    }
+
+    /// The first `mid` elements and the rest, both writable (they do not overlap).
+    pub fn split_at(self, mid: usize) -> (Self, Self) {
+        assert!(mid <= self.len, "split at {mid} of {} elements", self.len);
+        let head = ViewMut { address: self.address, len: mid, ..self };
+        let tail =
+            ViewMut { address: self.address + (mid * std::mem::size_of::<T>()) as u64, len: self.len - mid, ..self };
+        (head, tail)
+    }
+
+    /// Consecutive disjoint parts of the given lengths (which must sum to at most `len`).
+    pub fn split_sizes(self, sizes: &[usize]) -> Vec<Self> {
+        let mut rest = self;
+        let mut out = Vec::with_capacity(sizes.len());
+        for &n in sizes {
+            let (head, tail) = rest.split_at(n);
+            out.push(head);
+            rest = tail;
+        }
+        out
+    }
+
+    /// The same bytes as elements of another type of the same width (f32 weights of an `E`
+    /// that is f32).
+    pub fn reinterpret<U: Pod>(self) -> ViewMut<'a, U> {
+        assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<U>(), "reinterpret needs equal widths");
+        ViewMut { address: self.address, len: self.len, host_visible: self.host_visible, _borrow: PhantomData }
+    }
+
+    /// The same elements, borrowed again for a shorter time (to pass on and keep this view).
+    pub fn reborrow(&mut self) -> ViewMut<'_, T> {
+        ViewMut { address: self.address, len: self.len, host_visible: self.host_visible, _borrow: PhantomData }
     }
 
     pub fn len(&self) -> usize {
@@ -116,22 +214,29 @@ impl<'a, T: Pod> ViewMut<'a, T> {
         self.len == 0
     }
 
+    pub fn host_visible(&self) -> bool {
+        self.host_visible
+    }
+
+    /// The elements, for a buffer in host memory (panics for device memory).
     pub fn host_mut(&mut self) -> &mut [T] {
-        &mut self.buf.as_mut_slice::<T>()[self.start..self.start + self.len]
+        assert!(self.host_visible, "host write of device memory at {:#x}", self.address);
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: the view was made from a live, aligned, host-visible buffer borrowed
+        // exclusively for 'a; views split from it are disjoint, and &mut self keeps this one
+        // the only access for the slice's lifetime.
+        unsafe { std::slice::from_raw_parts_mut(self.address as *mut T, self.len) }
     }
 
     pub fn address(&self) -> u64 {
-        self.buf.address() + (self.start * std::mem::size_of::<T>()) as u64
-    }
-
-    /// The whole underlying buffer (to re-slice it).
-    pub fn buf_mut(&mut self) -> &mut Buffer {
-        self.buf
+        self.address
     }
 
     /// A read-only view of the same elements.
     pub fn as_view(&self) -> View<'_, T> {
-        View { buf: self.buf, start: self.start, len: self.len, _t: PhantomData }
+        View { address: self.address, len: self.len, host_visible: self.host_visible, _borrow: PhantomData }
     }
 }
 
@@ -325,7 +430,7 @@ pub mod shapes {
     /// Token ids below `v`, checked where the ids are in host memory (device ids come from an
     /// upload of host data that the trainer has checked).
     fn tokens(op: &'static str, ids: View<u32>, v: usize) -> BackendResult {
-        if ids.buf.host_visible() {
+        if ids.host_visible() {
             if let Some(bad) = ids.host().iter().find(|&&id| id as usize >= v) {
                 return Err(BackendError::Shape {
                     op,

@@ -66,7 +66,11 @@ pub fn preset(name: &str) -> Option<Vec<BenchCase>> {
 }
 
 /// Time `steps` optimizer steps after `warmup` untimed ones.
-pub fn run_case(case: &BenchCase, warmup: usize, steps: usize) -> Result<BenchResult, crate::memory::OomError> {
+pub fn run_case(
+    case: &BenchCase,
+    warmup: usize,
+    steps: usize,
+) -> Result<BenchResult, crate::engine::backend::BackendError> {
     run_configured::<f32>(case, case.batch, Checkpointing::None, warmup, steps).map(|(r, _)| r)
 }
 
@@ -78,7 +82,20 @@ pub fn run_configured<E: Elem>(
     checkpointing: Checkpointing,
     warmup: usize,
     steps: usize,
-) -> Result<(BenchResult, MemStats), crate::memory::OomError> {
+) -> Result<(BenchResult, MemStats), crate::engine::backend::BackendError> {
+    let backend = crate::engine::backend::CpuBackend::new(Pool::new("cpu", usize::MAX / 2));
+    run_on::<E, _>(backend, case, micro_batch, checkpointing, warmup, steps)
+}
+
+/// [`run_configured`] on any backend (e.g. a GPU's), with its pool.
+pub fn run_on<E: Elem, B: crate::engine::backend::Backend>(
+    backend: B,
+    case: &BenchCase,
+    micro_batch: usize,
+    checkpointing: Checkpointing,
+    warmup: usize,
+    steps: usize,
+) -> Result<(BenchResult, MemStats), crate::engine::backend::BackendError> {
     let hyper = Hyper {
         steps: (warmup + steps) as u64,
         global_batch: case.batch,
@@ -97,8 +114,8 @@ pub fn run_configured<E: Elem>(
         world_size: 1,
         zero_stage: 0,
     };
-    let pool = Pool::new("cpu", usize::MAX / 2);
-    let mut trainer = Trainer::<E>::new(case.cfg, hyper, pool.clone())?;
+    let pool = backend.pool().clone();
+    let mut trainer = Trainer::<E, B>::on_backend(case.cfg, hyper, backend, None)?;
     let vocab = case.cfg.vocab as u64;
     let mut batch = |s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
         for p in 0..case.seq as u64 {
@@ -129,7 +146,11 @@ pub fn run_configured<E: Elem>(
 
 /// The memory-technique table: measured peak per category and step time for each knob setting
 /// at the same global batch, with the estimator's prediction beside the measurement.
-pub fn techniques_table(case: &BenchCase, warmup: usize, steps: usize) -> Result<String, crate::memory::OomError> {
+pub fn techniques_table(
+    case: &BenchCase,
+    warmup: usize,
+    steps: usize,
+) -> Result<String, crate::engine::backend::BackendError> {
     let quarter = (case.batch / 4).max(1);
     let settings = [
         ("fp32 baseline", Precision::Fp32, case.batch, Checkpointing::None),

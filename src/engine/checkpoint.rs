@@ -22,6 +22,8 @@ pub enum CheckpointError {
     Corrupt { path: PathBuf, message: String },
     #[error("checkpoint {path} does not match this model: {message}")]
     Mismatch { path: PathBuf, message: String },
+    #[error("checkpoint {path}: copying the state to the device: {message}")]
+    Device { path: PathBuf, message: String },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -1,6 +1,7 @@
 //! Gradient checks: every layer's backward and the whole model's against central finite
 //! differences of its forward.
 
+use super::backend::{Backend, CpuBackend, View, ViewMut};
 #[allow(unused_imports)]
 use super::layers::Elem;
 use super::layers::*;
@@ -9,6 +10,46 @@ use super::placement::{FullGrads, Resident};
 use super::rng::Rng;
 use crate::config::{Checkpointing, OffloadTarget};
 use crate::memory::{Category, Pool};
+
+/// What one model pass on the CPU backend measured.
+struct Pass<E> {
+    loss: f32,
+    /// Parameter gradients of the mean loss (empty for a forward-only pass).
+    grads: Vec<E>,
+    /// Activation bytes held between forward and backward.
+    activation_bytes: usize,
+}
+
+/// Forward (and, with `backward`, backward) of the model over host weights `params`, placed
+/// in `pool` as the trainer would.
+#[allow(clippy::too_many_arguments)]
+fn pass<E: Elem>(
+    cfg: &GptConfig,
+    pool: &Pool,
+    params: &[E],
+    inputs: &[u32],
+    targets: &[u32],
+    b: usize,
+    t: usize,
+    mode: Checkpointing,
+    backward: bool,
+) -> Pass<E> {
+    let be = CpuBackend::new(pool.clone());
+    let mut weights = model::alloc_elems::<E>(pool, params.len(), Category::Params).unwrap();
+    be.upload(ViewMut::of(&mut weights), params).unwrap();
+    let source = Resident(View::<E>::of(&weights));
+    let acts = model::forward(&be, cfg, &source, inputs, targets, b, t, mode, OffloadTarget::None).unwrap();
+    let (loss, activation_bytes) = (acts.mean_loss(), pool.stats().current(Category::Activations));
+    let mut grads = Vec::new();
+    if backward {
+        let mut g = model::alloc_elems::<E>(pool, params.len(), Category::Grads).unwrap();
+        be.zero::<E>(ViewMut::of(&mut g)).unwrap();
+        model::backward(&be, cfg, &source, &mut FullGrads(ViewMut::of(&mut g)), acts, 1.0 / (b * t) as f32).unwrap();
+        grads = vec![E::default(); params.len()];
+        be.download(View::of(&g), &mut grads).unwrap();
+    }
+    Pass { loss, grads, activation_bytes }
+}
 
 fn randn(rng: &mut Rng, n: usize, scale: f64) -> Vec<f32> {
     (0..n).map(|_| (rng.normal() * scale) as f32).collect()
@@ -158,25 +199,8 @@ fn whole_model_gradients_match_finite_differences() {
     }
     let inputs: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 7 + 3) % 11).collect();
     let targets: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 5 + 1) % 11).collect();
-    let loss = |p: &[f32]| {
-        model::forward(&cfg, &Resident(p), &pool, &inputs, &targets, b, t, Checkpointing::None, OffloadTarget::None)
-            .unwrap()
-            .mean_loss() as f64
-    };
-    let mut grads = vec![0.0f32; cfg.num_params()];
-    let acts = model::forward(
-        &cfg,
-        &Resident(&params),
-        &pool,
-        &inputs,
-        &targets,
-        b,
-        t,
-        Checkpointing::None,
-        OffloadTarget::None,
-    )
-    .unwrap();
-    model::backward(&cfg, &Resident(&params), &mut FullGrads(&mut grads), &pool, acts, 1.0 / (b * t) as f32).unwrap();
+    let loss = |p: &[f32]| pass(&cfg, &pool, p, &inputs, &targets, b, t, Checkpointing::None, false).loss as f64;
+    let grads = pass(&cfg, &pool, &params, &inputs, &targets, b, t, Checkpointing::None, true).grads;
     assert_eq!(pool.stats().current(Category::Activations), 0, "backward frees every activation");
     assert_eq!(pool.stats().current(Category::Workspace), 0, "and its workspace");
     for info in cfg.tensors() {
@@ -200,12 +224,7 @@ fn checkpointing_gives_the_same_gradients_with_fewer_activation_bytes() {
     let mut results = Vec::new();
     for mode in [Checkpointing::None, Checkpointing::Selective, Checkpointing::Full] {
         let pool = Pool::new("cpu", 64 << 20);
-        let mut grads = vec![0.0f32; cfg.num_params()];
-        let acts = model::forward(&cfg, &Resident(&params), &pool, &inputs, &targets, b, t, mode, OffloadTarget::None)
-            .unwrap();
-        let loss = acts.mean_loss();
-        model::backward(&cfg, &Resident(&params), &mut FullGrads(&mut grads), &pool, acts, 1.0 / (b * t) as f32)
-            .unwrap();
+        let Pass { loss, grads, .. } = pass(&cfg, &pool, &params, &inputs, &targets, b, t, mode, true);
         results.push((mode, loss, grads, pool.stats().peak(Category::Activations)));
     }
     let (_, loss0, grads0, peak0) = &results[0];
@@ -288,30 +307,11 @@ fn bf16_model_gradients_track_fp32() {
     let inputs: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 7 + 3) % 13).collect();
     let targets: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 5 + 1) % 13).collect();
     let pool = Pool::new("cpu", 64 << 20);
-    let mut g32 = vec![0.0f32; cfg.num_params()];
-    let acts = model::forward(
-        &cfg,
-        &Resident(&params),
-        &pool,
-        &inputs,
-        &targets,
-        b,
-        t,
-        Checkpointing::None,
-        OffloadTarget::None,
-    )
-    .unwrap();
-    let l32 = acts.mean_loss();
-    let act32 = pool.stats().current(Category::Activations);
-    model::backward(&cfg, &Resident(&params), &mut FullGrads(&mut g32), &pool, acts, 1.0 / (b * t) as f32).unwrap();
+    let Pass { loss: l32, grads: g32, activation_bytes: act32 } =
+        pass(&cfg, &pool, &params, &inputs, &targets, b, t, Checkpointing::None, true);
     let p16: Vec<half::bf16> = to(&params);
-    let mut g16 = vec![half::bf16::ZERO; cfg.num_params()];
-    let acts =
-        model::forward(&cfg, &Resident(&p16), &pool, &inputs, &targets, b, t, Checkpointing::None, OffloadTarget::None)
-            .unwrap();
-    let l16 = acts.mean_loss();
-    let act16 = pool.stats().current(Category::Activations);
-    model::backward(&cfg, &Resident(&p16), &mut FullGrads(&mut g16), &pool, acts, 1.0 / (b * t) as f32).unwrap();
+    let Pass { loss: l16, grads: g16, activation_bytes: act16 } =
+        pass(&cfg, &pool, &p16, &inputs, &targets, b, t, Checkpointing::None, true);
     assert!((l16 - l32).abs() / l32 < 1e-2, "loss {l16} vs {l32}");
     assert!(rel_err(&g16, &g32) < 5e-2, "gradients: {}", rel_err(&g16, &g32));
     assert!((act16 as f64) < act32 as f64 * 0.7, "bf16 activations {act16} vs fp32 {act32}");

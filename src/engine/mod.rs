@@ -16,6 +16,7 @@ pub mod parity;
 pub mod placement;
 pub mod rng;
 pub mod run;
+pub mod train_parity;
 pub mod trainer;
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ use std::ops::Range;
 
 use crate::memory::{Buffer, Category, OomError, Pool};
 
+use super::backend::{Backend, BackendResult, View, ViewMut};
 use super::layers::*;
 use super::placement::{GradSink, ParamSource};
 use super::rng::Rng;
@@ -189,30 +190,7 @@ impl GptConfig {
     }
 }
 
-/// Split a flat slice into consecutive pieces of the given sizes.
-fn split_sizes<'a, T>(mut s: &'a [T], sizes: &[usize]) -> Vec<&'a [T]> {
-    sizes
-        .iter()
-        .map(|&n| {
-            let (head, tail) = s.split_at(n);
-            s = tail;
-            head
-        })
-        .collect()
-}
-
-fn split_sizes_mut<'a, T>(mut s: &'a mut [T], sizes: &[usize]) -> Vec<&'a mut [T]> {
-    sizes
-        .iter()
-        .map(|&n| {
-            let (head, tail) = std::mem::take(&mut s).split_at_mut(n);
-            s = tail;
-            head
-        })
-        .collect()
-}
-
-/// Views of one layer's parameters (or gradients: `T = &mut [f32]`).
+/// One layer's parameters (or gradients), as views into a segment of the flat layout.
 pub struct LayerTensors<T> {
     pub ln1w: T,
     pub ln1b: T,
@@ -276,13 +254,23 @@ impl GptConfig {
         n - 2 * self.n_embd..n
     }
 
-    /// Views of one block's tensors in a slice holding exactly `layer_range(l)`.
-    pub fn layer_view<'a, T>(&self, flat: &'a [T]) -> LayerTensors<&'a [T]> {
-        LayerTensors::from_vec(split_sizes(flat, &self.layer_sizes()))
+    /// Views of one block's tensors in a view holding exactly `layer_range(l)`.
+    pub fn layer_view<'a, E: Elem>(&self, flat: View<'a, E>) -> LayerTensors<View<'a, E>> {
+        let mut at = 0;
+        LayerTensors::from_vec(
+            self.layer_sizes()
+                .into_iter()
+                .map(|n| {
+                    at += n;
+                    flat.slice(at - n..at)
+                })
+                .collect(),
+        )
     }
 
-    pub fn layer_view_mut<'a, T>(&self, flat: &'a mut [T]) -> LayerTensors<&'a mut [T]> {
-        LayerTensors::from_vec(split_sizes_mut(flat, &self.layer_sizes()))
+    /// Writable views of one block's gradients, for a view holding exactly `layer_range(l)`.
+    pub fn layer_view_mut<'a, E: Elem>(&self, flat: ViewMut<'a, E>) -> LayerTensors<ViewMut<'a, E>> {
+        LayerTensors::from_vec(flat.split_sizes(&self.layer_sizes()))
     }
 }
 
@@ -364,16 +352,22 @@ impl SwapStats {
 }
 
 impl HostTensor {
-    /// Copy a device buffer of `E` to the host (compressing to int8 rows of `c` if asked).
-    fn from_device<E: Elem>(buf: &Buffer, c: usize, int8: bool) -> HostTensor {
+    /// Copy a device buffer of `E` to the host (compressed on the device to int8 rows of `c`
+    /// first if asked, so only the int8 bytes and scales cross the bus).
+    fn from_device<E: Elem, B: Backend>(be: &B, buf: &Buffer, c: usize, int8: bool) -> BackendResult<HostTensor> {
         if !int8 {
-            return HostTensor::Plain { bytes: buf.bytes().to_vec() };
+            let mut bytes = vec![0u8; buf.len()];
+            be.download(View::of(buf), &mut bytes)?;
+            return Ok(HostTensor::Plain { bytes });
         }
-        let x = buf.as_slice::<E>();
-        let mut q = vec![0i8; x.len()];
-        let mut scales = vec![0f32; x.len() / c];
-        pack_int8(&mut q, &mut scales, x, c);
-        HostTensor::Int8 { q, scales, elem_bytes: E::BYTES }
+        let n = buf.len() / E::BYTES;
+        let mut q_dev = be.pool().alloc(n, Category::Workspace)?;
+        let mut scales_dev = alloc_f32(be.pool(), n / c, Category::Workspace)?;
+        be.pack_int8::<E>(ViewMut::of(&mut q_dev), ViewMut::of(&mut scales_dev), View::of(buf), c)?;
+        let (mut q, mut scales) = (vec![0i8; n], vec![0f32; n / c]);
+        be.download(View::of(&q_dev), &mut q)?;
+        be.download(View::of(&scales_dev), &mut scales)?;
+        Ok(HostTensor::Int8 { q, scales, elem_bytes: E::BYTES })
     }
 
     /// Bytes held on the host.
@@ -392,15 +386,27 @@ impl HostTensor {
         }
     }
 
-    /// Bring the tensor back into a fresh device buffer.
-    fn to_device<E: Elem>(&self, pool: &Pool, c: usize) -> Result<Buffer, OomError> {
+    /// Bring the tensor back into a fresh device buffer (int8 is uploaded as int8 and
+    /// expanded on the device).
+    fn to_device<E: Elem, B: Backend>(&self, be: &B, c: usize) -> BackendResult<Buffer> {
+        let pool = be.pool();
         let mut buf = pool.alloc(self.device_bytes(), Category::Activations)?;
-        self.fill::<E>(&mut buf, c);
+        match self {
+            HostTensor::Plain { bytes } => be.upload(ViewMut::of(&mut buf), bytes)?,
+            HostTensor::Int8 { q, scales, .. } => {
+                let mut q_dev = pool.alloc(q.len(), Category::Workspace)?;
+                let mut scales_dev = alloc_f32(pool, scales.len(), Category::Workspace)?;
+                be.upload(ViewMut::of(&mut q_dev), q)?;
+                be.upload(ViewMut::of(&mut scales_dev), scales)?;
+                be.unpack_int8::<E>(ViewMut::of(&mut buf), View::of(&q_dev), View::of(&scales_dev), c)?;
+            }
+        }
         Ok(buf)
     }
 
-    /// Copy (and decompress) into a device buffer of `device_bytes()`.
-    fn fill<E: Elem>(&self, buf: &mut Buffer, c: usize) {
+    /// Copy (and decompress) into a host-visible buffer of `device_bytes()`: what the copy
+    /// worker runs, on its own thread, while the backward pass computes.
+    fn fill_host<E: Elem>(&self, buf: &mut Buffer, c: usize) {
         match self {
             HostTensor::Plain { bytes } => buf.bytes_mut().copy_from_slice(bytes),
             HostTensor::Int8 { q, scales, .. } => unpack_int8(buf.as_mut_slice::<E>(), q, scales, c),
@@ -434,11 +440,11 @@ impl KeptLayer {
     }
 
     /// The block output: the next block's input.
-    pub fn output<E: Elem>(&self) -> &[E] {
+    pub fn output<E: Elem>(&self) -> View<'_, E> {
         match self {
-            KeptLayer::All(a) => a.residual3.as_slice(),
-            KeptLayer::Selective(s) => s.residual3.as_slice(),
-            KeptLayer::Output(o) => o.as_slice(),
+            KeptLayer::All(a) => View::of(&a.residual3),
+            KeptLayer::Selective(s) => View::of(&s.residual3),
+            KeptLayer::Output(o) => View::of(o),
             KeptLayer::Host(_) | KeptLayer::InFlight => unreachable!("offloaded outputs are restored before use"),
             KeptLayer::Released => unreachable!("released outputs are never read again"),
         }
@@ -459,16 +465,17 @@ pub struct Activations {
     /// Logits, then probabilities after the loss, then logit gradients in backward.
     pub logits: Option<Buffer>,
     pub losses: Buffer,
+    /// Mean cross-entropy over the micro-batch (f64 accumulation on the host).
+    pub mean_loss: f32,
     /// Host traffic of activation offload so far in this forward/backward pair.
     pub swap: SwapStats,
     pub offload: OffloadTarget,
 }
 
 impl Activations {
-    /// Mean cross-entropy over the batch (f64 accumulation).
+    /// Mean cross-entropy over the micro-batch.
     pub fn mean_loss(&self) -> f32 {
-        let l = self.losses.as_slice::<f32>();
-        (l.iter().map(|&x| x as f64).sum::<f64>() / l.len() as f64) as f32
+        self.mean_loss
     }
 }
 
@@ -502,44 +509,44 @@ fn alloc_layer_acts<E: Elem>(cfg: &GptConfig, pool: &Pool, b: usize, t: usize) -
     })
 }
 
-/// Forward pass. params: the compute copy in `E`; inputs, targets: (B,T) token ids. Returns
-/// the activations with losses filled.
+/// Forward pass on backend `be`. params: the compute copy in `E`; inputs, targets: (B,T) token
+/// ids in host memory (uploaded here). Returns the activations with losses filled.
 #[allow(clippy::too_many_arguments)]
-pub fn forward<E: Elem>(
+pub fn forward<E: Elem, B: Backend>(
+    be: &B,
     cfg: &GptConfig,
     params: &dyn ParamSource<E>,
-    pool: &Pool,
     inputs: &[u32],
     targets: &[u32],
     b: usize,
     t: usize,
     mode: Checkpointing,
     offload: OffloadTarget,
-) -> Result<Activations, OomError> {
-    forward_pass(cfg, params, pool, inputs, targets, b, t, mode, offload, false)
+) -> BackendResult<Activations> {
+    forward_pass(be, cfg, params, inputs, targets, b, t, mode, offload, false)
 }
 
 /// Mean loss of a forward pass that keeps nothing for backward (evaluation): each block's
 /// output is released as soon as the next block has consumed it.
 #[allow(clippy::too_many_arguments)]
-pub fn forward_loss<E: Elem>(
+pub fn forward_loss<E: Elem, B: Backend>(
+    be: &B,
     cfg: &GptConfig,
     params: &dyn ParamSource<E>,
-    pool: &Pool,
     inputs: &[u32],
     targets: &[u32],
     b: usize,
     t: usize,
-) -> Result<f32, OomError> {
-    let acts = forward_pass(cfg, params, pool, inputs, targets, b, t, Checkpointing::Full, OffloadTarget::None, true)?;
+) -> BackendResult<f32> {
+    let acts = forward_pass(be, cfg, params, inputs, targets, b, t, Checkpointing::Full, OffloadTarget::None, true)?;
     Ok(acts.mean_loss())
 }
 
 #[allow(clippy::too_many_arguments)]
-fn forward_pass<E: Elem>(
+fn forward_pass<E: Elem, B: Backend>(
+    be: &B,
     cfg: &GptConfig,
     params: &dyn ParamSource<E>,
-    pool: &Pool,
     inputs: &[u32],
     targets: &[u32],
     b: usize,
@@ -547,29 +554,29 @@ fn forward_pass<E: Elem>(
     mode: Checkpointing,
     offload: OffloadTarget,
     release_outputs: bool,
-) -> Result<Activations, OomError> {
+) -> BackendResult<Activations> {
+    let pool = be.pool();
     let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab);
     let mut swap = SwapStats::default();
     let bt = b * t;
     let g = global_activation_sizes(cfg, b, t);
     let mut input_buf = alloc_act::<E>(pool, g[0].0, g[0].1)?;
-    input_buf.as_mut_slice::<u32>().copy_from_slice(inputs);
+    be.upload(ViewMut::of(&mut input_buf), inputs)?;
     let mut target_buf = alloc_act::<E>(pool, g[1].0, g[1].1)?;
-    target_buf.as_mut_slice::<u32>().copy_from_slice(targets);
+    be.upload(ViewMut::of(&mut target_buf), targets)?;
     let mut encoded = alloc_act::<E>(pool, g[2].0, g[2].1)?;
     {
         let w = params.fetch(cfg.embed_range(), (cfg.n_layer > 0).then(|| cfg.layer_range(0)))?;
-        let (wte, wpe) = w.as_slice().split_at(v * c);
-        encoder_forward::<E>(encoded.as_mut_slice(), inputs, wte, wpe, t, c);
+        let (wte, wpe) = w.view().split_at(v * c);
+        be.encoder_forward(ViewMut::of(&mut encoded), View::of(&input_buf), wte, wpe, t, c)?;
     }
-    let mut scratch = alloc_f32(pool, forward_scratch_elems::<E>(cfg, b, t), Category::Workspace)?;
 
     let mut layers: Vec<KeptLayer> = Vec::with_capacity(cfg.n_layer);
     for l in 0..cfg.n_layer {
         let mut a = alloc_layer_acts::<E>(cfg, pool, b, t)?;
         let w = params.fetch(cfg.layer_range(l), (l + 1 < cfg.n_layer).then(|| cfg.layer_range(l + 1)))?;
-        let x = layers.last().map(KeptLayer::output::<E>).unwrap_or(encoded.as_slice());
-        layer_forward(&cfg.layer_view(w.as_slice()), &mut a, x, scratch.as_mut_slice(), b, t, c, nh);
+        let x = layers.last().map(KeptLayer::output::<E>).unwrap_or(View::of(&encoded));
+        layer_forward(be, &cfg.layer_view(w.view()), &mut a, x, b, t, c, nh)?;
         drop(w);
         layers.push(KeptLayer::keep(a, mode));
         // The previous block's output has been consumed: release it, or move it to the host.
@@ -578,7 +585,7 @@ fn forward_pass<E: Elem>(
         } else if offload != OffloadTarget::None && l >= 1 {
             let t0 = std::time::Instant::now();
             if let KeptLayer::Output(buf) = &layers[l - 1] {
-                let host = HostTensor::from_device::<E>(buf, c, offload == OffloadTarget::CpuInt8);
+                let host = HostTensor::from_device::<E, B>(be, buf, c, offload == OffloadTarget::CpuInt8)?;
                 swap.bytes_to_host += host.host_bytes();
                 layers[l - 1] = KeptLayer::Host(host);
             }
@@ -590,37 +597,31 @@ fn forward_pass<E: Elem>(
     let mut lnf = alloc_act::<E>(pool, g[3].0, g[3].1)?;
     let mut lnf_mean = alloc_act::<E>(pool, g[4].0, g[4].1)?;
     let mut lnf_rstd = alloc_act::<E>(pool, g[5].0, g[5].1)?;
-    let last = layers.last().map(KeptLayer::output::<E>).unwrap_or(encoded.as_slice());
+    let last = layers.last().map(KeptLayer::output::<E>).unwrap_or(View::of(&encoded));
     {
         let w = params.fetch(cfg.lnf_range(), None)?;
-        let (lnfw, lnfb) = w.as_slice().split_at(c);
-        layernorm_forward::<E>(
-            lnf.as_mut_slice(),
-            lnf_mean.as_mut_slice(),
-            lnf_rstd.as_mut_slice(),
+        let (lnfw, lnfb) = w.view().split_at(c);
+        be.layernorm_forward(
+            ViewMut::of(&mut lnf),
+            ViewMut::of(&mut lnf_mean),
+            ViewMut::of(&mut lnf_rstd),
             last,
             lnfw,
             lnfb,
             c,
-        );
+        )?;
     }
+    // logits: (B,T,V) = lnf · wteᵀ (the classifier is tied to the token embedding).
     let mut logits = alloc_act::<E>(pool, g[6].0, g[6].1)?;
     {
         let wte = params.fetch(cfg.wte_range(), None)?;
-        matmul_forward::<E>(
-            logits.as_mut_slice(),
-            lnf.as_slice(),
-            wte.as_slice(),
-            None,
-            bt,
-            c,
-            v,
-            scratch.as_mut_slice(),
-        );
+        be.matmul_forward(ViewMut::of(&mut logits), View::of(&lnf), wte.view(), None, bt, c, v)?;
     }
-    drop(scratch);
     let mut losses = alloc_act::<E>(pool, g[7].0, g[7].1)?;
-    crossentropy_forward::<E>(logits.as_mut_slice(), losses.as_mut_slice(), targets, v);
+    be.crossentropy_forward::<E>(ViewMut::of(&mut logits), ViewMut::of(&mut losses), View::of(&target_buf), v)?;
+    let mut host_losses = vec![0f32; bt];
+    be.download(View::of(&losses), &mut host_losses)?;
+    let mean_loss = (host_losses.iter().map(|&x| x as f64).sum::<f64>() / bt as f64) as f32;
     Ok(Activations {
         b,
         t,
@@ -633,6 +634,7 @@ fn forward_pass<E: Elem>(
         lnf_rstd,
         logits: Some(logits),
         losses,
+        mean_loss,
         swap,
         offload,
     })
@@ -641,20 +643,20 @@ fn forward_pass<E: Elem>(
 /// Rebuild a block's full activations from what checkpointing kept (bitwise the same values,
 /// since the recomputation runs the same kernels on the same inputs).
 #[allow(clippy::too_many_arguments)]
-fn recompute<E: Elem>(
+fn recompute<E: Elem, B: Backend>(
+    be: &B,
     cfg: &GptConfig,
-    pool: &Pool,
-    p: &LayerTensors<&[E]>,
+    p: &LayerTensors<View<E>>,
     kept: KeptLayer,
-    x: &[E],
-    scratch: &mut [f32],
+    x: View<E>,
     b: usize,
     t: usize,
-) -> Result<LayerActs, OomError> {
+) -> BackendResult<LayerActs> {
+    let pool = be.pool();
     let (c, nh) = (cfg.n_embd, cfg.n_head);
-    let full = |pool: &Pool, scratch: &mut [f32]| -> Result<LayerActs, OomError> {
+    let full = || -> BackendResult<LayerActs> {
         let mut a = alloc_layer_acts::<E>(cfg, pool, b, t)?;
-        layer_forward(p, &mut a, x, scratch, b, t, c, nh);
+        layer_forward(be, p, &mut a, x, b, t, c, nh)?;
         Ok(a)
     };
     match kept {
@@ -663,27 +665,27 @@ fn recompute<E: Elem>(
             let sizes = layer_activation_sizes(cfg, b, t);
             let size = |name: &str| sizes.iter().find(|e| e.0 == name).expect("size table entry").1;
             let mut ln1 = alloc_act::<E>(pool, "ln1", size("ln1"))?;
-            layernorm_recompute::<E>(
-                ln1.as_mut_slice(),
+            be.layernorm_recompute(
+                ViewMut::of(&mut ln1),
                 x,
                 p.ln1w,
                 p.ln1b,
-                s.ln1_mean.as_slice(),
-                s.ln1_rstd.as_slice(),
+                View::of(&s.ln1_mean),
+                View::of(&s.ln1_rstd),
                 c,
-            );
+            )?;
             let mut ln2 = alloc_act::<E>(pool, "ln2", size("ln2"))?;
-            layernorm_recompute::<E>(
-                ln2.as_mut_slice(),
-                s.residual2.as_slice(),
+            be.layernorm_recompute(
+                ViewMut::of(&mut ln2),
+                View::of(&s.residual2),
                 p.ln2w,
                 p.ln2b,
-                s.ln2_mean.as_slice(),
-                s.ln2_rstd.as_slice(),
+                View::of(&s.ln2_mean),
+                View::of(&s.ln2_rstd),
                 c,
-            );
+            )?;
             let mut fch_gelu = alloc_act::<E>(pool, "fch_gelu", size("fch_gelu"))?;
-            gelu_forward::<E>(fch_gelu.as_mut_slice(), s.fch.as_slice());
+            be.gelu_forward::<E>(ViewMut::of(&mut fch_gelu), View::of(&s.fch))?;
             Ok(LayerActs {
                 ln1,
                 ln1_mean: s.ln1_mean,
@@ -703,73 +705,72 @@ fn recompute<E: Elem>(
         KeptLayer::Output(out) => {
             // Free the kept output first: the block is recomputed from `x`.
             drop(out);
-            full(pool, scratch)
+            full()
         }
-        KeptLayer::Host(_) | KeptLayer::InFlight | KeptLayer::Released => full(pool, scratch),
+        KeptLayer::Host(_) | KeptLayer::InFlight | KeptLayer::Released => full(),
     }
 }
 
 /// One transformer block forward. x: (B,T,C) block input; fills every tensor of `a`.
 #[allow(clippy::too_many_arguments)]
-fn layer_forward<E: Elem>(
-    p: &LayerTensors<&[E]>,
+fn layer_forward<E: Elem, B: Backend>(
+    be: &B,
+    p: &LayerTensors<View<E>>,
     a: &mut LayerActs,
-    x: &[E],
-    scratch: &mut [f32],
+    x: View<E>,
     b: usize,
     t: usize,
     c: usize,
     nh: usize,
-) {
+) -> BackendResult {
     let bt = b * t;
-    layernorm_forward::<E>(
-        a.ln1.as_mut_slice(),
-        a.ln1_mean.as_mut_slice(),
-        a.ln1_rstd.as_mut_slice(),
+    // ln1: (B,T,C), ln1_mean, ln1_rstd: (B,T)
+    be.layernorm_forward(
+        ViewMut::of(&mut a.ln1),
+        ViewMut::of(&mut a.ln1_mean),
+        ViewMut::of(&mut a.ln1_rstd),
         x,
         p.ln1w,
         p.ln1b,
         c,
-    );
-    matmul_forward::<E>(a.qkv.as_mut_slice(), a.ln1.as_slice(), p.qkvw, Some(p.qkvb), bt, c, 3 * c, scratch);
-    attention_forward::<E>(a.atty.as_mut_slice(), a.att.as_mut_slice(), a.qkv.as_slice(), scratch, b, t, c, nh);
-    matmul_forward::<E>(a.residual2.as_mut_slice(), a.atty.as_slice(), p.attprojw, Some(p.attprojb), bt, c, c, scratch);
-    residual_forward_inplace::<E>(a.residual2.as_mut_slice(), x);
-    layernorm_forward::<E>(
-        a.ln2.as_mut_slice(),
-        a.ln2_mean.as_mut_slice(),
-        a.ln2_rstd.as_mut_slice(),
-        a.residual2.as_slice(),
+    )?;
+    // qkv: (B,T,3C)
+    be.matmul_forward(ViewMut::of(&mut a.qkv), View::of(&a.ln1), p.qkvw, Some(p.qkvb), bt, c, 3 * c)?;
+    // atty: (B,T,C), att: (B,NH,T,T)
+    be.attention_forward::<E>(ViewMut::of(&mut a.atty), ViewMut::of(&mut a.att), View::of(&a.qkv), b, t, c, nh)?;
+    // residual2: (B,T,C) = x + atty · attprojwᵀ + attprojb
+    be.matmul_forward(ViewMut::of(&mut a.residual2), View::of(&a.atty), p.attprojw, Some(p.attprojb), bt, c, c)?;
+    be.residual_forward_inplace::<E>(ViewMut::of(&mut a.residual2), x)?;
+    // ln2: (B,T,C)
+    be.layernorm_forward(
+        ViewMut::of(&mut a.ln2),
+        ViewMut::of(&mut a.ln2_mean),
+        ViewMut::of(&mut a.ln2_rstd),
+        View::of(&a.residual2),
         p.ln2w,
         p.ln2b,
         c,
-    );
-    matmul_forward::<E>(a.fch.as_mut_slice(), a.ln2.as_slice(), p.fcw, Some(p.fcb), bt, c, 4 * c, scratch);
-    gelu_forward::<E>(a.fch_gelu.as_mut_slice(), a.fch.as_slice());
-    matmul_forward::<E>(
-        a.residual3.as_mut_slice(),
-        a.fch_gelu.as_slice(),
-        p.fcprojw,
-        Some(p.fcprojb),
-        bt,
-        4 * c,
-        c,
-        scratch,
-    );
-    residual_forward_inplace::<E>(a.residual3.as_mut_slice(), a.residual2.as_slice());
+    )?;
+    // fch, fch_gelu: (B,T,4C)
+    be.matmul_forward(ViewMut::of(&mut a.fch), View::of(&a.ln2), p.fcw, Some(p.fcb), bt, c, 4 * c)?;
+    be.gelu_forward::<E>(ViewMut::of(&mut a.fch_gelu), View::of(&a.fch))?;
+    // residual3: (B,T,C) = residual2 + fch_gelu · fcprojwᵀ + fcprojb
+    be.matmul_forward(ViewMut::of(&mut a.residual3), View::of(&a.fch_gelu), p.fcprojw, Some(p.fcprojb), bt, 4 * c, c)?;
+    be.residual_forward_inplace::<E>(ViewMut::of(&mut a.residual3), View::of(&a.residual2))
 }
 
 /// Backward pass: consumes the activations (freeing each block's as soon as it is done) and
 /// accumulates parameter gradients into `grads`. `dloss` is d(objective)/d(loss at one position),
 /// e.g. 1 / (B·T·grad_accum) for a mean over the global batch (times the loss scale for fp16).
-pub fn backward<E: Elem>(
+pub fn backward<E: Elem, B: Backend>(
+    be: &B,
     cfg: &GptConfig,
     params: &dyn ParamSource<E>,
     grads: &mut dyn GradSink<E>,
-    pool: &Pool,
     mut acts: Activations,
     dloss: f32,
-) -> Result<SwapStats, OomError> {
+) -> BackendResult<SwapStats> {
+    let pool = be.pool();
     let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab);
     let (b, t) = (acts.b, acts.t);
     let bt = b * t;
@@ -778,37 +779,43 @@ pub fn backward<E: Elem>(
     let mut dsmall = alloc_elems::<E>(pool, ws[1].1, Category::Workspace)?;
     let mut dfch = alloc_elems::<E>(pool, ws[2].1, Category::Workspace)?;
     let mut dqkv = alloc_elems::<E>(pool, ws[3].1, Category::Workspace)?;
-    let mut scratch_buf = alloc_f32(pool, backward_scratch_elems::<E>(cfg, b, t), Category::Workspace)?;
-    let scratch = scratch_buf.as_mut_slice::<f32>();
 
     // Head: loss -> logits -> lnf.
     let mut logits = acts.logits.take().expect("forward fills logits");
-    crossentropy_backward_inplace::<E>(logits.as_mut_slice(), acts.targets.as_slice(), dloss, v);
+    be.crossentropy_backward_inplace::<E>(ViewMut::of(&mut logits), View::of(&acts.targets), dloss, v)?;
     {
         let wte = params.fetch(cfg.wte_range(), None)?;
         let gwte = grads.open(cfg.wte_range())?;
-        let (dlogits, lnf) = (logits.as_slice(), acts.lnf.as_slice());
-        matmul_backward::<E>(dsmall.as_mut_slice(), gwte, None, dlogits, lnf, wte.as_slice(), bt, c, v, scratch);
+        be.matmul_backward(
+            ViewMut::of(&mut dsmall),
+            gwte,
+            None,
+            View::of(&logits),
+            View::of(&acts.lnf),
+            wte.view(),
+            bt,
+            c,
+            v,
+        )?;
         grads.close(cfg.wte_range());
     }
     drop(logits);
-    dres.as_mut_slice::<E>().fill(E::default());
+    be.zero::<E>(ViewMut::of(&mut dres))?;
     {
-        let last = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(acts.encoded.as_slice());
+        let last = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(View::of(&acts.encoded));
         let w = params.fetch(cfg.lnf_range(), cfg.n_layer.checked_sub(1).map(|l| cfg.layer_range(l)))?;
-        let g = grads.open(cfg.lnf_range())?;
-        let (glnfw, glnfb) = g.split_at_mut(c);
-        layernorm_backward::<E>(
-            dres.as_mut_slice(),
+        let (glnfw, glnfb) = grads.open(cfg.lnf_range())?.split_at(c);
+        be.layernorm_backward(
+            ViewMut::of(&mut dres),
             glnfw,
             glnfb,
-            dsmall.as_slice(),
+            View::of(&dsmall),
             last,
-            &w.as_slice()[..c],
-            acts.lnf_mean.as_slice(),
-            acts.lnf_rstd.as_slice(),
+            w.view().slice(0..c),
+            View::of(&acts.lnf_mean),
+            View::of(&acts.lnf_rstd),
             c,
-        );
+        )?;
         grads.close(cfg.lnf_range());
     }
 
@@ -826,7 +833,7 @@ pub fn backward<E: Elem>(
                 }
                 KeptLayer::Host(h) => {
                     let t0 = std::time::Instant::now();
-                    let buf = h.to_device::<E>(pool, c)?;
+                    let buf = h.to_device::<E, B>(be, c)?;
                     acts.swap.bytes_to_device += h.host_bytes();
                     acts.swap.transfer_ms += t0.elapsed().as_secs_f64() * 1e3;
                     *slot = KeptLayer::Output(buf);
@@ -835,8 +842,9 @@ pub fn backward<E: Elem>(
             }
         }
         // Start bringing back the input of the block after this one, overlapping this backward.
+        // The copy worker writes host-visible memory itself; a device pool restores on use.
         let n = acts.layers.len();
-        if n >= 2 && matches!(acts.layers[n - 2], KeptLayer::Host(_)) {
+        if n >= 2 && pool.host_visible() && matches!(acts.layers[n - 2], KeptLayer::Host(_)) {
             let KeptLayer::Host(h) = std::mem::replace(&mut acts.layers[n - 2], KeptLayer::InFlight) else {
                 unreachable!("checked above")
             };
@@ -844,109 +852,109 @@ pub fn backward<E: Elem>(
             acts.swap.bytes_to_device += h.host_bytes();
             prefetch = Some(std::thread::spawn(move || {
                 let t0 = std::time::Instant::now();
-                h.fill::<E>(&mut buf, c);
+                h.fill_host::<E>(&mut buf, c);
                 (buf, t0.elapsed().as_secs_f64() * 1e3)
             }));
         }
         if acts.offload != OffloadTarget::None {
             pool.set_host_bytes(Category::Activations, host_activation_bytes(&acts.layers));
         }
-        let x = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(acts.encoded.as_slice());
+        let x = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(View::of(&acts.encoded));
         let w = params.fetch(cfg.layer_range(l), l.checked_sub(1).map(|l| cfg.layer_range(l)))?;
-        let pl = &cfg.layer_view(w.as_slice());
-        let a = recompute::<E>(cfg, pool, pl, kept, x, scratch, b, t)?;
+        let pl = &cfg.layer_view(w.view());
+        let a = recompute::<E, B>(be, cfg, pl, kept, x, b, t)?;
         let gl = cfg.layer_view_mut(grads.open(cfg.layer_range(l))?);
         // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
-        matmul_backward::<E>(
-            dfch.as_mut_slice(),
+        // dfch: (B,T,4C)
+        be.matmul_backward(
+            ViewMut::of(&mut dfch),
             gl.fcprojw,
             Some(gl.fcprojb),
-            dres.as_slice(),
-            a.fch_gelu.as_slice(),
+            View::of(&dres),
+            View::of(&a.fch_gelu),
             pl.fcprojw,
             bt,
             4 * c,
             c,
-            scratch,
-        );
-        gelu_backward_inplace::<E>(dfch.as_mut_slice(), a.fch.as_slice());
-        matmul_backward::<E>(
-            dsmall.as_mut_slice(),
+        )?;
+        be.gelu_backward_inplace::<E>(ViewMut::of(&mut dfch), View::of(&a.fch))?;
+        // dsmall: (B,T,C) = d ln2
+        be.matmul_backward(
+            ViewMut::of(&mut dsmall),
             gl.fcw,
             Some(gl.fcb),
-            dfch.as_slice(),
-            a.ln2.as_slice(),
+            View::of(&dfch),
+            View::of(&a.ln2),
             pl.fcw,
             bt,
             c,
             4 * c,
-            scratch,
-        );
-        layernorm_backward::<E>(
-            dres.as_mut_slice(),
+        )?;
+        // dres += d residual2 through ln2
+        be.layernorm_backward(
+            ViewMut::of(&mut dres),
             gl.ln2w,
             gl.ln2b,
-            dsmall.as_slice(),
-            a.residual2.as_slice(),
+            View::of(&dsmall),
+            View::of(&a.residual2),
             pl.ln2w,
-            a.ln2_mean.as_slice(),
-            a.ln2_rstd.as_slice(),
+            View::of(&a.ln2_mean),
+            View::of(&a.ln2_rstd),
             c,
-        );
+        )?;
         // Attention: residual2 = x + attproj(attention(qkv(ln1(x))))
-        matmul_backward::<E>(
-            dsmall.as_mut_slice(),
+        // dsmall: (B,T,C) = d atty
+        be.matmul_backward(
+            ViewMut::of(&mut dsmall),
             gl.attprojw,
             Some(gl.attprojb),
-            dres.as_slice(),
-            a.atty.as_slice(),
+            View::of(&dres),
+            View::of(&a.atty),
             pl.attprojw,
             bt,
             c,
             c,
-            scratch,
-        );
-        attention_backward::<E>(
-            dqkv.as_mut_slice(),
-            scratch,
-            dsmall.as_slice(),
-            a.qkv.as_slice(),
-            a.att.as_slice(),
+        )?;
+        // dqkv: (B,T,3C)
+        be.attention_backward::<E>(
+            ViewMut::of(&mut dqkv),
+            View::of(&dsmall),
+            View::of(&a.qkv),
+            View::of(&a.att),
             b,
             t,
             c,
             nh,
-        );
-        matmul_backward::<E>(
-            dsmall.as_mut_slice(),
+        )?;
+        // dsmall: (B,T,C) = d ln1
+        be.matmul_backward(
+            ViewMut::of(&mut dsmall),
             gl.qkvw,
             Some(gl.qkvb),
-            dqkv.as_slice(),
-            a.ln1.as_slice(),
+            View::of(&dqkv),
+            View::of(&a.ln1),
             pl.qkvw,
             bt,
             c,
             3 * c,
-            scratch,
-        );
-        layernorm_backward::<E>(
-            dres.as_mut_slice(),
+        )?;
+        // dres += d x through ln1: the gradient of the block input, the next block's dout.
+        be.layernorm_backward(
+            ViewMut::of(&mut dres),
             gl.ln1w,
             gl.ln1b,
-            dsmall.as_slice(),
+            View::of(&dsmall),
             x,
             pl.ln1w,
-            a.ln1_mean.as_slice(),
-            a.ln1_rstd.as_slice(),
+            View::of(&a.ln1_mean),
+            View::of(&a.ln1_rstd),
             c,
-        );
+        )?;
         drop(a);
         grads.close(cfg.layer_range(l));
     }
-    let inputs = acts.inputs.as_slice::<u32>();
-    let g = grads.open(cfg.embed_range())?;
-    let (gwte, gwpe) = g.split_at_mut(v * c);
-    encoder_backward::<E>(gwte, gwpe, dres.as_slice(), inputs, t, c);
+    let (gwte, gwpe) = grads.open(cfg.embed_range())?.split_at(v * c);
+    be.encoder_backward(gwte, gwpe, View::of(&dres), View::of(&acts.inputs), t, c)?;
     grads.close(cfg.embed_range());
     if acts.offload != OffloadTarget::None {
         pool.set_host_bytes(Category::Activations, 0);

@@ -13,6 +13,7 @@ use std::thread::JoinHandle;
 
 use crate::memory::{Buffer, Category, OomError, Pool};
 
+use super::backend::{Backend, BackendResult, View, ViewMut};
 use super::comm::{Comm, LocalComm};
 use super::layers::Elem;
 use super::model::SwapStats;
@@ -20,15 +21,15 @@ use super::model::SwapStats;
 /// One segment's weights on the device: borrowed from resident weights, or staged into a
 /// transient workspace buffer (gathered from the ranks or copied from the host).
 pub enum Weights<'a, E> {
-    Borrowed(&'a [E]),
+    Borrowed(View<'a, E>),
     Staged(Buffer),
 }
 
 impl<E: Elem> Weights<'_, E> {
-    pub fn as_slice(&self) -> &[E] {
+    pub fn view(&self) -> View<'_, E> {
         match self {
-            Weights::Borrowed(s) => s,
-            Weights::Staged(b) => b.as_slice(),
+            Weights::Borrowed(v) => *v,
+            Weights::Staged(b) => View::of(b),
         }
     }
 }
@@ -37,7 +38,7 @@ impl<E: Elem> Weights<'_, E> {
 pub trait ParamSource<E: Elem> {
     /// The weights of parameter range `range` on the device. `next` is the range the pass will
     /// ask for next, so a source that copies can start on it ahead of time.
-    fn fetch(&self, range: Range<usize>, next: Option<Range<usize>>) -> Result<Weights<'_, E>, OomError>;
+    fn fetch(&self, range: Range<usize>, next: Option<Range<usize>>) -> BackendResult<Weights<'_, E>>;
 
     /// Host→device traffic of the fetches so far.
     fn swap(&self) -> SwapStats {
@@ -46,16 +47,17 @@ pub trait ParamSource<E: Elem> {
 }
 
 /// Every weight resident on the device (ZeRO stages 0–2): fetching borrows.
-pub struct Resident<'a, E>(pub &'a [E]);
+pub struct Resident<'a, E>(pub View<'a, E>);
 
 impl<E: Elem> ParamSource<E> for Resident<'_, E> {
-    fn fetch(&self, range: Range<usize>, _next: Option<Range<usize>>) -> Result<Weights<'_, E>, OomError> {
-        Ok(Weights::Borrowed(&self.0[range]))
+    fn fetch(&self, range: Range<usize>, _next: Option<Range<usize>>) -> BackendResult<Weights<'_, E>> {
+        Ok(Weights::Borrowed(self.0.slice(range)))
     }
 }
 
 /// ZeRO-3: this rank keeps only `shard` (the parameters `own`); every fetch all-gathers the
 /// segment from its owners. A collective: every rank fetches the same ranges in the same order.
+/// Ranks exchange host memory (`LocalComm`), so this runs on the `cpu` device.
 pub struct Gathered<'a, E> {
     pub shard: &'a [E],
     pub own: Range<usize>,
@@ -64,7 +66,7 @@ pub struct Gathered<'a, E> {
 }
 
 impl<E: Elem> ParamSource<E> for Gathered<'_, E> {
-    fn fetch(&self, range: Range<usize>, _next: Option<Range<usize>>) -> Result<Weights<'_, E>, OomError> {
+    fn fetch(&self, range: Range<usize>, _next: Option<Range<usize>>) -> BackendResult<Weights<'_, E>> {
         let mut buf = self.pool.alloc(range.len() * E::BYTES, Category::Workspace)?;
         self.comm.gather_range(self.shard, self.own.clone(), range.start, buf.as_mut_slice::<E>());
         Ok(Weights::Staged(buf))
@@ -76,23 +78,28 @@ impl<E: Elem> ParamSource<E> for Gathered<'_, E> {
 type InFlight = (Range<usize>, JoinHandle<(Buffer, f64)>);
 
 /// `offload.params: cpu`: the weights live in host memory. Each fetch copies its segment to a
-/// device buffer, and starts copying the `next` segment on a copy worker so the transfer
-/// overlaps the compute of this one.
-pub struct HostStaged<E> {
+/// device buffer. On a host-visible pool it also starts copying the `next` segment on a copy
+/// worker, so the transfer overlaps the compute of this one; on a device pool the copy goes
+/// through the backend when the segment is asked for.
+pub struct HostStaged<'b, E, B> {
     host: Arc<Vec<E>>,
-    pool: Pool,
+    backend: &'b B,
     ahead: Mutex<Option<InFlight>>,
     swap: Mutex<SwapStats>,
 }
 
-impl<E: Elem> HostStaged<E> {
-    pub fn new(host: Arc<Vec<E>>, pool: Pool) -> HostStaged<E> {
-        HostStaged { host, pool, ahead: Mutex::new(None), swap: Mutex::new(SwapStats::default()) }
+impl<'b, E: Elem, B: Backend> HostStaged<'b, E, B> {
+    pub fn new(host: Arc<Vec<E>>, backend: &'b B) -> HostStaged<'b, E, B> {
+        HostStaged { host, backend, ahead: Mutex::new(None), swap: Mutex::new(SwapStats::default()) }
+    }
+
+    fn alloc(&self, elems: usize) -> Result<Buffer, OomError> {
+        self.backend.pool().alloc(elems * E::BYTES, Category::Workspace)
     }
 }
 
-impl<E: Elem> ParamSource<E> for HostStaged<E> {
-    fn fetch(&self, range: Range<usize>, next: Option<Range<usize>>) -> Result<Weights<'_, E>, OomError> {
+impl<E: Elem, B: Backend> ParamSource<E> for HostStaged<'_, E, B> {
+    fn fetch(&self, range: Range<usize>, next: Option<Range<usize>>) -> BackendResult<Weights<'_, E>> {
         let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
         let mut swap = self.swap.lock().unwrap_or_else(|e| e.into_inner());
         let buf = match ahead.take() {
@@ -108,15 +115,15 @@ impl<E: Elem> ParamSource<E> for HostStaged<E> {
                     drop(worker.join());
                 }
                 let t0 = std::time::Instant::now();
-                let mut buf = self.pool.alloc(range.len() * E::BYTES, Category::Workspace)?;
-                buf.as_mut_slice::<E>().copy_from_slice(&self.host[range.clone()]);
+                let mut buf = self.alloc(range.len())?;
+                self.backend.upload(ViewMut::of(&mut buf), &self.host[range.clone()])?;
                 swap.transfer_ms += t0.elapsed().as_secs_f64() * 1e3;
                 buf
             }
         };
         swap.bytes_to_device += range.len() * E::BYTES;
-        if let Some(next) = next {
-            let mut nbuf = self.pool.alloc(next.len() * E::BYTES, Category::Workspace)?;
+        if let Some(next) = next.filter(|_| self.backend.pool().host_visible()) {
+            let mut nbuf = self.alloc(next.len())?;
             let host = Arc::clone(&self.host);
             let r = next.clone();
             *ahead = Some((
@@ -136,7 +143,7 @@ impl<E: Elem> ParamSource<E> for HostStaged<E> {
     }
 }
 
-impl<E> Drop for HostStaged<E> {
+impl<E, B> Drop for HostStaged<'_, E, B> {
     fn drop(&mut self) {
         // The copy worker holds a handle on the host weights: it must be done before the
         // optimizer may update them.
@@ -148,19 +155,19 @@ impl<E> Drop for HostStaged<E> {
 
 /// What the backward pass writes parameter gradients through, one segment at a time.
 pub trait GradSink<E: Elem> {
-    /// A buffer the gradient of `range` is accumulated into (`+=`).
-    fn open(&mut self, range: Range<usize>) -> Result<&mut [E], OomError>;
+    /// A view the gradient of `range` is accumulated into (`+=`).
+    fn open(&mut self, range: Range<usize>) -> BackendResult<ViewMut<'_, E>>;
     /// The pass is done with `range` for now (it may open it again later: the tied embedding
     /// gets gradient from the classifier first and from the encoder last).
     fn close(&mut self, range: Range<usize>);
 }
 
 /// Every gradient accumulated in place in one full buffer (ZeRO stages 0–1).
-pub struct FullGrads<'a, E>(pub &'a mut [E]);
+pub struct FullGrads<'a, E>(pub ViewMut<'a, E>);
 
 impl<E: Elem> GradSink<E> for FullGrads<'_, E> {
-    fn open(&mut self, range: Range<usize>) -> Result<&mut [E], OomError> {
-        Ok(&mut self.0[range])
+    fn open(&mut self, range: Range<usize>) -> BackendResult<ViewMut<'_, E>> {
+        Ok(self.0.reborrow().slice(range))
     }
 
     fn close(&mut self, _range: Range<usize>) {}
@@ -168,7 +175,7 @@ impl<E: Elem> GradSink<E> for FullGrads<'_, E> {
 
 /// ZeRO-2/3: this rank keeps only the gradients of its shard. Each segment is computed into a
 /// zeroed reduce bucket, reduce-scattered to the owners when closed, and freed. A collective:
-/// every rank opens and closes the same ranges in the same order.
+/// every rank opens and closes the same ranges in the same order (host memory, `cpu` device).
 pub struct ShardedGrads<'a, E> {
     pub shard: &'a mut [E],
     pub own: Range<usize>,
@@ -184,10 +191,10 @@ impl<'a, E: Elem> ShardedGrads<'a, E> {
 }
 
 impl<E: Elem> GradSink<E> for ShardedGrads<'_, E> {
-    fn open(&mut self, range: Range<usize>) -> Result<&mut [E], OomError> {
+    fn open(&mut self, range: Range<usize>) -> BackendResult<ViewMut<'_, E>> {
         let mut bucket = self.pool.alloc(range.len() * E::BYTES, Category::Workspace)?;
         bucket.as_mut_slice::<E>().fill(E::default());
-        Ok(self.bucket.insert(bucket).as_mut_slice())
+        Ok(ViewMut::of(self.bucket.insert(bucket)))
     }
 
     fn close(&mut self, range: Range<usize>) {

@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 use crate::config::{ConfigError, DeviceKind, JobSpec, Precision};
 use crate::memory::{OomError, Pool};
 
+use super::backend::{Backend, BackendError, CpuBackend};
 use super::checkpoint::{self, CheckpointError};
 use super::comm::{Comm, LocalComm};
 use super::data::{load_tokens, DataError, Dataset};
@@ -37,6 +38,9 @@ pub enum TrainError {
     Events(#[from] std::io::Error),
     #[error("rank {rank} failed: {message}")]
     RankFailed { rank: usize, message: String },
+    /// An op the backend refused (a configuration it cannot run) or failed on the device.
+    #[error(transparent)]
+    Backend(BackendError),
 }
 
 impl TrainError {
@@ -46,7 +50,9 @@ impl TrainError {
             TrainError::Oom(_) => 3,
             TrainError::Preempted { .. } => 4,
             TrainError::Checkpoint(CheckpointError::Mismatch { .. }) => 2,
+            TrainError::Backend(BackendError::Unsupported { .. }) => 2,
             TrainError::Checkpoint(_) | TrainError::Events(_) | TrainError::RankFailed { .. } => 1,
+            TrainError::Backend(_) => 1,
         }
     }
 }
@@ -130,17 +136,20 @@ fn spawn_control_reader() -> Arc<AtomicU8> {
 /// Run the job. On OOM the `oom` event has been written before the error returns.
 pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result<(), TrainError> {
     spec.validate()?;
+    // Open the device first: a machine without it fails fast, before the data is tokenised.
+    #[cfg(feature = "cuda")]
+    let cuda = match spec.device.kind {
+        DeviceKind::Cuda => Some(open_cuda(spec)?),
+        DeviceKind::Cpu => None,
+    };
+    #[cfg(not(feature = "cuda"))]
     if spec.device.kind == DeviceKind::Cuda {
-        #[cfg(feature = "cuda")]
-        let reason = match super::cuda::device_unavailable(spec.device.index) {
-            super::cuda::CudaError::NoDriver { .. } => "no CUDA driver found".to_string(),
-            e => e.to_string(),
-        };
-        #[cfg(not(feature = "cuda"))]
-        let reason = "this build was not compiled with the `cuda` feature".to_string();
-        return Err(TrainError::DeviceUnavailable { device: format!("cuda:{}", spec.device.index), reason });
+        return Err(TrainError::DeviceUnavailable {
+            device: format!("cuda:{}", spec.device.index),
+            reason: "this build was not compiled with the `cuda` feature".into(),
+        });
     }
-    let capacity = spec.device_capacity().expect("cpu devices have a validated capacity");
+    let capacity = spec.device_capacity().unwrap_or(0);
     let cfg = gpt_config(spec);
     let hyper = Hyper::from_spec(spec);
 
@@ -150,11 +159,48 @@ pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result
 
     let control = if opts.listen_stdin { Some(spawn_control_reader()) } else { None };
     let run = Run { spec, opts, data: &data, control, cfg, hyper, capacity, comm: None };
+    #[cfg(feature = "cuda")]
+    if let Some(be) = cuda {
+        return match spec.memory.precision {
+            Precision::Fp32 => run.go::<f32, _>(be, events),
+            Precision::Bf16 => run.go::<half::bf16, _>(be, events),
+            Precision::Fp16 => unreachable!("refused by open_cuda"),
+        };
+    }
     match spec.memory.precision {
         Precision::Fp32 => run.ranks::<f32>(events),
         Precision::Bf16 => run.ranks::<half::bf16>(events),
         Precision::Fp16 => run.ranks::<half::f16>(events),
     }
+}
+
+/// The CUDA device of the job, with what it cannot run yet refused up front (exit 2, the
+/// field named) rather than at the first op.
+#[cfg(feature = "cuda")]
+fn open_cuda(spec: &JobSpec) -> Result<super::cuda::CudaBackend, TrainError> {
+    use super::cuda::{CudaBackend, CudaError};
+    if spec.memory.precision == Precision::Fp16 {
+        return Err(TrainError::Config(ConfigError {
+            field: "memory.precision".into(),
+            message: "fp16 is not available on cuda devices (the kernels are built for fp32 and bf16): use bf16".into(),
+        }));
+    }
+    if spec.memory.world_size > 1 {
+        return Err(TrainError::Config(ConfigError {
+            field: "memory.world_size".into(),
+            message: format!(
+                "{} ranks on cuda need NCCL, which this build does not have: use world_size 1 on cuda, or the cpu device",
+                spec.memory.world_size
+            ),
+        }));
+    }
+    CudaBackend::new(spec.device.index, spec.device_capacity()).map_err(|e| TrainError::DeviceUnavailable {
+        device: format!("cuda:{}", spec.device.index),
+        reason: match e {
+            CudaError::NoDriver { .. } => "no CUDA driver found".to_string(),
+            e => e.to_string(),
+        },
+    })
 }
 
 /// Everything a run needs once the job is validated and the data loaded.
@@ -175,20 +221,23 @@ impl Run<'_> {
     /// threads of their own, each with its own device pool of `capacity` bytes.
     fn ranks<E: Elem>(self, events: &mut Events) -> Result<(), TrainError> {
         let world = self.spec.memory.world_size as usize;
+        let backend = |rank: usize, capacity: usize| CpuBackend::new(Pool::new(&format!("cpu:{rank}"), capacity));
         if world == 1 {
-            return self.go::<E>(events);
+            let be = backend(0, self.capacity);
+            return self.go::<E, _>(be, events);
         }
         let mut comms = LocalComm::group(world).into_iter();
         let leader_comm = comms.next();
         std::thread::scope(|scope| {
             let followers: Vec<_> = comms
                 .map(|comm| {
-                    let run = Run { control: None, comm: Some(comm), hyper: self.hyper.clone(), ..self };
-                    scope.spawn(move || run.go::<E>(&mut Events::new(Box::new(std::io::sink()))))
+                    let run = Run { control: None, comm: Some(comm.clone()), hyper: self.hyper.clone(), ..self };
+                    let be = backend(comm.rank(), self.capacity);
+                    scope.spawn(move || run.go::<E, _>(be, &mut Events::new(Box::new(std::io::sink()))))
                 })
                 .collect();
             let leader = Run { comm: leader_comm, ..self };
-            let result = leader.go::<E>(events);
+            let result = leader.go::<E, _>(backend(0, self.capacity), events);
             for (i, f) in followers.into_iter().enumerate() {
                 match f.join() {
                     Ok(Ok(())) | Ok(Err(TrainError::Preempted { .. })) => {}
@@ -203,16 +252,20 @@ impl Run<'_> {
         })
     }
 
-    /// The training loop of one rank in compute precision `E`.
-    fn go<E: Elem>(self, events: &mut Events) -> Result<(), TrainError> {
-        let Run { spec, opts, data, control, cfg, hyper, capacity, comm } = self;
+    /// The training loop of one rank in compute precision `E` on `backend`.
+    fn go<E: Elem, B: Backend>(self, backend: B, events: &mut Events) -> Result<(), TrainError> {
+        let Run { spec, opts, data, control, cfg, hyper, capacity: _, comm } = self;
         let rank = comm.as_ref().map_or(0, |c| c.rank());
-        let pool = Pool::new(&format!("cpu:{rank}"), capacity);
-        let trainer = Trainer::<E>::new_rank(cfg, hyper.clone(), pool.clone(), comm.clone());
+        let pool = backend.pool().clone();
+        let device = backend.device();
+        // On a GPU, NVML's view of the device joins each step's telemetry: the driver's count,
+        // which includes what the pool does not see (context, cuBLAS workspace, other processes).
+        let nvml = (spec.device.kind == DeviceKind::Cuda).then(crate::gpu::GpuMonitor::init);
+        let trainer = Trainer::<E, B>::on_backend(cfg, hyper.clone(), backend, comm.clone());
         let all_ok = comm.as_ref().map_or(trainer.is_ok(), |c| c.agree(trainer.is_ok()));
         let mut trainer = match (trainer, all_ok) {
             (Ok(t), true) => t,
-            (Err(oom), _) => return Err(report_oom(events, oom, 0)),
+            (Err(err), _) => return Err(report_failure(events, err, 0)),
             (Ok(_), false) => {
                 return Err(TrainError::RankFailed {
                     rank,
@@ -251,7 +304,7 @@ impl Run<'_> {
             json!({
                 "config": spec,
                 "world_size": spec.memory.world_size,
-                "device": "cpu",
+                "device": device,
                 "capacity": stats.capacity,
                 "resumed_from_step": resumed,
                 "num_params": cfg.num_params(),
@@ -279,7 +332,7 @@ impl Run<'_> {
             pool.reset_window_peaks();
             let step = match trainer.train_step(&mut |s, i, inp, tgt| data.train_sequence(s, i, inp, tgt)) {
                 Ok(s) => s,
-                Err(oom) => return Err(report_oom(events, oom, trainer.step)),
+                Err(err) => return Err(report_failure(events, err, trainer.step)),
             };
             last_loss = step.loss;
             tokens_done += step.tokens_per_s * step.step_ms / 1e3;
@@ -298,6 +351,11 @@ impl Run<'_> {
                 "loss_scale": if trainer.skipped_steps > 0 || E::NAME == "fp16" { json!(step.loss_scale) } else { Value::Null },
                 "skipped": step.skipped,
                 "skipped_steps": trainer.skipped_steps,
+                "nvml": nvml.as_ref().and_then(|m| m.reading(spec.device.index)).map(|r| json!({
+                    "used_bytes": r.used_bytes,
+                    "total_bytes": r.total_bytes,
+                    "process_bytes": r.processes.iter().find(|p| p.0 == std::process::id()).map(|p| p.1),
+                })),
                 "swap": step.swap.map(|w| json!({
                     "bytes_to_host": w.bytes_to_host,
                     "bytes_to_device": w.bytes_to_device,
@@ -315,7 +373,7 @@ impl Run<'_> {
                 let val =
                     match trainer.evaluate(eval_count, &mut |i, inp, tgt| data.val_sequence(i, eval_count, inp, tgt)) {
                         Ok(v) => v,
-                        Err(oom) => return Err(report_oom(events, oom, trainer.step)),
+                        Err(err) => return Err(report_failure(events, err, trainer.step)),
                     };
                 tracing::info!(step = trainer.step, val_loss = val, "eval");
                 events.emit("eval", json!({ "step": trainer.step, "val_loss": val }))?;
@@ -347,10 +405,22 @@ impl Run<'_> {
     }
 }
 
-fn save<E: Elem>(trainer: &Trainer<E>, opts: &TrainOptions, events: &mut Events) -> Result<PathBuf, TrainError> {
+fn save<E: Elem, B: Backend>(
+    trainer: &Trainer<E, B>,
+    opts: &TrainOptions,
+    events: &mut Events,
+) -> Result<PathBuf, TrainError> {
     let path = trainer.save_checkpoint(&opts.run_dir)?;
     events.emit("checkpoint", json!({ "step": trainer.step, "path": path }))?;
     Ok(path)
+}
+
+/// An OOM is reported as the `oom` event; any other backend failure is returned as it is.
+fn report_failure(events: &mut Events, err: BackendError, step: u64) -> TrainError {
+    match err {
+        BackendError::Oom(oom) => report_oom(events, oom, step),
+        other => TrainError::Backend(other),
+    }
 }
 
 /// Write the `oom` event (requested bytes, category, memory snapshot) and turn it into the error.

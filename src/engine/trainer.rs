@@ -6,13 +6,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::config::{Checkpointing, JobSpec, OffloadTarget};
-use crate::memory::{Buffer, Category, OomError, Pool};
+use crate::memory::{Buffer, Category, Pool};
 
+use super::backend::{Backend, BackendError, BackendResult, CpuBackend, View, ViewMut};
 use super::checkpoint::{self, Checkpoint, CheckpointError, CheckpointHeader};
 use super::comm::{shard_range, Comm, LocalComm};
 use super::layers::{narrow, widen, Elem};
 use super::model::{self, alloc_elems, alloc_f32, GptConfig, TensorInfo};
-use super::optim::{clip_coefficient, lr_at, sum_squares, AdamW};
+use super::optim::{clip_coefficient, lr_at, AdamW};
 use super::placement::{FullGrads, Gathered, HostStaged, ParamSource, Resident, ShardedGrads};
 use super::rng::Rng;
 
@@ -145,13 +146,13 @@ impl<E: Elem> ParamStore<E> {
 pub use super::model::SwapStats;
 
 /// The weight source a pass reads through, for where the weights are kept.
-enum Source<'a, E> {
+enum Source<'a, E, B> {
     Resident(Resident<'a, E>),
     Gathered(Gathered<'a, E>),
-    Host(HostStaged<E>),
+    Host(HostStaged<'a, E, B>),
 }
 
-impl<E: Elem> Source<'_, E> {
+impl<E: Elem, B: Backend> Source<'_, E, B> {
     fn get(&self) -> &dyn ParamSource<E> {
         match self {
             Source::Resident(s) => s,
@@ -163,15 +164,18 @@ impl<E: Elem> Source<'_, E> {
 
 /// Model state on the device: every tensor a pool buffer tagged with its category.
 /// `E` is the compute precision of parameters, gradients and activations; with a 16-bit `E`
-/// the fp32 master weights live in the optimizer category beside the AdamW moments.
+/// the fp32 master weights live in the optimizer category beside the AdamW moments. `B` is
+/// the backend every op runs on (the CPU reference unless a device is asked for).
 ///
 /// ZeRO stages on a group of `world` ranks: 1 shards the optimizer state, 2 also the gradients
 /// (each backward segment is reduce-scattered to its owners), 3 also the weights (each segment
-/// is all-gathered before use). With world 1 every stage is stage 0.
-pub struct Trainer<E: Elem = f32> {
+/// is all-gathered before use). With world 1 every stage is stage 0. Ranks exchange host
+/// memory, so a group runs on the `cpu` device.
+pub struct Trainer<E: Elem = f32, B: Backend = CpuBackend> {
     pub cfg: GptConfig,
     pub hyper: Hyper,
     pub pool: Pool,
+    backend: B,
     /// Compute copy of the weights, in `E`: all of them, or `shard` of them under ZeRO-3.
     params: ParamStore<E>,
     params_sharded: bool,
@@ -196,19 +200,35 @@ pub struct Trainer<E: Elem = f32> {
     pub skipped_steps: u64,
 }
 
-impl<E: Elem> Trainer<E> {
-    /// Allocate parameters, gradients and optimizer state, and initialise the weights.
-    pub fn new(cfg: GptConfig, hyper: Hyper, pool: Pool) -> Result<Trainer<E>, OomError> {
+impl<E: Elem> Trainer<E, CpuBackend> {
+    /// Allocate parameters, gradients and optimizer state in `pool` (host memory: the `cpu`
+    /// device), and initialise the weights.
+    pub fn new(cfg: GptConfig, hyper: Hyper, pool: Pool) -> BackendResult<Trainer<E>> {
         Self::new_rank(cfg, hyper, pool, None)
     }
 
-    /// One data-parallel rank of a group (`comm`), sharded by `hyper.zero_stage`. Every rank
-    /// allocates equal (padded) shards, so all ranks make the same allocations and an OOM
-    /// happens on all of them alike.
-    pub fn new_rank(cfg: GptConfig, hyper: Hyper, pool: Pool, comm: Option<LocalComm>) -> Result<Trainer<E>, OomError> {
+    /// One data-parallel rank of a group (`comm`) on the `cpu` device.
+    pub fn new_rank(cfg: GptConfig, hyper: Hyper, pool: Pool, comm: Option<LocalComm>) -> BackendResult<Trainer<E>> {
+        Trainer::on_backend(cfg, hyper, CpuBackend::new(pool), comm)
+    }
+}
+
+impl<E: Elem, B: Backend> Trainer<E, B> {
+    /// Allocate the state in `backend`'s pool and initialise the weights. A rank of a group
+    /// (`comm`) is sharded by `hyper.zero_stage`; every rank allocates equal (padded) shards, so
+    /// all ranks make the same allocations and an OOM happens on all of them alike.
+    pub fn on_backend(cfg: GptConfig, hyper: Hyper, backend: B, comm: Option<LocalComm>) -> BackendResult<Self> {
+        let pool = backend.pool().clone();
         let n = cfg.num_params();
         let (rank, world) = comm.as_ref().map(|c| (c.rank(), c.world())).unwrap_or((0, 1));
         let stage = if world > 1 { hyper.zero_stage } else { 0 };
+        if world > 1 && !pool.host_visible() {
+            return Err(BackendError::Unsupported {
+                backend: backend.device(),
+                op: "data-parallel ranks (memory.world_size > 1)",
+                dtype: E::NAME,
+            });
+        }
         let shard = if stage >= 1 { shard_range(n, rank, world) } else { 0..n };
         let state_len = if stage >= 1 { n.div_ceil(world) } else { n };
         let k = shard.len();
@@ -218,13 +238,16 @@ impl<E: Elem> Trainer<E> {
         let mut full = vec![0.0f32; n];
         cfg.init_params(&mut full, hyper.seed);
         let kept = held(params_sharded, &shard, n);
-        let mut params = if hyper.offload_params {
+        let mut compute = vec![E::default(); params_len];
+        narrow::<E>(&mut compute[..kept.len()], &full[kept]);
+        let params = if hyper.offload_params {
             pool.set_host_bytes(Category::Params, params_len * E::BYTES);
-            ParamStore::Host(Arc::new(vec![E::default(); params_len]))
+            ParamStore::Host(Arc::new(compute))
         } else {
-            ParamStore::Device(alloc_elems::<E>(&pool, params_len, Category::Params)?)
+            let mut buf = alloc_elems::<E>(&pool, params_len, Category::Params)?;
+            backend.upload(ViewMut::of(&mut buf), &compute)?;
+            ParamStore::Device(buf)
         };
-        narrow::<E>(&mut params.as_mut_slice()[..kept.len()], &full[kept]);
         let grads = alloc_elems::<E>(&pool, if grads_sharded { state_len } else { n }, Category::Grads)?;
         let opt = if hyper.offload_optimizer {
             pool.set_host_bytes(Category::Optimizer, 4 * 4 * state_len);
@@ -233,10 +256,14 @@ impl<E: Elem> Trainer<E> {
         } else {
             let mut master = if E::is_f32() { None } else { Some(alloc_f32(&pool, state_len, Category::Optimizer)?) };
             if let Some(mw) = master.as_mut() {
-                mw.as_mut_slice::<f32>()[..k].copy_from_slice(&full[shard.clone()]);
+                let mut padded = full[shard.clone()].to_vec();
+                padded.resize(state_len, 0.0);
+                backend.upload(ViewMut::of(mw), &padded)?;
             }
-            let m = alloc_f32(&pool, state_len, Category::Optimizer)?;
-            let v = alloc_f32(&pool, state_len, Category::Optimizer)?;
+            let mut m = alloc_f32(&pool, state_len, Category::Optimizer)?;
+            let mut v = alloc_f32(&pool, state_len, Category::Optimizer)?;
+            backend.zero::<f32>(ViewMut::of(&mut m))?;
+            backend.zero::<f32>(ViewMut::of(&mut v))?;
             OptimizerState::Device { master, m, v }
         };
         let shard_tensors = cfg
@@ -262,6 +289,7 @@ impl<E: Elem> Trainer<E> {
             cfg,
             hyper,
             pool,
+            backend,
             params,
             params_sharded,
             grads,
@@ -277,35 +305,53 @@ impl<E: Elem> Trainer<E> {
         })
     }
 
+    /// The backend the passes and the optimizer run on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
     /// Whether the weights are sharded (ZeRO-3): then every pass, evaluation included, is a
     /// collective every rank must run.
     pub fn params_sharded(&self) -> bool {
         self.params_sharded
     }
 
-    /// This rank's part of the compute weights: its shard of them under any ZeRO stage.
-    fn compute_shard(&self) -> &[E] {
-        &self.params.as_slice()[shard_in(self.params_sharded, &self.shard)]
+    /// `len` elements of `T` from the start of a state buffer, copied to the host.
+    fn download<T: bytemuck::Pod>(&self, buf: &Buffer, len: usize) -> Vec<T> {
+        let mut out = vec![T::zeroed(); len];
+        self.backend.download(View::range(buf, 0..len), &mut out).expect("download of the trainer's own state");
+        out
     }
 
-    /// This rank's fp32 master weights (all of them unless the optimizer state is sharded).
-    pub fn master_params(&self) -> &[f32] {
+    /// This rank's fp32 master weights (all of them unless the optimizer state is sharded),
+    /// copied to the host.
+    pub fn master_params(&self) -> Vec<f32> {
         let k = self.shard.len();
         match &self.opt {
-            OptimizerState::Device { master: Some(m), .. } => &m.as_slice()[..k],
+            OptimizerState::Device { master: Some(m), .. } => self.download(m, k),
             OptimizerState::Device { master: None, .. } => {
-                E::as_f32(self.compute_shard()).expect("fp32 compute weights are the master")
+                let r = shard_in(self.params_sharded, &self.shard);
+                match &self.params {
+                    ParamStore::Device(buf) => {
+                        let mut out = vec![0f32; k];
+                        self.backend.download(View::range(buf, r), &mut out).expect("download of the weights");
+                        out
+                    }
+                    ParamStore::Host(host) => {
+                        E::as_f32(&host[r]).expect("fp32 compute weights are the master").to_vec()
+                    }
+                }
             }
-            OptimizerState::Host { master, .. } => master,
+            OptimizerState::Host { master, .. } => master.clone(),
         }
     }
 
-    /// This rank's AdamW first and second moments.
-    fn moments(&self) -> (&[f32], &[f32]) {
+    /// This rank's AdamW first and second moments, copied to the host.
+    fn moments(&self) -> (Vec<f32>, Vec<f32>) {
         let k = self.shard.len();
         match &self.opt {
-            OptimizerState::Device { m, v, .. } => (&m.as_slice()[..k], &v.as_slice()[..k]),
-            OptimizerState::Host { m, v, .. } => (m, v),
+            OptimizerState::Device { m, v, .. } => (self.download(m, k), self.download(v, k)),
+            OptimizerState::Host { m, v, .. } => (m.clone(), v.clone()),
         }
     }
 
@@ -319,13 +365,13 @@ impl<E: Elem> Trainer<E> {
 
     /// The full vector of which this rank holds `part` (its shard, or everything unshared).
     /// A collective when the state is sharded.
-    fn gather_full(&self, part: &[f32]) -> Vec<f32> {
+    fn gather_full(&self, part: Vec<f32>) -> Vec<f32> {
         if self.shard.len() == self.cfg.num_params() {
-            return part.to_vec();
+            return part;
         }
         let comm = self.comm.as_ref().expect("sharded state has a group");
         let mut full = vec![0f32; self.cfg.num_params()];
-        full[self.shard.clone()].copy_from_slice(part);
+        full[self.shard.clone()].copy_from_slice(&part);
         comm.all_gather(&mut full, self.shard.clone());
         full
     }
@@ -356,11 +402,12 @@ impl<E: Elem> Trainer<E> {
     }
 
     /// One optimizer step over the global batch, accumulating `grad_accum` micro-batches.
-    pub fn train_step(&mut self, batch: &mut BatchFn<'_>) -> Result<StepStats, OomError> {
+    pub fn train_step(&mut self, batch: &mut BatchFn<'_>) -> BackendResult<StepStats> {
         let started = std::time::Instant::now();
         let h = self.hyper.clone();
         let (b, t) = (h.micro_batch, h.seq_len);
-        self.grads.as_mut_slice::<E>().fill(E::default());
+        let be = &self.backend;
+        be.zero::<E>(ViewMut::of(&mut self.grads))?;
         let scale = self.loss_scale as f32;
         let world = self.world();
         let dloss = scale / (b * t * h.grad_accum * world) as f32;
@@ -370,18 +417,18 @@ impl<E: Elem> Trainer<E> {
         let mut swap = SwapStats::default();
         let (mut inputs, mut targets) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
         {
-            let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), &self.pool);
+            let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), be);
             for micro in 0..h.grad_accum {
                 inputs.clear();
                 targets.clear();
                 for i in 0..b {
                     batch(self.step, (first_seq + micro * b + i) as u64, &mut inputs, &mut targets);
                 }
-                let (cfg, pool) = (&self.cfg, &self.pool);
-                let acts = model::forward::<E>(
+                let cfg = &self.cfg;
+                let acts = model::forward::<E, B>(
+                    be,
                     cfg,
                     source.get(),
-                    pool,
                     &inputs,
                     &targets,
                     b,
@@ -390,13 +437,16 @@ impl<E: Elem> Trainer<E> {
                     h.offload_activations,
                 )?;
                 loss_sum += acts.mean_loss() as f64;
-                let grads = self.grads.as_mut_slice::<E>();
                 let moved = match (&self.comm, self.grads_sharded) {
                     (Some(comm), true) => {
-                        let mut sink = ShardedGrads::new(grads, self.shard.clone(), comm, pool);
-                        model::backward::<E>(cfg, source.get(), &mut sink, pool, acts, dloss)?
+                        let grads = self.grads.as_mut_slice::<E>();
+                        let mut sink = ShardedGrads::new(grads, self.shard.clone(), comm, &self.pool);
+                        model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, dloss)?
                     }
-                    _ => model::backward::<E>(cfg, source.get(), &mut FullGrads(grads), pool, acts, dloss)?,
+                    _ => {
+                        let mut sink = FullGrads(ViewMut::of(&mut self.grads));
+                        model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, dloss)?
+                    }
                 };
                 swap.add(moved);
             }
@@ -405,12 +455,12 @@ impl<E: Elem> Trainer<E> {
         let k = self.shard.len();
         // Squared gradient norm: of the all-reduced full gradients, or summed over the shards.
         let mut squares = if self.grads_sharded {
-            sum_squares(&self.grads.as_slice::<E>()[..k])
+            be.sum_squares::<E>(View::range(&self.grads, 0..k))?
         } else {
             if let Some(comm) = &self.comm {
                 comm.all_reduce_sum(self.grads.as_mut_slice::<E>());
             }
-            sum_squares(self.grads.as_slice::<E>())
+            be.sum_squares::<E>(View::of(&self.grads))?
         };
         if let Some(comm) = &self.comm {
             if self.grads_sharded {
@@ -432,40 +482,10 @@ impl<E: Elem> Trainer<E> {
             self.adam_t += 1;
             let opt = AdamW { lr: lr as f32, weight_decay: h.weight_decay as f32, t: self.adam_t };
             let grad_mult = (coef as f64 * inv_scale) as f32;
-            let shard = self.shard.clone();
-            let all_grads = self.grads.as_slice::<E>();
-            let grads = &all_grads[shard_in(self.grads_sharded, &shard)];
-            let compute = &mut self.params.as_mut_slice()[shard_in(self.params_sharded, &shard)];
-            match &mut self.opt {
-                OptimizerState::Device { master: Some(mw), m, v } => {
-                    let mw = &mut mw.as_mut_slice::<f32>()[..k];
-                    let (m, v) = (&mut m.as_mut_slice::<f32>()[..k], &mut v.as_mut_slice::<f32>()[..k]);
-                    opt.update::<E>(&self.shard_tensors, mw, grads, grad_mult, m, v);
-                    narrow::<E>(compute, mw);
-                }
-                OptimizerState::Device { master: None, m, v } => {
-                    let p = E::as_f32_mut(compute).expect("fp32 params are the master");
-                    let (m, v) = (&mut m.as_mut_slice::<f32>()[..k], &mut v.as_mut_slice::<f32>()[..k]);
-                    opt.update::<E>(&self.shard_tensors, p, grads, grad_mult, m, v);
-                }
-                OptimizerState::Host { master, m, v, grads: host_grads } => {
-                    let t0 = std::time::Instant::now();
-                    widen::<E>(host_grads, grads);
-                    let mut transfer = t0.elapsed();
-                    opt.update::<f32>(&self.shard_tensors, master, host_grads, grad_mult, m, v);
-                    let t1 = std::time::Instant::now();
-                    narrow::<E>(compute, master);
-                    transfer += t1.elapsed();
-                    swap.add(SwapStats {
-                        bytes_to_host: k * E::BYTES,
-                        bytes_to_device: k * E::BYTES,
-                        transfer_ms: transfer.as_secs_f64() * 1e3,
-                    });
-                }
-            }
+            swap.add(self.optimizer_step(&opt, grad_mult)?);
             if let (Some(comm), true, false) = (&self.comm, k < self.cfg.num_params(), self.params_sharded) {
                 // ZeRO-1/2: every rank updated its shard; gather the full weights everywhere.
-                comm.all_gather(self.params.as_mut_slice(), shard);
+                comm.all_gather(self.params.as_mut_slice(), self.shard.clone());
             }
             if self.dynamic_scale {
                 self.good_steps += 1;
@@ -476,6 +496,7 @@ impl<E: Elem> Trainer<E> {
             }
         }
         self.step += 1;
+        self.backend.synchronize()?;
         let secs = started.elapsed().as_secs_f64();
         let offloading = h.offload_optimizer || h.offload_params || h.offload_activations != OffloadTarget::None;
         Ok(StepStats {
@@ -491,11 +512,80 @@ impl<E: Elem> Trainer<E> {
         })
     }
 
+    /// AdamW over this rank's shard: the fp32 master and moments from the accumulated
+    /// gradients × `grad_mult`, then the compute copy rewritten from the master. Returns the
+    /// device↔host traffic (offloaded optimizer state).
+    fn optimizer_step(&mut self, opt: &AdamW, grad_mult: f32) -> BackendResult<SwapStats> {
+        let be = &self.backend;
+        let k = self.shard.len();
+        let grads_at = shard_in(self.grads_sharded, &self.shard).start;
+        let params_at = shard_in(self.params_sharded, &self.shard);
+        let tensors = &self.shard_tensors;
+        match &mut self.opt {
+            OptimizerState::Device { master, m, v } => {
+                let (grads, master) = (&self.grads, master.as_mut());
+                // One update per tensor (only matrices decay) on a view of the compute weights.
+                let mut step = |mut compute: ViewMut<E>, mut master: Option<&mut Buffer>| -> BackendResult {
+                    for ti in tensors {
+                        let r = ti.offset..ti.offset + ti.len;
+                        let g = View::range(grads, grads_at + ti.offset..grads_at + ti.offset + ti.len);
+                        let p = compute.reborrow().slice(r.clone());
+                        let (mt, vt) = (ViewMut::range(m, r.clone()), ViewMut::range(v, r.clone()));
+                        match master.as_deref_mut() {
+                            Some(mw) => {
+                                be.adamw::<E>(ViewMut::range(mw, r), Some(p), g, mt, vt, opt, ti.decay, grad_mult)?
+                            }
+                            None => {
+                                let p = p.reinterpret::<f32>();
+                                be.adamw::<E>(p, None, g, mt, vt, opt, ti.decay, grad_mult)?
+                            }
+                        }
+                    }
+                    Ok(())
+                };
+                match &mut self.params {
+                    ParamStore::Device(buf) => step(ViewMut::range(buf, params_at), master)?,
+                    ParamStore::Host(host) => {
+                        let host = Arc::get_mut(host).expect("no copy worker holds the weights between passes");
+                        on_device(be, &mut host[params_at], |view| step(view, master))?
+                    }
+                }
+                Ok(SwapStats::default())
+            }
+            OptimizerState::Host { master, m, v, grads: host_grads } => {
+                let t0 = std::time::Instant::now();
+                let mut staged = vec![E::default(); k];
+                be.download(View::range(&self.grads, grads_at..grads_at + k), &mut staged)?;
+                widen::<E>(host_grads, &staged);
+                let mut transfer = t0.elapsed();
+                opt.update::<f32>(tensors, master, host_grads, grad_mult, m, v);
+                let t1 = std::time::Instant::now();
+                match &mut self.params {
+                    ParamStore::Device(buf) => {
+                        narrow::<E>(&mut staged, master);
+                        be.upload(ViewMut::range(buf, params_at), &staged)?;
+                    }
+                    ParamStore::Host(host) => {
+                        let host = Arc::get_mut(host).expect("no copy worker holds the weights between passes");
+                        narrow::<E>(&mut host[params_at], master);
+                    }
+                }
+                transfer += t1.elapsed();
+                Ok(SwapStats {
+                    bytes_to_host: k * E::BYTES,
+                    bytes_to_device: k * E::BYTES,
+                    transfer_ms: transfer.as_secs_f64() * 1e3,
+                })
+            }
+        }
+    }
+
     /// Mean loss over `count` sequences given by `batch(index)`, in micro-batches. With sharded
     /// weights every rank must call it alike (the weights are gathered as it goes).
-    pub fn evaluate(&self, count: usize, batch: &mut EvalBatchFn<'_>) -> Result<f32, OomError> {
+    pub fn evaluate(&self, count: usize, batch: &mut EvalBatchFn<'_>) -> BackendResult<f32> {
         let (b, t) = (self.hyper.micro_batch, self.hyper.seq_len);
-        let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), &self.pool);
+        let be = &self.backend;
+        let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), be);
         let mut total = 0.0f64;
         let mut done = 0;
         while done < count {
@@ -504,7 +594,7 @@ impl<E: Elem> Trainer<E> {
             for i in 0..n {
                 batch(done + i, &mut inputs, &mut targets);
             }
-            let loss = model::forward_loss::<E>(&self.cfg, source.get(), &self.pool, &inputs, &targets, n, t)?;
+            let loss = model::forward_loss::<E, B>(be, &self.cfg, source.get(), &inputs, &targets, n, t)?;
             total += loss as f64 * n as f64;
             done += n;
         }
@@ -531,8 +621,8 @@ impl<E: Elem> Trainer<E> {
         checkpoint::save(run_dir, &header, &master, &m, &v)
     }
 
-    /// Resume from a checkpoint written under any precision, stage or world size (it holds the
-    /// full fp32 master weights and moments; each rank takes what it owns).
+    /// Resume from a checkpoint written under any precision, stage, world size or device (it
+    /// holds the full fp32 master weights and moments; each rank takes what it owns).
     pub fn restore(&mut self, path: &Path, ckpt: Checkpoint) -> Result<(), CheckpointError> {
         let mismatch = |message: String| CheckpointError::Mismatch { path: path.into(), message };
         if ckpt.header.model != self.model_dims() {
@@ -548,14 +638,26 @@ impl<E: Elem> Trainer<E> {
         let shard = self.shard.clone();
         let k = shard.len();
         let kept = held(self.params_sharded, &shard, self.cfg.num_params());
-        narrow::<E>(&mut self.params.as_mut_slice()[..kept.len()], &ckpt.params[kept]);
+        let be = &self.backend;
+        let device = |e: BackendError| CheckpointError::Device { path: path.into(), message: e.to_string() };
+        match &mut self.params {
+            ParamStore::Device(buf) => {
+                let mut compute = vec![E::default(); kept.len()];
+                narrow::<E>(&mut compute, &ckpt.params[kept.clone()]);
+                be.upload(ViewMut::range(buf, 0..kept.len()), &compute).map_err(device)?;
+            }
+            ParamStore::Host(host) => {
+                let host = Arc::get_mut(host).expect("no copy worker holds the weights between passes");
+                narrow::<E>(&mut host[..kept.len()], &ckpt.params[kept]);
+            }
+        }
         match &mut self.opt {
             OptimizerState::Device { master, m, v } => {
                 if let Some(mw) = master {
-                    mw.as_mut_slice::<f32>()[..k].copy_from_slice(&ckpt.params[shard.clone()]);
+                    be.upload(ViewMut::range(mw, 0..k), &ckpt.params[shard.clone()]).map_err(device)?;
                 }
-                m.as_mut_slice::<f32>()[..k].copy_from_slice(&ckpt.m[shard.clone()]);
-                v.as_mut_slice::<f32>()[..k].copy_from_slice(&ckpt.v[shard]);
+                be.upload(ViewMut::range(m, 0..k), &ckpt.m[shard.clone()]).map_err(device)?;
+                be.upload(ViewMut::range(v, 0..k), &ckpt.v[shard]).map_err(device)?;
             }
             OptimizerState::Host { master, m, v, .. } => {
                 master.copy_from_slice(&ckpt.params[shard.clone()]);
@@ -571,6 +673,22 @@ impl<E: Elem> Trainer<E> {
         }
         Ok(())
     }
+}
+
+/// Run `f` on a device view of host data: the host memory itself when the backend's pool is
+/// host memory, else a workspace copy uploaded before and downloaded after.
+fn on_device<T: bytemuck::Pod, B: Backend>(
+    be: &B,
+    host: &mut [T],
+    f: impl FnOnce(ViewMut<T>) -> BackendResult,
+) -> BackendResult {
+    if be.pool().host_visible() {
+        return f(ViewMut::from_host(host));
+    }
+    let mut buf = be.pool().alloc(std::mem::size_of_val(host), Category::Workspace)?;
+    be.upload(ViewMut::of(&mut buf), host)?;
+    f(ViewMut::of(&mut buf))?;
+    be.download(View::of(&buf), host)
 }
 
 /// The parameters a buffer of a rank holds: all `n`, or only its `shard` when `sharded`.
@@ -593,19 +711,22 @@ fn shard_in(sharded: bool, shard: &Range<usize>) -> Range<usize> {
 }
 
 /// The weight source for a pass over weights kept in `params` (a shard of them if `sharded`).
-fn source_of<'a, E: Elem>(
+fn source_of<'a, E: Elem, B: Backend>(
     params: &'a ParamStore<E>,
     sharded: bool,
     shard: &Range<usize>,
     comm: Option<&'a LocalComm>,
-    pool: &'a Pool,
-) -> Source<'a, E> {
+    backend: &'a B,
+) -> Source<'a, E, B> {
     match (params, sharded, comm) {
-        (store, true, Some(comm)) => {
-            Source::Gathered(Gathered { shard: &store.as_slice()[..shard.len()], own: shard.clone(), comm, pool })
-        }
-        (ParamStore::Host(host), _, _) => Source::Host(HostStaged::new(Arc::clone(host), pool.clone())),
-        (ParamStore::Device(buf), _, _) => Source::Resident(Resident(buf.as_slice())),
+        (store, true, Some(comm)) => Source::Gathered(Gathered {
+            shard: &store.as_slice()[..shard.len()],
+            own: shard.clone(),
+            comm,
+            pool: backend.pool(),
+        }),
+        (ParamStore::Host(host), _, _) => Source::Host(HostStaged::new(Arc::clone(host), backend)),
+        (ParamStore::Device(buf), _, _) => Source::Resident(Resident(View::of(buf))),
     }
 }
 
@@ -649,18 +770,18 @@ mod tests {
         let (cfg, hyper) = tiny();
         let mut tr = Trainer::<half::f16>::new(cfg, hyper, Pool::new("cpu", 64 << 20)).unwrap();
         assert_eq!(tr.loss_scale(), INITIAL_LOSS_SCALE);
-        let before = tr.master_params().to_vec();
+        let before = tr.master_params();
         // A scale this large makes the fp16 gradients overflow to infinity.
         tr.set_loss_scale(1e30);
         let s = tr.train_step(&mut batch).unwrap();
         assert!(s.skipped, "overflowed step skipped");
         assert_eq!(s.loss_scale, 5e29, "scale halved");
         assert_eq!(tr.skipped_steps, 1);
-        assert_eq!(tr.master_params(), &before[..], "weights untouched by a skipped step");
+        assert_eq!(tr.master_params(), before, "weights untouched by a skipped step");
         tr.set_loss_scale(1024.0);
         let s = tr.train_step(&mut batch).unwrap();
         assert!(!s.skipped && s.grad_norm.is_finite());
-        assert_ne!(tr.master_params(), &before[..], "a good step updates the weights");
+        assert_ne!(tr.master_params(), before, "a good step updates the weights");
         assert_eq!(tr.step, 2, "the skipped step still consumed its batch");
     }
 

@@ -156,6 +156,11 @@ impl Pool {
         }
     }
 
+    /// Whether the pool's buffers live in host memory (the `cpu` device).
+    pub fn host_visible(&self) -> bool {
+        self.host_visible
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, PoolInner> {
         // A poisoned lock means a panic while holding it; the bookkeeping is still consistent
         // because every mutation completes before any call that could panic.

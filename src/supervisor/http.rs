@@ -35,7 +35,7 @@ pub struct AppState {
     /// Directories a job's `data.path` must lie in (canonicalised).
     pub data_dirs: Vec<PathBuf>,
     /// NVML readings when a GPU driver is present.
-    pub gpus: Arc<super::gpu::GpuMonitor>,
+    pub gpus: Arc<crate::gpu::GpuMonitor>,
 }
 
 /// Every error a handler returns. Internal details are logged, not sent.
@@ -367,7 +367,7 @@ async fn put_policy(
 }
 
 /// NVML readings of every GPU (an empty list without a driver).
-async fn gpus(State(state): State<AppState>) -> Json<Vec<super::gpu::GpuReading>> {
+async fn gpus(State(state): State<AppState>) -> Json<Vec<crate::gpu::GpuReading>> {
     Json(state.gpus.readings())
 }
 

@@ -3,7 +3,6 @@
 //! JSON lines on stdout — never the engine's internals.
 
 pub mod db;
-pub mod gpu;
 pub mod http;
 pub mod policy;
 pub mod runner;
@@ -67,7 +66,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         },
     )
     .await?;
-    let gpus = Arc::new(gpu::GpuMonitor::init());
+    let gpus = Arc::new(crate::gpu::GpuMonitor::init());
     let state = http::AppState { db, supervisor: supervisor.clone(), token: cfg.token.clone(), data_dirs, gpus };
     let listener = tokio::net::TcpListener::bind(cfg.addr).await.with_context(|| format!("binding {}", cfg.addr))?;
     let addr = listener.local_addr()?;

@@ -41,10 +41,6 @@ pub enum CudaError {
     Driver { index: u32, op: &'static str, detail: String },
     #[error("unknown kernel family `{0}`")]
     UnknownFamily(String),
-    #[error(
-        "device cuda:{index}: the model does not run on the CUDA backend yet (its ops do: `headroom gpu-check`; issue #7)"
-    )]
-    NotImplemented { index: u32 },
 }
 
 /// The full source of one family, with the shared helpers in place of its include.
@@ -110,14 +106,6 @@ pub fn compile(family: &str, arch: &str) -> Result<String, CudaError> {
     Ok(text)
 }
 
-/// Why `headroom train` cannot use device `cuda:index` in this build.
-pub fn device_unavailable(index: u32) -> CudaError {
-    if !driver_present() {
-        return CudaError::NoDriver { index };
-    }
-    CudaError::NotImplemented { index }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -160,7 +148,7 @@ mod tests {
         if driver_present() {
             return; // a GPU machine: covered by scripts/gpu-check.sh
         }
-        let err = device_unavailable(0);
+        let err = super::CudaBackend::new(0, None).unwrap_err();
         assert_eq!(err.to_string(), "device cuda:0 requested but no CUDA driver found (libcuda could not be loaded)");
     }
 }

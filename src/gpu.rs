@@ -1,6 +1,7 @@
-//! GPU readings through NVML (nvml-wrapper, loaded at run time). On a machine without the
-//! NVIDIA driver NVML is simply absent: the supervisor then monitors only the trainer's own
-//! pool figures, which is what `cpu` devices use anyway.
+//! GPU readings through NVML (nvml-wrapper, loaded at run time), for the supervisor's monitor
+//! and the trainer's `step` events on `cuda`. On a machine without the NVIDIA driver NVML is
+//! simply absent: the supervisor then monitors only the trainer's own pool figures, which is
+//! what `cpu` devices use anyway.
 
 use nvml_wrapper::Nvml;
 use serde::Serialize;
@@ -37,6 +38,11 @@ impl GpuMonitor {
 
     pub fn available(&self) -> bool {
         self.nvml.is_some()
+    }
+
+    /// The reading of GPU `index` (None without NVML or without that GPU).
+    pub fn reading(&self, index: u32) -> Option<GpuReading> {
+        self.readings().into_iter().find(|r| r.index == index)
     }
 
     /// Current readings of every GPU (empty without NVML).

@@ -1,0 +1,181 @@
+//! `headroom gpu-check`: every CUDA op against the CPU reference, the device pool's two OOM
+//! paths, training parity (CUDA vs CPU losses step by step), the OOM drill, and the GPT-2 124M
+//! benchmark (B=16, T=1024, bf16), with a summary table printed last. Exit 1 if anything
+//! failed, 2 when there is no usable device.
+
+use super::client::UsageError;
+use super::GpuCheckArgs;
+use crate::engine::parity::ParityShape;
+
+pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
+    let shapes = match args.shapes.as_str() {
+        "odd" => vec![ParityShape::ODD],
+        "gpt2" => vec![ParityShape::GPT2],
+        "all" => vec![ParityShape::ODD, ParityShape::GPT2],
+        other => return Err(UsageError(format!("--shapes: unknown `{other}` (odd, gpt2, all)")).into()),
+    };
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+    });
+    run_on(&args, &shapes, seed)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_on(args: &GpuCheckArgs, _shapes: &[ParityShape], _seed: u64) -> anyhow::Result<()> {
+    Err(UsageError(format!("device cuda:{}: this build was not compiled with the `cuda` feature", args.index)).into())
+}
+
+/// One line of the summary: what was checked, whether it passed, the figure that says so.
+#[cfg(feature = "cuda")]
+struct Check {
+    name: String,
+    ok: bool,
+    figure: String,
+}
+
+#[cfg(feature = "cuda")]
+fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Result<()> {
+    use crate::engine::backend::{Backend, CpuBackend};
+    use crate::engine::cuda::CudaBackend;
+    use crate::engine::{parity, train_parity};
+    use crate::memory::{format_bytes, Category, Pool};
+
+    let index = args.index;
+    let open = |memory: Option<usize>| CudaBackend::new(index, memory).map_err(|e| anyhow::anyhow!("{e}"));
+    let device = CudaBackend::new(index, None).map_err(|e| UsageError(e.to_string()))?;
+    println!("device: cuda:{index} {} (pool capacity {})", device.name(), format_bytes(device.pool().stats().capacity));
+    println!("seed: {seed}");
+    let cpu = || CpuBackend::new(Pool::new("cpu", 64 << 30));
+    let mut checks = Vec::new();
+
+    // 1. Every op against the reference.
+    let reference = cpu();
+    let mut rows = Vec::new();
+    for &shape in shapes {
+        rows.extend(parity::run(&reference, &device, shape, seed));
+    }
+    print!("{}", parity::table(&rows));
+    let passed = rows.iter().filter(|r| r.passed()).count();
+    let worst = rows.iter().filter(|r| r.error.is_none()).map(|r| r.rel_err / r.threshold).fold(0.0, f64::max);
+    checks.push(Check {
+        name: format!("op parity ({} shapes × fp32/bf16)", shapes.len()),
+        ok: passed == rows.len(),
+        figure: format!("{passed}/{} rows within bounds; worst error {:.2} of its bound", rows.len(), worst),
+    });
+    drop((reference, device));
+
+    // 2. The device pool's OOM paths: its own capacity, and the driver refusing cuMemAlloc.
+    let small = open(Some(8 << 20))?;
+    let held = small.pool().alloc(6 << 20, Category::Params);
+    let over = small.pool().alloc(6 << 20, Category::Activations);
+    checks.push(Check {
+        name: "pool: device_memory 8 MiB".into(),
+        ok: held.is_ok() && over.as_ref().is_err_and(|e| e.category == Category::Activations),
+        figure: "6 MiB ok, 6 MiB more -> OomError".into(),
+    });
+    drop((held, over, small));
+    let unbounded = open(Some(usize::MAX / 4))?;
+    let beyond = unbounded.pool().alloc(2 << 40, Category::Activations);
+    checks.push(Check {
+        name: "pool: cuMemAlloc of 2 TiB".into(),
+        ok: beyond.as_ref().is_err_and(|e| e.requested_bytes == 2 << 40),
+        figure: "refused by the driver -> OomError".into(),
+    });
+    drop((beyond, unbounded));
+
+    // 3. Training parity and 4. the OOM drill, on the repository's corpus as bytes.
+    let corpus = std::path::Path::new("data/shakespeare-tiny.txt");
+    let tokens: Option<Vec<u32>> =
+        std::fs::read(corpus).ok().map(|text| text[..text.len().min(256 << 10)].iter().map(|&b| b as u32).collect());
+    match &tokens {
+        None if args.train_steps > 0 => checks.push(Check {
+            name: "training parity".into(),
+            ok: false,
+            figure: format!("{} not found: run from the repository root", corpus.display()),
+        }),
+        None => {}
+        Some(tokens) => {
+            if args.train_steps > 0 {
+                let case = train_parity::TrainParityCase::small(args.train_steps);
+                let reports = vec![
+                    train_parity::train_parity::<f32, _, _>(cpu(), open(None)?, &case, tokens),
+                    train_parity::train_parity::<half::bf16, _, _>(cpu(), open(None)?, &case, tokens),
+                ];
+                print!("{}", train_parity::table(&reports));
+                for r in &reports {
+                    checks.push(Check {
+                        name: format!("training parity {} ({} steps)", r.dtype, r.losses.len()),
+                        ok: r.passed(),
+                        figure: match &r.error {
+                            Some(e) => e.clone(),
+                            None => format!(
+                                "loss rel err {:.2e} (bound {:.0e}), weights {:.2e} (bound {:.0e})",
+                                r.worst_loss_rel_err(),
+                                r.loss_bound,
+                                r.weights_rel_err,
+                                r.weights_bound
+                            ),
+                        },
+                    });
+                }
+            }
+            let drill = train_parity::oom_drill(|capacity| open(Some(capacity)).map_err(|e| e.to_string()), tokens);
+            checks.push(Check {
+                name: format!("OOM in training at device_memory {}", format_bytes(drill.capacity)),
+                ok: drill.passed(),
+                figure: format!(
+                    "plain: {}; full checkpointing: {}",
+                    match &drill.plain {
+                        Ok(_) => "OOM as expected".to_string(),
+                        Err(e) => e.clone(),
+                    },
+                    match &drill.checkpointed {
+                        Ok(peak) => format!("trained, peak reserved {}", format_bytes(*peak)),
+                        Err(e) => e.clone(),
+                    }
+                ),
+            });
+        }
+    }
+
+    // 5. The benchmark.
+    if args.bench_steps > 0 {
+        use crate::config::Checkpointing;
+        use crate::engine::bench::{self, BenchCase};
+        use crate::engine::model::GptConfig;
+        let case = BenchCase {
+            label: "gpt2-124M".into(),
+            cfg: GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab: 50257 },
+            batch: 16,
+            seq: 1024,
+        };
+        let result = bench::run_on::<half::bf16, _>(open(None)?, &case, 16, Checkpointing::None, 1, args.bench_steps);
+        checks.push(match result {
+            Ok((r, stats)) => Check {
+                name: "GPT-2 124M B=16 T=1024 bf16".into(),
+                ok: true,
+                figure: format!(
+                    "{:.0} tokens/s, {:.1} ms/step (min {:.1}), peak allocated {}, reserved {}",
+                    r.tokens_per_s,
+                    r.ms_per_step,
+                    r.min_ms,
+                    format_bytes(stats.peak_allocated),
+                    format_bytes(stats.peak_reserved)
+                ),
+            },
+            Err(e) => Check { name: "GPT-2 124M B=16 T=1024 bf16".into(), ok: false, figure: e.to_string() },
+        });
+    }
+
+    let width = checks.iter().map(|c| c.name.len()).max().unwrap_or(0);
+    println!("\n{:<width$}  result  figure", "check");
+    for c in &checks {
+        println!("{:<width$}  {:<6}  {}", c.name, if c.ok { "ok" } else { "FAIL" }, c.figure);
+    }
+    let failed = checks.iter().filter(|c| !c.ok).count();
+    if failed > 0 {
+        anyhow::bail!("{failed} of {} GPU checks failed", checks.len());
+    }
+    println!("all {} GPU checks passed", checks.len());
+    Ok(())
+}

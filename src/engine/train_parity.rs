@@ -1,0 +1,331 @@
+//! Training parity: one model, one token stream and one set of hyper-parameters trained on a
+//! reference backend and on a candidate, step by step; each step's loss and the final fp32
+//! master weights are compared. `headroom gpu-check` runs it for `CudaBackend` against
+//! `CpuBackend`; the tests run it on CPU backends (and one with a planted bug).
+
+use std::fmt::Write as _;
+
+use crate::config::{Checkpointing, OffloadTarget};
+
+use super::backend::Backend;
+use super::layers::Elem;
+use super::model::GptConfig;
+use super::rng::mix64;
+use super::trainer::{Hyper, Trainer};
+
+/// What to train: a model, the batch split and the number of optimizer steps.
+#[derive(Debug, Clone)]
+pub struct TrainParityCase {
+    pub cfg: GptConfig,
+    pub micro_batch: usize,
+    pub grad_accum: usize,
+    pub steps: usize,
+    pub checkpointing: Checkpointing,
+}
+
+impl TrainParityCase {
+    /// A 2-layer model over a byte vocabulary: small enough for the CPU reference to train
+    /// 20 steps in seconds, with gradient accumulation so the accumulate path is compared too.
+    pub fn small(steps: usize) -> TrainParityCase {
+        TrainParityCase {
+            cfg: GptConfig { n_layer: 2, n_head: 4, n_embd: 128, block_size: 64, vocab: 256 },
+            micro_batch: 4,
+            grad_accum: 2,
+            steps,
+            checkpointing: Checkpointing::None,
+        }
+    }
+
+    fn hyper(&self) -> Hyper {
+        Hyper {
+            steps: self.steps as u64,
+            global_batch: self.micro_batch * self.grad_accum,
+            micro_batch: self.micro_batch,
+            grad_accum: self.grad_accum,
+            seq_len: self.cfg.block_size,
+            lr: 1e-3,
+            warmup_steps: 2,
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+            seed: 1337,
+            checkpointing: self.checkpointing,
+            offload_optimizer: false,
+            offload_params: false,
+            offload_activations: OffloadTarget::None,
+            world_size: 1,
+            zero_stage: 0,
+        }
+    }
+}
+
+/// The comparison of one training run on both backends.
+#[derive(Debug, Clone)]
+pub struct TrainParityReport {
+    pub dtype: &'static str,
+    /// (reference, candidate) loss of every step.
+    pub losses: Vec<(f32, f32)>,
+    /// ‖w_candidate − w_reference‖ / ‖w_reference‖ of the final fp32 master weights.
+    pub weights_rel_err: f64,
+    pub loss_bound: f64,
+    pub weights_bound: f64,
+    /// Mean step time on each side, milliseconds.
+    pub reference_ms: f64,
+    pub candidate_ms: f64,
+    pub error: Option<String>,
+}
+
+impl TrainParityReport {
+    /// The largest |loss_c − loss_r| / |loss_r| over the steps (∞ for a non-finite loss).
+    pub fn worst_loss_rel_err(&self) -> f64 {
+        self.losses
+            .iter()
+            .map(|&(r, c)| if c.is_finite() { ((c - r).abs() / r.abs().max(1e-6)) as f64 } else { f64::INFINITY })
+            .fold(0.0, f64::max)
+    }
+
+    pub fn passed(&self) -> bool {
+        self.error.is_none()
+            && self.worst_loss_rel_err() <= self.loss_bound
+            && self.weights_rel_err <= self.weights_bound
+    }
+}
+
+/// Loss and weight bounds per storage type. fp32 differs only by summation order, which 20
+/// AdamW steps amplify a little; bf16 rounds activations and gradients at different points.
+pub fn bounds<E: Elem>() -> (f64, f64) {
+    if E::is_f32() {
+        (1e-3, 1e-3)
+    } else {
+        (2e-2, 3e-2)
+    }
+}
+
+/// Train `case` on both backends over `tokens` (ids below the vocabulary; sequences start at
+/// pseudo-random offsets fixed by step and index) and compare.
+pub fn train_parity<E: Elem, R: Backend, C: Backend>(
+    reference: R,
+    candidate: C,
+    case: &TrainParityCase,
+    tokens: &[u32],
+) -> TrainParityReport {
+    let (loss_bound, weights_bound) = bounds::<E>();
+    let mut report = TrainParityReport {
+        dtype: E::NAME,
+        losses: Vec::new(),
+        weights_rel_err: f64::INFINITY,
+        loss_bound,
+        weights_bound,
+        reference_ms: 0.0,
+        candidate_ms: 0.0,
+        error: None,
+    };
+    let t = case.cfg.block_size;
+    if tokens.len() <= t + 1 || tokens.iter().any(|&id| id as usize >= case.cfg.vocab) {
+        report.error = Some(format!("need more than {} tokens below {}", t + 1, case.cfg.vocab));
+        return report;
+    }
+    let span = (tokens.len() - t - 1) as u64;
+    let mut batch = |s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
+        let at = (mix64(s.wrapping_mul(0x9E37_79B9) ^ i) % span) as usize;
+        inp.extend_from_slice(&tokens[at..at + t]);
+        tgt.extend_from_slice(&tokens[at + 1..at + t + 1]);
+    };
+    let run = |side: &str, r: Result<(Vec<f32>, Vec<f32>, f64), super::backend::BackendError>| {
+        r.map_err(|e| format!("{side}: {e}"))
+    };
+    let reference = run("reference", train_on::<E, R>(reference, case, &mut batch));
+    let candidate = run("candidate", train_on::<E, C>(candidate, case, &mut batch));
+    match (reference, candidate) {
+        (Ok((lr, wr, ms_r)), Ok((lc, wc, ms_c))) => {
+            report.losses = lr.into_iter().zip(lc).collect();
+            report.weights_rel_err = norm_rel_err(&wr, &wc);
+            (report.reference_ms, report.candidate_ms) = (ms_r, ms_c);
+        }
+        (Err(e), _) | (_, Err(e)) => report.error = Some(e),
+    }
+    report
+}
+
+/// Each step's loss, the final master weights and the mean step time.
+fn train_on<E: Elem, B: Backend>(
+    backend: B,
+    case: &TrainParityCase,
+    batch: &mut super::trainer::BatchFn<'_>,
+) -> Result<(Vec<f32>, Vec<f32>, f64), super::backend::BackendError> {
+    let mut trainer = Trainer::<E, B>::on_backend(case.cfg, case.hyper(), backend, None)?;
+    let mut losses = Vec::with_capacity(case.steps);
+    let mut ms = 0.0;
+    for _ in 0..case.steps {
+        let s = trainer.train_step(batch)?;
+        losses.push(s.loss);
+        ms += s.step_ms;
+    }
+    Ok((losses, trainer.master_params(), ms / case.steps.max(1) as f64))
+}
+
+fn norm_rel_err(reference: &[f32], candidate: &[f32]) -> f64 {
+    let (mut diff, mut norm) = (0f64, 0f64);
+    for (&r, &c) in reference.iter().zip(candidate) {
+        diff += (c as f64 - r as f64).powi(2);
+        norm += (r as f64).powi(2);
+    }
+    if candidate.iter().any(|x| !x.is_finite()) {
+        return f64::INFINITY;
+    }
+    (diff / norm.max(1e-30)).sqrt()
+}
+
+/// The reports as a table: a summary line per run, then the losses step by step.
+pub fn table(reports: &[TrainParityReport]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<6} {:>6} {:>12} {:>10} {:>12} {:>10} {:>9} {:>9}  result",
+        "dtype", "steps", "loss rel", "bound", "weights rel", "bound", "ref ms", "cand ms"
+    );
+    for r in reports {
+        let verdict = match &r.error {
+            Some(e) => format!("FAIL: {e}"),
+            None if r.passed() => "ok".into(),
+            None => "FAIL".into(),
+        };
+        let _ = writeln!(
+            out,
+            "{:<6} {:>6} {:>12.3e} {:>10.0e} {:>12.3e} {:>10.0e} {:>9.1} {:>9.1}  {verdict}",
+            r.dtype,
+            r.losses.len(),
+            r.worst_loss_rel_err(),
+            r.loss_bound,
+            r.weights_rel_err,
+            r.weights_bound,
+            r.reference_ms,
+            r.candidate_ms,
+        );
+    }
+    for r in reports.iter().filter(|r| !r.losses.is_empty()) {
+        let _ = writeln!(out, "{} losses (reference / candidate):", r.dtype);
+        for (i, (a, b)) in r.losses.iter().enumerate() {
+            let _ = writeln!(out, "  step {:>3}  {a:.6}  {b:.6}", i + 1);
+        }
+    }
+    out
+}
+
+/// The OOM drill: a budget between what plain training and fully checkpointed training need
+/// (by the estimator), so the plain run must fail with a typed OOM during its step and the
+/// checkpointed one must train within the budget.
+#[derive(Debug, Clone)]
+pub struct OomDrillReport {
+    pub capacity: usize,
+    /// The plain run's outcome: the OOM message, or why it is wrong.
+    pub plain: Result<String, String>,
+    /// The checkpointed run's outcome: its peak reserved bytes, or its error.
+    pub checkpointed: Result<usize, String>,
+}
+
+impl OomDrillReport {
+    pub fn passed(&self) -> bool {
+        self.plain.is_ok() && self.checkpointed.as_ref().is_ok_and(|&peak| peak <= self.capacity)
+    }
+}
+
+/// Run the drill in fp32 on backends made by `open(capacity)`.
+pub fn oom_drill<B: Backend>(open: impl Fn(usize) -> Result<B, String>, tokens: &[u32]) -> OomDrillReport {
+    use super::estimate::{estimate_step, Knobs};
+    let mut case = TrainParityCase::small(2);
+    case.cfg.block_size = 128;
+    (case.micro_batch, case.grad_accum) = (16, 1);
+    let knobs = |checkpointing| Knobs { checkpointing, ..Knobs::plain(case.micro_batch, case.cfg.block_size, 1) };
+    let plain = estimate_step(&case.cfg, &knobs(Checkpointing::None));
+    let full = estimate_step(&case.cfg, &knobs(Checkpointing::Full));
+    let capacity = full.reserved_allowance.max((plain.peak_allocated + full.peak_allocated) / 2);
+    let t = case.cfg.block_size;
+    let span = tokens.len().saturating_sub(t + 1).max(1) as u64;
+    let mut batch = |s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
+        let at = (mix64(s * 31 + i) % span) as usize;
+        inp.extend_from_slice(&tokens[at..at + t]);
+        tgt.extend_from_slice(&tokens[at + 1..at + t + 1]);
+    };
+    let mut attempt = |mode| -> Result<usize, String> {
+        let be = open(capacity)?;
+        let pool = be.pool().clone();
+        let mut c = case.clone();
+        c.checkpointing = mode;
+        let mut trainer = Trainer::<f32, B>::on_backend(c.cfg, c.hyper(), be, None).map_err(|e| e.to_string())?;
+        for _ in 0..c.steps {
+            trainer.train_step(&mut batch).map_err(|e| e.to_string())?;
+        }
+        Ok(pool.stats().peak_reserved)
+    };
+    let plain_outcome = match attempt(Checkpointing::None) {
+        Err(e) if e.contains("out of device memory") => Ok(e),
+        Err(e) => Err(format!("failed, but not with an OOM: {e}")),
+        Ok(peak) => Err(format!(
+            "fit in {capacity} B (peak reserved {peak} B) but the estimator says it needs {} B",
+            plain.peak_allocated
+        )),
+    };
+    OomDrillReport { capacity, plain: plain_outcome, checkpointed: attempt(Checkpointing::Full) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::backend::CpuBackend;
+    use crate::engine::parity::tests::Faulty;
+    use crate::memory::Pool;
+
+    fn tokens() -> Vec<u32> {
+        // The repository's corpus as bytes: a stream the model can learn from in a few steps.
+        let text = std::fs::read("data/shakespeare-tiny.txt").expect("data/shakespeare-tiny.txt");
+        text[..64 << 10].iter().map(|&b| b as u32).collect()
+    }
+
+    fn cpu() -> CpuBackend {
+        CpuBackend::new(Pool::new("cpu", 256 << 20))
+    }
+
+    #[test]
+    fn the_reference_trains_identically_on_a_second_instance() {
+        let case = TrainParityCase::small(6);
+        for report in [
+            train_parity::<f32, _, _>(cpu(), cpu(), &case, &tokens()),
+            train_parity::<half::bf16, _, _>(cpu(), cpu(), &case, &tokens()),
+        ] {
+            eprintln!("{}", table(std::slice::from_ref(&report)));
+            assert!(report.error.is_none(), "{:?}", report.error);
+            assert_eq!(report.losses.len(), 6);
+            assert!(report.losses.iter().all(|(r, c)| r.to_bits() == c.to_bits()), "{:?}", report.losses);
+            assert_eq!(report.weights_rel_err, 0.0);
+            assert!(report.passed());
+            assert!(report.losses[5].0 < report.losses[0].0, "the model learns: {:?}", report.losses);
+        }
+    }
+
+    #[test]
+    fn a_backend_with_a_planted_bug_fails_training_parity() {
+        let case = TrainParityCase::small(4);
+        let report = train_parity::<f32, _, _>(cpu(), Faulty(cpu()), &case, &tokens());
+        let table = table(std::slice::from_ref(&report));
+        eprintln!("{table}");
+        assert!(!report.passed(), "{table}");
+        assert!(table.contains("FAIL"));
+    }
+
+    #[test]
+    fn the_oom_drill_ooms_plain_and_fits_checkpointed() {
+        let report = oom_drill(|capacity| Ok(CpuBackend::new(Pool::new("cpu", capacity))), &tokens());
+        assert!(report.passed(), "{report:?}");
+        let message = report.plain.unwrap();
+        assert!(message.contains("out of device memory"), "{message}");
+    }
+
+    #[test]
+    fn a_candidate_that_runs_out_of_memory_is_a_failed_report_not_a_panic() {
+        let case = TrainParityCase::small(2);
+        let report = train_parity::<f32, _, _>(cpu(), CpuBackend::new(Pool::new("cpu", 1 << 20)), &case, &tokens());
+        let error = report.error.as_deref().expect("an error");
+        assert!(error.starts_with("candidate: ") && error.contains("out of device memory"), "{error}");
+        assert!(!report.passed());
+    }
+}
