@@ -466,7 +466,7 @@ pub struct Activations {
     pub logits: Option<Buffer>,
     pub losses: Buffer,
     /// Mean cross-entropy over the micro-batch (f64 accumulation on the host).
-    pub mean_loss: f32,
+    mean_loss: f32,
     /// Host traffic of activation offload so far in this forward/backward pair.
     pub swap: SwapStats,
     pub offload: OffloadTarget,

@@ -124,12 +124,7 @@ pub fn train_parity<E: Elem, R: Backend, C: Backend>(
         report.error = Some(format!("need more than {} tokens below {}", t + 1, case.cfg.vocab));
         return report;
     }
-    let span = (tokens.len() - t - 1) as u64;
-    let mut batch = |s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
-        let at = (mix64(s.wrapping_mul(0x9E37_79B9) ^ i) % span) as usize;
-        inp.extend_from_slice(&tokens[at..at + t]);
-        tgt.extend_from_slice(&tokens[at + 1..at + t + 1]);
-    };
+    let mut batch = sequences(tokens, t);
     let run = |side: &str, r: Result<(Vec<f32>, Vec<f32>, f64), super::backend::BackendError>| {
         r.map_err(|e| format!("{side}: {e}"))
     };
@@ -144,6 +139,17 @@ pub fn train_parity<E: Elem, R: Backend, C: Backend>(
         (Err(e), _) | (_, Err(e)) => report.error = Some(e),
     }
     report
+}
+
+/// The batch function over a token stream of more than `t + 1` ids: sequence `i` of step `s`
+/// is `t` tokens from an offset fixed by (s, i), its targets the same shifted by one.
+fn sequences(tokens: &[u32], t: usize) -> impl FnMut(u64, u64, &mut Vec<u32>, &mut Vec<u32>) + '_ {
+    let span = (tokens.len() - t - 1) as u64;
+    move |s, i, inp, tgt| {
+        let at = (mix64(s.wrapping_mul(0x9E37_79B9) ^ i) % span) as usize;
+        inp.extend_from_slice(&tokens[at..at + t]);
+        tgt.extend_from_slice(&tokens[at + 1..at + t + 1]);
+    }
 }
 
 /// Each step's loss, the final master weights and the mean step time.
@@ -240,12 +246,11 @@ pub fn oom_drill<B: Backend>(open: impl Fn(usize) -> Result<B, String>, tokens: 
     let full = estimate_step(&case.cfg, &knobs(Checkpointing::Full));
     let capacity = full.reserved_allowance.max((plain.peak_allocated + full.peak_allocated) / 2);
     let t = case.cfg.block_size;
-    let span = tokens.len().saturating_sub(t + 1).max(1) as u64;
-    let mut batch = |s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
-        let at = (mix64(s * 31 + i) % span) as usize;
-        inp.extend_from_slice(&tokens[at..at + t]);
-        tgt.extend_from_slice(&tokens[at + 1..at + t + 1]);
-    };
+    if tokens.len() <= t + 1 {
+        let short = format!("need more than {} tokens", t + 1);
+        return OomDrillReport { capacity, plain: Err(short.clone()), checkpointed: Err(short) };
+    }
+    let mut batch = sequences(tokens, t);
     let mut attempt = |mode| -> Result<usize, String> {
         let be = open(capacity)?;
         let pool = be.pool().clone();

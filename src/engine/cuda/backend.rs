@@ -245,6 +245,19 @@ impl CudaBackend {
         .map_err(|e| self.device_err(op, e))
     }
 
+    /// An elementwise op `<op>_<dtype>(out, inp, n)` over two views of equal length (GELU
+    /// forward / backward in place, residual add in place).
+    fn pointwise<E: Elem>(&self, op: &'static str, what: &str, out: ViewMut<E>, inp: View<E>) -> BackendResult {
+        let dt = suffix::<E>(self, op)?;
+        shapes::same(op, what, out.len(), inp.len())?;
+        self.launch(
+            op,
+            &format!("{op}_{dt}"),
+            elementwise(inp.len()),
+            &[Arg::Ptr(out.address()), Arg::Ptr(inp.address()), long(inp.len())],
+        )
+    }
+
     fn scratch(&self, bytes: usize) -> BackendResult<Buffer> {
         Ok(self.pool.alloc(bytes, Category::Workspace)?)
     }
@@ -750,39 +763,15 @@ impl Backend for CudaBackend {
     }
 
     fn gelu_forward<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult {
-        const OP: &str = "gelu_forward";
-        let dt = suffix::<E>(self, OP)?;
-        shapes::same(OP, "out", out.len(), inp.len())?;
-        self.launch(
-            OP,
-            &format!("gelu_forward_{dt}"),
-            elementwise(inp.len()),
-            &[Arg::Ptr(out.address()), Arg::Ptr(inp.address()), long(inp.len())],
-        )
+        self.pointwise("gelu_forward", "out", out, inp)
     }
 
     fn gelu_backward_inplace<E: Elem>(&self, dinout: ViewMut<E>, inp: View<E>) -> BackendResult {
-        const OP: &str = "gelu_backward";
-        let dt = suffix::<E>(self, OP)?;
-        shapes::same(OP, "dinout", dinout.len(), inp.len())?;
-        self.launch(
-            OP,
-            &format!("gelu_backward_{dt}"),
-            elementwise(inp.len()),
-            &[Arg::Ptr(dinout.address()), Arg::Ptr(inp.address()), long(inp.len())],
-        )
+        self.pointwise("gelu_backward", "dinout", dinout, inp)
     }
 
     fn residual_forward_inplace<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult {
-        const OP: &str = "residual_forward";
-        let dt = suffix::<E>(self, OP)?;
-        shapes::same(OP, "out", out.len(), inp.len())?;
-        self.launch(
-            OP,
-            &format!("residual_forward_{dt}"),
-            elementwise(inp.len()),
-            &[Arg::Ptr(out.address()), Arg::Ptr(inp.address()), long(inp.len())],
-        )
+        self.pointwise("residual_forward", "out", out, inp)
     }
 
     fn crossentropy_forward<E: Elem>(
