@@ -22,7 +22,7 @@ pub enum CheckpointError {
     Corrupt { path: PathBuf, message: String },
     #[error("checkpoint {path} does not match this model: {message}")]
     Mismatch { path: PathBuf, message: String },
-    #[error("checkpoint {path}: copying the state to the device: {message}")]
+    #[error("checkpoint {path}: copying the state between host and device: {message}")]
     Device { path: PathBuf, message: String },
 }
 

@@ -140,7 +140,7 @@ fn train<E: Elem>(setup: Setup, steps: u64, capacity: usize) -> Result<Vec<RankR
             out.push(trainer.train_step(&mut batch(setup.cfg))?);
         }
         trainer.evaluate(setup.micro_batch, &mut |i, inp, tgt| sequence(setup.cfg, u64::MAX, i as u64, inp, tgt))?;
-        let weights = trainer.full_master_params();
+        let weights = trainer.full_master_params()?;
         Ok(RankResult { steps: out, pool, weights })
     })
     .into_iter()
@@ -362,7 +362,7 @@ fn checkpoints_resume_under_another_stage_and_world_size() {
             trainer.restore(&path, ckpt).unwrap();
             assert_eq!(trainer.step, 4);
             let tail: Vec<f32> = (0..4).map(|_| trainer.train_step(&mut batch(CFG)).unwrap().loss).collect();
-            (tail, trainer.full_master_params())
+            (tail, trainer.full_master_params().unwrap())
         });
         for r in results {
             let (tail, weights) = r.unwrap();

@@ -166,7 +166,7 @@ fn train_on<E: Elem, B: Backend>(
         losses.push(s.loss);
         ms += s.step_ms;
     }
-    Ok((losses, trainer.master_params(), ms / case.steps.max(1) as f64))
+    Ok((losses, trainer.master_params()?, ms / case.steps.max(1) as f64))
 }
 
 fn norm_rel_err(reference: &[f32], candidate: &[f32]) -> f64 {

@@ -256,9 +256,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         } else {
             let mut master = if E::is_f32() { None } else { Some(alloc_f32(&pool, state_len, Category::Optimizer)?) };
             if let Some(mw) = master.as_mut() {
-                let mut padded = full[shard.clone()].to_vec();
-                padded.resize(state_len, 0.0);
-                backend.upload(ViewMut::of(mw), &padded)?;
+                backend.upload(ViewMut::range(mw, 0..k), &full[shard.clone()])?;
             }
             let mut m = alloc_f32(&pool, state_len, Category::Optimizer)?;
             let mut v = alloc_f32(&pool, state_len, Category::Optimizer)?;
@@ -316,42 +314,38 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         self.params_sharded
     }
 
-    /// `len` elements of `T` from the start of a state buffer, copied to the host.
-    fn download<T: bytemuck::Pod>(&self, buf: &Buffer, len: usize) -> Vec<T> {
-        let mut out = vec![T::zeroed(); len];
-        self.backend.download(View::range(buf, 0..len), &mut out).expect("download of the trainer's own state");
-        out
+    /// Elements `range` of a state buffer, copied to the host.
+    fn download<T: bytemuck::Pod>(&self, buf: &Buffer, range: Range<usize>) -> BackendResult<Vec<T>> {
+        let mut out = vec![T::zeroed(); range.len()];
+        self.backend.download(View::range(buf, range), &mut out)?;
+        Ok(out)
     }
 
     /// This rank's fp32 master weights (all of them unless the optimizer state is sharded),
     /// copied to the host.
-    pub fn master_params(&self) -> Vec<f32> {
+    pub fn master_params(&self) -> BackendResult<Vec<f32>> {
         let k = self.shard.len();
         match &self.opt {
-            OptimizerState::Device { master: Some(m), .. } => self.download(m, k),
+            OptimizerState::Device { master: Some(m), .. } => self.download(m, 0..k),
             OptimizerState::Device { master: None, .. } => {
                 let r = shard_in(self.params_sharded, &self.shard);
                 match &self.params {
-                    ParamStore::Device(buf) => {
-                        let mut out = vec![0f32; k];
-                        self.backend.download(View::range(buf, r), &mut out).expect("download of the weights");
-                        out
-                    }
+                    ParamStore::Device(buf) => self.download(buf, r),
                     ParamStore::Host(host) => {
-                        E::as_f32(&host[r]).expect("fp32 compute weights are the master").to_vec()
+                        Ok(E::as_f32(&host[r]).expect("fp32 compute weights are the master").to_vec())
                     }
                 }
             }
-            OptimizerState::Host { master, .. } => master.clone(),
+            OptimizerState::Host { master, .. } => Ok(master.clone()),
         }
     }
 
     /// This rank's AdamW first and second moments, copied to the host.
-    fn moments(&self) -> (Vec<f32>, Vec<f32>) {
+    fn moments(&self) -> BackendResult<(Vec<f32>, Vec<f32>)> {
         let k = self.shard.len();
         match &self.opt {
-            OptimizerState::Device { m, v, .. } => (self.download(m, k), self.download(v, k)),
-            OptimizerState::Host { m, v, .. } => (m.clone(), v.clone()),
+            OptimizerState::Device { m, v, .. } => Ok((self.download(m, 0..k)?, self.download(v, 0..k)?)),
+            OptimizerState::Host { m, v, .. } => Ok((m.clone(), v.clone())),
         }
     }
 
@@ -377,14 +371,14 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
     }
 
     /// All fp32 master weights (gathered from every rank when sharded: a collective).
-    pub fn full_master_params(&self) -> Vec<f32> {
-        self.gather_full(self.master_params())
+    pub fn full_master_params(&self) -> BackendResult<Vec<f32>> {
+        Ok(self.gather_full(self.master_params()?))
     }
 
     /// Full master weights and moments (gathered from every rank when sharded).
-    fn full_state(&self) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-        let (m, v) = self.moments();
-        (self.full_master_params(), self.gather_full(m), self.gather_full(v))
+    fn full_state(&self) -> BackendResult<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let (m, v) = self.moments()?;
+        Ok((self.full_master_params()?, self.gather_full(m), self.gather_full(v)))
     }
 
     pub fn loss_scale(&self) -> f64 {
@@ -613,7 +607,8 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             adam_t: self.adam_t,
             loss_scale: self.loss_scale,
         };
-        let (master, m, v) = self.full_state();
+        let (master, m, v) =
+            self.full_state().map_err(|e| CheckpointError::Device { path: run_dir.into(), message: e.to_string() })?;
         if self.rank() != 0 {
             // Every rank took part in gathering the state; rank 0 writes it.
             return Ok(checkpoint::checkpoint_path(run_dir, self.step));
@@ -770,18 +765,18 @@ mod tests {
         let (cfg, hyper) = tiny();
         let mut tr = Trainer::<half::f16>::new(cfg, hyper, Pool::new("cpu", 64 << 20)).unwrap();
         assert_eq!(tr.loss_scale(), INITIAL_LOSS_SCALE);
-        let before = tr.master_params();
+        let before = tr.master_params().unwrap();
         // A scale this large makes the fp16 gradients overflow to infinity.
         tr.set_loss_scale(1e30);
         let s = tr.train_step(&mut batch).unwrap();
         assert!(s.skipped, "overflowed step skipped");
         assert_eq!(s.loss_scale, 5e29, "scale halved");
         assert_eq!(tr.skipped_steps, 1);
-        assert_eq!(tr.master_params(), before, "weights untouched by a skipped step");
+        assert_eq!(tr.master_params().unwrap(), before, "weights untouched by a skipped step");
         tr.set_loss_scale(1024.0);
         let s = tr.train_step(&mut batch).unwrap();
         assert!(!s.skipped && s.grad_norm.is_finite());
-        assert_ne!(tr.master_params(), before, "a good step updates the weights");
+        assert_ne!(tr.master_params().unwrap(), before, "a good step updates the weights");
         assert_eq!(tr.step, 2, "the skipped step still consumed its batch");
     }
 
