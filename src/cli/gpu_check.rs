@@ -96,15 +96,20 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
         None => {}
         Some(tokens) => {
             if args.train_steps > 0 {
-                let case = train_parity::TrainParityCase::small(args.train_steps);
+                use train_parity::{train_parity, TrainParityCase};
+                let (plain, offloaded) =
+                    (TrainParityCase::small(args.train_steps), TrainParityCase::small_offloaded(args.train_steps));
                 let reports = vec![
-                    train_parity::train_parity::<f32, _, _>(cpu(), open(None)?, &case, tokens),
-                    train_parity::train_parity::<half::bf16, _, _>(cpu(), open(None)?, &case, tokens),
+                    train_parity::<f32, _, _>(cpu(), open(None)?, &plain, tokens),
+                    train_parity::<half::bf16, _, _>(cpu(), open(None)?, &plain, tokens),
+                    // Checkpointing, int8 activation offload, host weights and host optimizer:
+                    // every host↔device copy path of the trainer.
+                    train_parity::<half::bf16, _, _>(cpu(), open(None)?, &offloaded, tokens),
                 ];
                 print!("{}", train_parity::table(&reports));
                 for r in &reports {
                     checks.push(Check {
-                        name: format!("training parity {} ({} steps)", r.dtype, r.losses.len()),
+                        name: format!("training parity {} {} ({} steps)", r.case, r.dtype, r.losses.len()),
                         ok: r.passed(),
                         figure: match &r.error {
                             Some(e) => e.clone(),

@@ -142,6 +142,13 @@ impl<'a, T: Pod> View<'a, T> {
     pub fn address(&self) -> u64 {
         self.span.address
     }
+
+    /// The same elements marked host-visible: for `DeviceSim`, whose "device" memory is host
+    /// memory that only its ops may touch.
+    #[cfg(test)]
+    pub(crate) fn exposed(self) -> Self {
+        Self::new(Span { host_visible: true, ..self.span })
+    }
 }
 
 /// A writable run of `T` elements inside a pool buffer. It borrows the buffer exclusively;
@@ -238,6 +245,12 @@ impl<'a, T: Pod> ViewMut<'a, T> {
     pub fn as_view(&self) -> View<'_, T> {
         View::new(self.span)
     }
+
+    /// The same elements marked host-visible (see `View::exposed`).
+    #[cfg(test)]
+    pub(crate) fn exposed(self) -> Self {
+        Self::new(Span { host_visible: true, ..self.span })
+    }
 }
 
 /// The op set. Shapes follow llm.c: B batch, T time, C channels, NH heads, V vocabulary,
@@ -251,9 +264,23 @@ pub trait Backend {
     /// Wait for every op issued so far.
     fn synchronize(&self) -> BackendResult;
 
+    /// What `upload_ahead` hands back: the copy's completion, for `wait_copy`.
+    type Fence;
+
+    /// Copy host data to the device; done when it returns.
     fn upload<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult;
+    /// Copy device data to the host; done when it returns.
     fn download<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult;
     fn zero<T: Pod>(&self, dst: ViewMut<T>) -> BackendResult;
+
+    /// Start copying host data to the device off the compute stream (offload prefetch), so the
+    /// transfer overlaps the ops issued meanwhile. `src` may be reused when this returns; `dst`
+    /// holds the data only for ops issued after `wait_copy(fence)`, which must come before
+    /// `dst`'s buffer is read, written or freed. A backend without a copy engine copies now.
+    fn upload_ahead<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult<Self::Fence>;
+    /// Order every op issued from now on after the copy behind `fence` (does not block the
+    /// host on a device with streams).
+    fn wait_copy(&self, fence: Self::Fence) -> BackendResult;
 
     /// out: (B,T,C) = wte[inp] + wpe[t]; inp: (B,T); wte: (V,C); wpe: (maxT,C).
     fn encoder_forward<E: Elem>(
@@ -669,6 +696,8 @@ impl CpuBackend {
 }
 
 impl Backend for CpuBackend {
+    type Fence = ();
+
     fn device(&self) -> String {
         "cpu".into()
     }
@@ -690,6 +719,14 @@ impl Backend for CpuBackend {
     fn download<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult {
         shapes::same("download", "destination", dst.len(), src.len())?;
         dst.copy_from_slice(src.host());
+        Ok(())
+    }
+
+    fn upload_ahead<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult {
+        self.upload(dst, src)
+    }
+
+    fn wait_copy(&self, _fence: ()) -> BackendResult {
         Ok(())
     }
 

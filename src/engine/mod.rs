@@ -8,6 +8,8 @@ pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod data;
+#[cfg(test)]
+pub(crate) mod device_sim;
 pub mod estimate;
 pub mod layers;
 pub mod model;

@@ -386,22 +386,36 @@ impl HostTensor {
         }
     }
 
-    /// Bring the tensor back into a fresh device buffer (int8 is uploaded as int8 and
-    /// expanded on the device).
-    fn to_device<E: Elem, B: Backend>(&self, be: &B, c: usize) -> BackendResult<Buffer> {
+    /// Start bringing the tensor back into a fresh device buffer through the backend's copy
+    /// stream (int8 goes as int8, to be expanded on the device when it lands).
+    fn send_ahead<B: Backend>(&self, be: &B) -> BackendResult<Inbound<B::Fence>> {
         let pool = be.pool();
         let mut buf = pool.alloc(self.device_bytes(), Category::Activations)?;
         match self {
-            HostTensor::Plain { bytes } => be.upload(ViewMut::of(&mut buf), bytes)?,
+            HostTensor::Plain { bytes } => {
+                let fence = be.upload_ahead(ViewMut::of(&mut buf), bytes)?;
+                Ok(Inbound { buf, packed: None, fences: vec![fence] })
+            }
             HostTensor::Int8 { q, scales, .. } => {
                 let mut q_dev = pool.alloc(q.len(), Category::Workspace)?;
                 let mut scales_dev = alloc_f32(pool, scales.len(), Category::Workspace)?;
-                be.upload(ViewMut::of(&mut q_dev), q)?;
-                be.upload(ViewMut::of(&mut scales_dev), scales)?;
-                be.unpack_int8::<E>(ViewMut::of(&mut buf), View::of(&q_dev), View::of(&scales_dev), c)?;
+                let q_fence = be.upload_ahead(ViewMut::of(&mut q_dev), q)?;
+                let scales_fence = match be.upload_ahead(ViewMut::of(&mut scales_dev), scales) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        // The first copy must land before its buffer is freed.
+                        be.wait_copy(q_fence)?;
+                        return Err(e);
+                    }
+                };
+                Ok(Inbound { buf, packed: Some((q_dev, scales_dev)), fences: vec![q_fence, scales_fence] })
             }
         }
-        Ok(buf)
+    }
+
+    /// Bring the tensor back into a fresh device buffer now.
+    fn to_device<E: Elem, B: Backend>(&self, be: &B, c: usize) -> BackendResult<Buffer> {
+        self.send_ahead(be)?.land::<E, B>(be, c)
     }
 
     /// Copy (and decompress) into a host-visible buffer of `device_bytes()`: what the copy
@@ -410,6 +424,45 @@ impl HostTensor {
         match self {
             HostTensor::Plain { bytes } => buf.bytes_mut().copy_from_slice(bytes),
             HostTensor::Int8 { q, scales, .. } => unpack_int8(buf.as_mut_slice::<E>(), q, scales, c),
+        }
+    }
+}
+
+/// A block output on its way back to the device: its buffer, and for int8 the packed rows and
+/// scales it is expanded from, being filled by copies ahead (`Backend::upload_ahead`).
+struct Inbound<F> {
+    buf: Buffer,
+    packed: Option<(Buffer, Buffer)>,
+    fences: Vec<F>,
+}
+
+impl<F> Inbound<F> {
+    /// Order what follows after the copies (and expand int8 rows of `c`): the device buffer.
+    fn land<E: Elem, B: Backend<Fence = F>>(self, be: &B, c: usize) -> BackendResult<Buffer> {
+        let Inbound { mut buf, packed, fences } = self;
+        for fence in fences {
+            be.wait_copy(fence)?;
+        }
+        if let Some((q, scales)) = packed {
+            be.unpack_int8::<E>(ViewMut::of(&mut buf), View::of(&q), View::of(&scales), c)?;
+        }
+        Ok(buf)
+    }
+}
+
+/// The backward pass's block input in flight on a device pool: waited on however the pass
+/// ends, so no copy lands in memory the pool has handed out again.
+struct InboundSlot<'b, B: Backend> {
+    be: &'b B,
+    pending: Option<Inbound<B::Fence>>,
+}
+
+impl<B: Backend> Drop for InboundSlot<'_, B> {
+    fn drop(&mut self) {
+        if let Some(inbound) = self.pending.take() {
+            for fence in inbound.fences {
+                let _ = self.be.wait_copy(fence);
+            }
         }
     }
 }
@@ -574,7 +627,8 @@ fn forward_pass<E: Elem, B: Backend>(
     let mut layers: Vec<KeptLayer> = Vec::with_capacity(cfg.n_layer);
     for l in 0..cfg.n_layer {
         let mut a = alloc_layer_acts::<E>(cfg, pool, b, t)?;
-        let w = params.fetch(cfg.layer_range(l), (l + 1 < cfg.n_layer).then(|| cfg.layer_range(l + 1)))?;
+        let next = if l + 1 < cfg.n_layer { cfg.layer_range(l + 1) } else { cfg.lnf_range() };
+        let w = params.fetch(cfg.layer_range(l), Some(next))?;
         let x = layers.last().map(KeptLayer::output::<E>).unwrap_or(View::of(&encoded));
         layer_forward(be, &cfg.layer_view(w.view()), &mut a, x, b, t, c, nh)?;
         drop(w);
@@ -599,7 +653,7 @@ fn forward_pass<E: Elem, B: Backend>(
     let mut lnf_rstd = alloc_act::<E>(pool, g[5].0, g[5].1)?;
     let last = layers.last().map(KeptLayer::output::<E>).unwrap_or(View::of(&encoded));
     {
-        let w = params.fetch(cfg.lnf_range(), None)?;
+        let w = params.fetch(cfg.lnf_range(), Some(cfg.wte_range()))?;
         let (lnfw, lnfb) = w.view().split_at(c);
         be.layernorm_forward(
             ViewMut::of(&mut lnf),
@@ -784,7 +838,7 @@ pub fn backward<E: Elem, B: Backend>(
     let mut logits = acts.logits.take().expect("forward fills logits");
     be.crossentropy_backward_inplace::<E>(ViewMut::of(&mut logits), View::of(&acts.targets), dloss, v)?;
     {
-        let wte = params.fetch(cfg.wte_range(), None)?;
+        let wte = params.fetch(cfg.wte_range(), Some(cfg.lnf_range()))?;
         let gwte = grads.open(cfg.wte_range())?;
         be.matmul_backward(
             ViewMut::of(&mut dsmall),
@@ -819,16 +873,30 @@ pub fn backward<E: Elem, B: Backend>(
         grads.close(cfg.lnf_range());
     }
 
+    // The next block input coming back: by a copy worker thread into a host-visible pool, or
+    // through the backend's copy stream into a device pool.
     let mut prefetch: Option<std::thread::JoinHandle<(Buffer, f64)>> = None;
+    let mut inbound = InboundSlot { be, pending: None };
     for l in (0..cfg.n_layer).rev() {
         let kept = acts.layers.pop().expect("one KeptLayer per layer");
-        // This block's input (the previous block's output) must be on the device: prefetched by
-        // the copy worker during the previous iteration, or restored now.
+        // This block's input (the previous block's output) must be on the device: prefetched
+        // during the previous iteration, or restored now.
         if let Some(slot) = acts.layers.last_mut() {
             match slot {
                 KeptLayer::InFlight => {
-                    let (buf, ms) = prefetch.take().expect("a prefetch is in flight").join().expect("copy worker");
-                    acts.swap.transfer_ms += ms;
+                    let buf = match prefetch.take() {
+                        Some(worker) => {
+                            let (buf, ms) = worker.join().expect("copy worker");
+                            acts.swap.transfer_ms += ms;
+                            buf
+                        }
+                        None => {
+                            let t0 = std::time::Instant::now();
+                            let buf = inbound.pending.take().expect("a copy is in flight").land::<E, B>(be, c)?;
+                            acts.swap.transfer_ms += t0.elapsed().as_secs_f64() * 1e3;
+                            buf
+                        }
+                    };
                     *slot = KeptLayer::Output(buf);
                 }
                 KeptLayer::Host(h) => {
@@ -842,19 +910,24 @@ pub fn backward<E: Elem, B: Backend>(
             }
         }
         // Start bringing back the input of the block after this one, overlapping this backward.
-        // The copy worker writes host-visible memory itself; a device pool restores on use.
         let n = acts.layers.len();
-        if n >= 2 && pool.host_visible() && matches!(acts.layers[n - 2], KeptLayer::Host(_)) {
+        if n >= 2 && matches!(acts.layers[n - 2], KeptLayer::Host(_)) {
             let KeptLayer::Host(h) = std::mem::replace(&mut acts.layers[n - 2], KeptLayer::InFlight) else {
                 unreachable!("checked above")
             };
-            let mut buf = pool.alloc(h.device_bytes(), Category::Activations)?;
             acts.swap.bytes_to_device += h.host_bytes();
-            prefetch = Some(std::thread::spawn(move || {
+            if pool.host_visible() {
+                let mut buf = pool.alloc(h.device_bytes(), Category::Activations)?;
+                prefetch = Some(std::thread::spawn(move || {
+                    let t0 = std::time::Instant::now();
+                    h.fill_host::<E>(&mut buf, c);
+                    (buf, t0.elapsed().as_secs_f64() * 1e3)
+                }));
+            } else {
                 let t0 = std::time::Instant::now();
-                h.fill_host::<E>(&mut buf, c);
-                (buf, t0.elapsed().as_secs_f64() * 1e3)
-            }));
+                inbound.pending = Some(h.send_ahead(be)?);
+                acts.swap.transfer_ms += t0.elapsed().as_secs_f64() * 1e3;
+            }
         }
         if acts.offload != OffloadTarget::None {
             pool.set_host_bytes(Category::Activations, host_activation_bytes(&acts.layers));

@@ -496,6 +496,8 @@ pub(crate) mod tests {
 
     #[allow(clippy::too_many_arguments)]
     impl Backend for Faulty {
+        type Fence = ();
+
         fn device(&self) -> String {
             "faulty".into()
         }
@@ -510,6 +512,12 @@ pub(crate) mod tests {
         }
         fn download<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult {
             self.0.download(src, dst)
+        }
+        fn upload_ahead<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult {
+            self.0.upload_ahead(dst, src)
+        }
+        fn wait_copy(&self, fence: ()) -> BackendResult {
+            self.0.wait_copy(fence)
         }
         fn zero<T: Pod>(&self, dst: ViewMut<T>) -> BackendResult {
             self.0.zero(dst)

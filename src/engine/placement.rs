@@ -59,32 +59,56 @@ impl<E: Elem> ParamSource<E> for Resident<'_, E> {
 /// segment from its owners. A collective: every rank fetches the same ranges in the same order.
 /// Ranks exchange host memory (`LocalComm`), so this runs on the `cpu` device.
 pub struct Gathered<'a, E> {
-    pub shard: &'a [E],
-    pub own: Range<usize>,
-    pub comm: &'a LocalComm,
-    pub pool: &'a Pool,
+    shard: &'a [E],
+    own: Range<usize>,
+    comm: &'a LocalComm,
+    pool: &'a Pool,
+    /// The shard is kept in host memory (`offload.params`): this rank's part of each segment
+    /// crosses host→device when gathered, and is counted.
+    shard_on_host: bool,
+    swap: Mutex<SwapStats>,
+}
+
+impl<'a, E: Elem> Gathered<'a, E> {
+    pub fn new(shard: &'a [E], own: Range<usize>, comm: &'a LocalComm, pool: &'a Pool, shard_on_host: bool) -> Self {
+        Gathered { shard, own, comm, pool, shard_on_host, swap: Mutex::new(SwapStats::default()) }
+    }
 }
 
 impl<E: Elem> ParamSource<E> for Gathered<'_, E> {
     fn fetch(&self, range: Range<usize>, _next: Option<Range<usize>>) -> BackendResult<Weights<'_, E>> {
         let mut buf = self.pool.alloc(range.len() * E::BYTES, Category::Workspace)?;
         self.comm.gather_range(self.shard, self.own.clone(), range.start, buf.as_mut_slice::<E>());
+        if self.shard_on_host {
+            // Bytes only: the gather's time is mostly waiting for the other ranks.
+            let mine = range.end.min(self.own.end).saturating_sub(range.start.max(self.own.start));
+            self.swap.lock().unwrap_or_else(|e| e.into_inner()).bytes_to_device += mine * E::BYTES;
+        }
         Ok(Weights::Staged(buf))
+    }
+
+    fn swap(&self) -> SwapStats {
+        *self.swap.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
-/// A segment being copied host→device by the copy worker: its range and the worker, which
-/// hands back the filled buffer and the milliseconds the copy took.
-type InFlight = (Range<usize>, JoinHandle<(Buffer, f64)>);
+/// The next segment on its way to the device: its range, its buffer and how it is copied.
+enum Ahead<F> {
+    /// Host-visible pool: a copy worker thread fills the buffer and hands it back with the
+    /// milliseconds the copy took.
+    Worker(Range<usize>, JoinHandle<(Buffer, f64)>),
+    /// Device pool: the backend's copy stream is filling the buffer; `fence` says when.
+    Copy(Range<usize>, Buffer, F),
+}
 
 /// `offload.params: cpu`: the weights live in host memory. Each fetch copies its segment to a
-/// device buffer. On a host-visible pool it also starts copying the `next` segment on a copy
-/// worker, so the transfer overlaps the compute of this one; on a device pool the copy goes
-/// through the backend when the segment is asked for.
-pub struct HostStaged<'b, E, B> {
+/// device buffer and starts copying the `next` one, so the transfer overlaps the compute of
+/// this one: on a copy worker thread for a host-visible pool, on the backend's copy stream
+/// (`upload_ahead`) for a device pool.
+pub struct HostStaged<'b, E, B: Backend> {
     host: Arc<Vec<E>>,
     backend: &'b B,
-    ahead: Mutex<Option<InFlight>>,
+    ahead: Mutex<Option<Ahead<B::Fence>>>,
     swap: Mutex<SwapStats>,
 }
 
@@ -96,44 +120,73 @@ impl<'b, E: Elem, B: Backend> HostStaged<'b, E, B> {
     fn alloc(&self, elems: usize) -> Result<Buffer, OomError> {
         self.backend.pool().alloc(elems * E::BYTES, Category::Workspace)
     }
+
+    /// Start copying `range` to a fresh device buffer.
+    fn start(&self, range: Range<usize>) -> BackendResult<Ahead<B::Fence>> {
+        let mut buf = self.alloc(range.len())?;
+        if !self.backend.pool().host_visible() {
+            let fence = self.backend.upload_ahead(ViewMut::of(&mut buf), &self.host[range.clone()])?;
+            return Ok(Ahead::Copy(range, buf, fence));
+        }
+        let host = Arc::clone(&self.host);
+        let r = range.clone();
+        Ok(Ahead::Worker(
+            range,
+            std::thread::spawn(move || {
+                let t0 = std::time::Instant::now();
+                buf.as_mut_slice::<E>().copy_from_slice(&host[r]);
+                (buf, t0.elapsed().as_secs_f64() * 1e3)
+            }),
+        ))
+    }
+
+    /// Wait for a copy started by `start`: its range and the filled buffer.
+    fn finish(&self, ahead: Ahead<B::Fence>, swap: &mut SwapStats) -> BackendResult<(Range<usize>, Buffer)> {
+        match ahead {
+            Ahead::Worker(range, worker) => {
+                let (buf, ms) = worker.join().expect("copy worker");
+                swap.transfer_ms += ms;
+                Ok((range, buf))
+            }
+            Ahead::Copy(range, buf, fence) => {
+                self.backend.wait_copy(fence)?;
+                Ok((range, buf))
+            }
+        }
+    }
 }
 
 impl<E: Elem, B: Backend> ParamSource<E> for HostStaged<'_, E, B> {
     fn fetch(&self, range: Range<usize>, next: Option<Range<usize>>) -> BackendResult<Weights<'_, E>> {
         let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
         let mut swap = self.swap.lock().unwrap_or_else(|e| e.into_inner());
-        let buf = match ahead.take() {
-            Some((r, worker)) if r == range => {
-                let (buf, ms) = worker.join().expect("copy worker");
-                swap.transfer_ms += ms;
-                buf
-            }
-            stale => {
-                // A prefetch for a range the pass did not ask for is dropped (never happens
-                // with the model's own order, but a wrong hint must not be wrong weights).
-                if let Some((_, worker)) = stale {
-                    drop(worker.join());
-                }
-                let t0 = std::time::Instant::now();
+        let t0 = std::time::Instant::now();
+        let prefetched = match ahead.take() {
+            Some(a) => Some(self.finish(a, &mut swap)?),
+            None => None,
+        };
+        let buf = match prefetched {
+            Some((r, buf)) if r == range => buf,
+            // A prefetch for a range the pass did not ask for is dropped (never happens with
+            // the model's own order, but a wrong hint must not be wrong weights).
+            _ => {
+                let t1 = std::time::Instant::now();
                 let mut buf = self.alloc(range.len())?;
                 self.backend.upload(ViewMut::of(&mut buf), &self.host[range.clone()])?;
-                swap.transfer_ms += t0.elapsed().as_secs_f64() * 1e3;
+                if self.backend.pool().host_visible() {
+                    swap.transfer_ms += t1.elapsed().as_secs_f64() * 1e3;
+                }
                 buf
             }
         };
         swap.bytes_to_device += range.len() * E::BYTES;
-        if let Some(next) = next.filter(|_| self.backend.pool().host_visible()) {
-            let mut nbuf = self.alloc(next.len())?;
-            let host = Arc::clone(&self.host);
-            let r = next.clone();
-            *ahead = Some((
-                next,
-                std::thread::spawn(move || {
-                    let t0 = std::time::Instant::now();
-                    nbuf.as_mut_slice::<E>().copy_from_slice(&host[r]);
-                    (nbuf, t0.elapsed().as_secs_f64() * 1e3)
-                }),
-            ));
+        if let Some(next) = next {
+            *ahead = Some(self.start(next)?);
+        }
+        if !self.backend.pool().host_visible() {
+            // Copies on a stream are not timed on the host: count the host time they cost
+            // (waiting on a stale one, a synchronous copy, staging and issuing the next).
+            swap.transfer_ms += t0.elapsed().as_secs_f64() * 1e3;
         }
         Ok(Weights::Staged(buf))
     }
@@ -143,12 +196,17 @@ impl<E: Elem, B: Backend> ParamSource<E> for HostStaged<'_, E, B> {
     }
 }
 
-impl<E, B> Drop for HostStaged<'_, E, B> {
+impl<E, B: Backend> Drop for HostStaged<'_, E, B> {
     fn drop(&mut self) {
-        // The copy worker holds a handle on the host weights: it must be done before the
-        // optimizer may update them.
-        if let Some((_, worker)) = self.ahead.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
-            drop(worker.join());
+        // A copy in flight must land before its buffer is freed, and the copy worker holds a
+        // handle on the host weights: both must be done before the optimizer updates them.
+        match self.ahead.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(Ahead::Worker(_, worker)) => drop(worker.join()),
+            Some(Ahead::Copy(_, buf, fence)) => {
+                let _ = self.backend.wait_copy(fence);
+                drop(buf);
+            }
+            None => {}
         }
     }
 }

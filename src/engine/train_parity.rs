@@ -13,14 +13,20 @@ use super::model::GptConfig;
 use super::rng::mix64;
 use super::trainer::{Hyper, Trainer};
 
-/// What to train: a model, the batch split and the number of optimizer steps.
+/// What to train: a model, the batch split, the number of optimizer steps and the memory
+/// techniques in effect.
 #[derive(Debug, Clone)]
 pub struct TrainParityCase {
+    /// What the case exercises, for the table.
+    pub name: &'static str,
     pub cfg: GptConfig,
     pub micro_batch: usize,
     pub grad_accum: usize,
     pub steps: usize,
     pub checkpointing: Checkpointing,
+    pub offload_optimizer: bool,
+    pub offload_params: bool,
+    pub offload_activations: OffloadTarget,
 }
 
 impl TrainParityCase {
@@ -28,15 +34,33 @@ impl TrainParityCase {
     /// 20 steps in seconds, with gradient accumulation so the accumulate path is compared too.
     pub fn small(steps: usize) -> TrainParityCase {
         TrainParityCase {
+            name: "plain",
             cfg: GptConfig { n_layer: 2, n_head: 4, n_embd: 128, block_size: 64, vocab: 256 },
             micro_batch: 4,
             grad_accum: 2,
             steps,
             checkpointing: Checkpointing::None,
+            offload_optimizer: false,
+            offload_params: false,
+            offload_activations: OffloadTarget::None,
         }
     }
 
-    fn hyper(&self) -> Hyper {
+    /// `small` with every memory technique that moves data between host and device: full
+    /// checkpointing with block outputs offloaded as int8, weights and optimizer state in
+    /// host memory.
+    pub fn small_offloaded(steps: usize) -> TrainParityCase {
+        TrainParityCase {
+            name: "ckpt+offload",
+            checkpointing: Checkpointing::Full,
+            offload_optimizer: true,
+            offload_params: true,
+            offload_activations: OffloadTarget::CpuInt8,
+            ..Self::small(steps)
+        }
+    }
+
+    pub(crate) fn hyper(&self) -> Hyper {
         Hyper {
             steps: self.steps as u64,
             global_batch: self.micro_batch * self.grad_accum,
@@ -49,9 +73,9 @@ impl TrainParityCase {
             grad_clip: 1.0,
             seed: 1337,
             checkpointing: self.checkpointing,
-            offload_optimizer: false,
-            offload_params: false,
-            offload_activations: OffloadTarget::None,
+            offload_optimizer: self.offload_optimizer,
+            offload_params: self.offload_params,
+            offload_activations: self.offload_activations,
             world_size: 1,
             zero_stage: 0,
         }
@@ -61,6 +85,7 @@ impl TrainParityCase {
 /// The comparison of one training run on both backends.
 #[derive(Debug, Clone)]
 pub struct TrainParityReport {
+    pub case: &'static str,
     pub dtype: &'static str,
     /// (reference, candidate) loss of every step.
     pub losses: Vec<(f32, f32)>,
@@ -110,6 +135,7 @@ pub fn train_parity<E: Elem, R: Backend, C: Backend>(
 ) -> TrainParityReport {
     let (loss_bound, weights_bound) = bounds::<E>();
     let mut report = TrainParityReport {
+        case: case.name,
         dtype: E::NAME,
         losses: Vec::new(),
         weights_rel_err: f64::INFINITY,
@@ -143,7 +169,7 @@ pub fn train_parity<E: Elem, R: Backend, C: Backend>(
 
 /// The batch function over a token stream of more than `t + 1` ids: sequence `i` of step `s`
 /// is `t` tokens from an offset fixed by (s, i), its targets the same shifted by one.
-fn sequences(tokens: &[u32], t: usize) -> impl FnMut(u64, u64, &mut Vec<u32>, &mut Vec<u32>) + '_ {
+pub(crate) fn sequences(tokens: &[u32], t: usize) -> impl FnMut(u64, u64, &mut Vec<u32>, &mut Vec<u32>) + '_ {
     let span = (tokens.len() - t - 1) as u64;
     move |s, i, inp, tgt| {
         let at = (mix64(s.wrapping_mul(0x9E37_79B9) ^ i) % span) as usize;
@@ -186,8 +212,8 @@ pub fn table(reports: &[TrainParityReport]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<6} {:>6} {:>12} {:>10} {:>12} {:>10} {:>9} {:>9}  result",
-        "dtype", "steps", "loss rel", "bound", "weights rel", "bound", "ref ms", "cand ms"
+        "{:<13} {:<6} {:>6} {:>12} {:>10} {:>12} {:>10} {:>9} {:>9}  result",
+        "case", "dtype", "steps", "loss rel", "bound", "weights rel", "bound", "ref ms", "cand ms"
     );
     for r in reports {
         let verdict = match &r.error {
@@ -197,7 +223,8 @@ pub fn table(reports: &[TrainParityReport]) -> String {
         };
         let _ = writeln!(
             out,
-            "{:<6} {:>6} {:>12.3e} {:>10.0e} {:>12.3e} {:>10.0e} {:>9.1} {:>9.1}  {verdict}",
+            "{:<13} {:<6} {:>6} {:>12.3e} {:>10.0e} {:>12.3e} {:>10.0e} {:>9.1} {:>9.1}  {verdict}",
+            r.case,
             r.dtype,
             r.losses.len(),
             r.worst_loss_rel_err(),
@@ -209,7 +236,7 @@ pub fn table(reports: &[TrainParityReport]) -> String {
         );
     }
     for r in reports.iter().filter(|r| !r.losses.is_empty()) {
-        let _ = writeln!(out, "{} losses (reference / candidate):", r.dtype);
+        let _ = writeln!(out, "{} {} losses (reference / candidate):", r.case, r.dtype);
         for (i, (a, b)) in r.losses.iter().enumerate() {
             let _ = writeln!(out, "  step {:>3}  {a:.6}  {b:.6}", i + 1);
         }
@@ -277,6 +304,7 @@ pub fn oom_drill<B: Backend>(open: impl Fn(usize) -> Result<B, String>, tokens: 
 mod tests {
     use super::*;
     use crate::engine::backend::CpuBackend;
+    use crate::engine::device_sim::DeviceSim;
     use crate::engine::parity::tests::Faulty;
     use crate::memory::Pool;
 
@@ -305,6 +333,72 @@ mod tests {
             assert!(report.passed());
             assert!(report.losses[5].0 < report.losses[0].0, "the model learns: {:?}", report.losses);
         }
+    }
+
+    /// The device path (data in memory the host may not touch: uploads, downloads, optimizer
+    /// and offload copies through the backend) computes exactly what the host path does.
+    #[test]
+    fn the_device_path_trains_bit_identically_to_the_host_path() {
+        for case in [TrainParityCase::small(4), TrainParityCase::small_offloaded(4)] {
+            for report in [
+                train_parity::<f32, _, _>(cpu(), DeviceSim::new(256 << 20), &case, &tokens()),
+                train_parity::<half::bf16, _, _>(cpu(), DeviceSim::new(256 << 20), &case, &tokens()),
+            ] {
+                eprintln!("{}", table(std::slice::from_ref(&report)));
+                assert!(report.error.is_none(), "{} {}: {:?}", case.name, report.dtype, report.error);
+                assert_eq!(report.losses.len(), 4);
+                let identical = report.losses.iter().all(|(r, c)| r.to_bits() == c.to_bits());
+                assert!(identical, "{} {}: {:?}", case.name, report.dtype, report.losses);
+                assert_eq!(report.weights_rel_err, 0.0, "{} {}", case.name, report.dtype);
+            }
+        }
+    }
+
+    /// With everything resident on the device a step moves only its tokens up and its losses
+    /// down: no weight, gradient or optimizer traffic.
+    #[test]
+    fn a_step_on_a_device_moves_what_its_placement_says() {
+        let case = TrainParityCase::small(1);
+        let (b, t) = (case.micro_batch, case.cfg.block_size);
+        let mut trainer = Trainer::<half::bf16, _>::on_backend(case.cfg, case.hyper(), DeviceSim::new(256 << 20), None)
+            .expect("trainer");
+        let before = trainer.backend().traffic();
+        let n = case.cfg.num_params();
+        assert_eq!(before, (2 * n + 4 * n, 0), "bf16 weights and fp32 master uploaded once");
+        let tokens = tokens();
+        trainer.train_step(&mut sequences(&tokens, t)).unwrap();
+        let after = trainer.backend().traffic();
+        let per_micro = (2 * b * t * 4, b * t * 4);
+        let accum = case.grad_accum;
+        assert_eq!((after.0 - before.0, after.1 - before.1), (accum * per_micro.0, accum * per_micro.1));
+
+        // Offloaded, the weights go up for every pass and the gradients come down; the step's
+        // reported swap traffic is what actually crossed, less the tokens and losses.
+        let case = TrainParityCase::small_offloaded(1);
+        let mut trainer = Trainer::<half::bf16, _>::on_backend(case.cfg, case.hyper(), DeviceSim::new(256 << 20), None)
+            .expect("trainer");
+        let before = trainer.backend().traffic();
+        let stats = trainer.train_step(&mut sequences(&tokens, t)).unwrap();
+        let after = trainer.backend().traffic();
+        let (up, down) = (after.0 - before.0, after.1 - before.1);
+        let swap = stats.swap.expect("offloading reports its traffic");
+        eprintln!("offloaded step: {up} B up, {down} B down, reported {swap:?}");
+        assert!(up >= 2 * accum * 2 * n, "bf16 weights up for forward and backward of each micro-batch: {up}");
+        assert!(down >= 2 * n, "bf16 gradients down to the host optimizer: {down}");
+        assert_eq!((swap.bytes_to_device, swap.bytes_to_host), (up - accum * per_micro.0, down - accum * per_micro.1));
+        // Every weight segment but the first of each pass (the embeddings forward, the tied
+        // classifier backward) goes ahead of its use through the copy stream, and so do the
+        // offloaded block outputs.
+        let ahead = trainer.backend().copied_ahead();
+        let (c, v, t_max) = (case.cfg.n_embd, case.cfg.vocab, case.cfg.block_size);
+        let first_segments = accum * ((v + t_max) * c + v * c) * 2;
+        assert_eq!(ahead, up - accum * per_micro.0 - first_segments, "bytes that went ahead");
+    }
+
+    #[test]
+    fn the_oom_drill_passes_on_the_device_path() {
+        let report = oom_drill(|capacity| Ok(DeviceSim::new(capacity)), &tokens());
+        assert!(report.passed(), "{report:?}");
     }
 
     #[test]

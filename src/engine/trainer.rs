@@ -146,7 +146,7 @@ impl<E: Elem> ParamStore<E> {
 pub use super::model::SwapStats;
 
 /// The weight source a pass reads through, for where the weights are kept.
-enum Source<'a, E, B> {
+enum Source<'a, E, B: Backend> {
     Resident(Resident<'a, E>),
     Gathered(Gathered<'a, E>),
     Host(HostStaged<'a, E, B>),
@@ -554,20 +554,24 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                 let mut transfer = t0.elapsed();
                 opt.update::<f32>(tensors, master, host_grads, grad_mult, m, v);
                 let t1 = std::time::Instant::now();
-                match &mut self.params {
+                // The updated compute weights go to the device, unless they live on the host
+                // too (offload.params): then the next pass stages them and counts that.
+                let bytes_to_device = match &mut self.params {
                     ParamStore::Device(buf) => {
                         narrow::<E>(&mut staged, master);
                         be.upload(ViewMut::range(buf, params_at), &staged)?;
+                        k * E::BYTES
                     }
                     ParamStore::Host(host) => {
                         let host = Arc::get_mut(host).expect("no copy worker holds the weights between passes");
                         narrow::<E>(&mut host[params_at], master);
+                        0
                     }
-                }
+                };
                 transfer += t1.elapsed();
                 Ok(SwapStats {
                     bytes_to_host: k * E::BYTES,
-                    bytes_to_device: k * E::BYTES,
+                    bytes_to_device,
                     transfer_ms: transfer.as_secs_f64() * 1e3,
                 })
             }
@@ -714,12 +718,13 @@ fn source_of<'a, E: Elem, B: Backend>(
     backend: &'a B,
 ) -> Source<'a, E, B> {
     match (params, sharded, comm) {
-        (store, true, Some(comm)) => Source::Gathered(Gathered {
-            shard: &store.as_slice()[..shard.len()],
-            own: shard.clone(),
+        (store, true, Some(comm)) => Source::Gathered(Gathered::new(
+            &store.as_slice()[..shard.len()],
+            shard.clone(),
             comm,
-            pool: backend.pool(),
-        }),
+            backend.pool(),
+            matches!(store, ParamStore::Host(_)),
+        )),
         (ParamStore::Host(host), _, _) => Source::Host(HostStaged::new(Arc::clone(host), backend)),
         (ParamStore::Device(buf), _, _) => Source::Resident(Resident(View::of(buf))),
     }

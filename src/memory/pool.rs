@@ -161,6 +161,13 @@ impl Pool {
         self.host_visible
     }
 
+    /// The same pool (capacity, cache, counters) handing out buffers marked host-visible or
+    /// not: tests simulate a device whose memory the engine must not read directly.
+    #[cfg(test)]
+    pub(crate) fn seen_as(&self, host_visible: bool) -> Pool {
+        Pool { host_visible, ..self.clone() }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, PoolInner> {
         // A poisoned lock means a panic while holding it; the bookkeeping is still consistent
         // because every mutation completes before any call that could panic.

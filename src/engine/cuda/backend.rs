@@ -1,19 +1,26 @@
 //! `CudaBackend`: the `Backend` ops on one CUDA device — a pool over cuMemAlloc'd segments,
 //! every kernel family compiled by NVRTC for the device's architecture and loaded once, matmuls
-//! and attention products through cuBLAS (fp32 accumulation, no TF32), all on one stream.
+//! and attention products through cuBLAS (fp32 accumulation, no TF32), all on one compute
+//! stream; offload prefetch (`upload_ahead`) on a second, copy stream, ordered by events.
 //!
 //! Status: compile-checked only. It has not yet run on a GPU; `headroom gpu-check` (and
 //! `scripts/gpu-check.sh`) compares every op against `CpuBackend` on a machine that has one.
 //!
 //! Stream ordering makes the pool's reuse safe: a block freed after an op was issued is only
-//! handed to ops issued later on the same stream. Host copies synchronise before returning.
+//! handed to ops issued later on the same stream. A copy ahead first waits for everything
+//! issued on the compute stream (its destination may be memory freed by those ops), and the
+//! compute stream waits for the copy (`wait_copy`) before using it. Its source is staged
+//! through page-locked host memory so the copy engine reads it while the host goes on.
+//! Synchronous host copies synchronise before returning.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bytemuck::Pod;
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
-use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    result as drv, CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+};
 
 use crate::memory::{Buffer, Category, Pool, SegmentSource};
 
@@ -50,6 +57,46 @@ impl SegmentSource for CudaSegments {
 
     fn host_visible(&self) -> bool {
         false
+    }
+}
+
+/// Page-locked host memory that copies ahead are staged through; reused once the copy that
+/// last read it has completed.
+struct Staging {
+    ptr: *mut u8,
+    bytes: usize,
+    /// Recorded on the copy stream after the last copy out of this buffer.
+    done: CudaEvent,
+}
+
+// SAFETY: the pointer is page-locked host memory owned by this value alone, touched only under
+// the backend's staging lock.
+unsafe impl Send for Staging {}
+
+/// Staging buffers are rounded up to this, so segments of similar size share one.
+const STAGING_ROUND: usize = 1 << 20;
+
+impl Staging {
+    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Staging, DriverError> {
+        let bytes = bytes.div_ceil(STAGING_ROUND) * STAGING_ROUND;
+        let done = ctx.new_event(None)?;
+        // SAFETY: a plain page-locked allocation; freed in Drop.
+        let ptr = unsafe { drv::malloc_host(bytes, 0) }? as *mut u8;
+        Ok(Staging { ptr, bytes, done })
+    }
+
+    /// No copy is reading it (an event never recorded counts as complete).
+    fn idle(&self) -> bool {
+        self.done.is_complete()
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let _ = self.done.synchronize();
+        let _ = self.done.context().bind_to_thread();
+        // SAFETY: allocated by malloc_host in `new`; the copy reading it has completed.
+        let _ = unsafe { drv::free_host(self.ptr as *mut std::ffi::c_void) };
     }
 }
 
@@ -129,6 +176,9 @@ pub struct CudaBackend {
     name: String,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// Offload prefetch: host→device copies that overlap the compute stream.
+    copy: Arc<CudaStream>,
+    staging: Mutex<Vec<Staging>>,
     blas: CudaBlas,
     functions: HashMap<String, CudaFunction>,
     pool: Pool,
@@ -160,6 +210,7 @@ impl CudaBackend {
         let (major, minor) = ctx.compute_capability().map_err(|e| err("compute capability query")(&e))?;
         let arch = format!("sm_{major}{minor}");
         let stream = ctx.default_stream();
+        let copy = ctx.new_stream().map_err(|e| err("copy stream creation")(&e))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS handle creation")(&e))?;
         let mut functions = HashMap::new();
         for (family, _) in KERNELS {
@@ -173,7 +224,7 @@ impl CudaBackend {
         let (free, _total) = ctx.mem_get_info().map_err(|e| err("memory query")(&e))?;
         let capacity = device_memory.unwrap_or(free);
         let pool = Pool::with_source(&format!("cuda:{index}"), capacity, Arc::new(CudaSegments { ctx: ctx.clone() }));
-        Ok(CudaBackend { index, name, ctx, stream, blas, functions, pool })
+        Ok(CudaBackend { index, name, ctx, stream, copy, staging: Mutex::new(Vec::new()), blas, functions, pool })
     }
 
     /// The device's marketing name, e.g. "NVIDIA H200".
@@ -276,6 +327,8 @@ impl CudaBackend {
 }
 
 impl Backend for CudaBackend {
+    type Fence = CudaEvent;
+
     fn device(&self) -> String {
         format!("cuda:{}", self.index)
     }
@@ -285,7 +338,47 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self) -> BackendResult {
+        self.copy.synchronize().map_err(|e| self.device_err("synchronize", e))?;
         self.stream.synchronize().map_err(|e| self.device_err("synchronize", e))
+    }
+
+    fn upload_ahead<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult<CudaEvent> {
+        const OP: &str = "upload_ahead";
+        shapes::same(OP, "destination", dst.len(), src.len())?;
+        let e = |err: DriverError| self.device_err(OP, err);
+        self.ctx.bind_to_thread().map_err(e)?;
+        // The destination may be pool memory that ops issued until now still use: the copy
+        // starts after them.
+        let issued = self.stream.record_event(None).map_err(e)?;
+        self.copy.wait(&issued).map_err(e)?;
+        let bytes: &[u8] = bytemuck::cast_slice(src);
+        if !bytes.is_empty() {
+            let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+            let at = match staging.iter().position(|s| s.bytes >= bytes.len() && s.idle()) {
+                Some(i) => i,
+                None => {
+                    // Every idle buffer is too small: replace them with one that fits.
+                    staging.retain(|s| !s.idle());
+                    staging.push(Staging::new(&self.ctx, bytes.len()).map_err(e)?);
+                    staging.len() - 1
+                }
+            };
+            let slot = &staging[at];
+            // SAFETY: the slot holds at least bytes.len() bytes and no copy reads it (idle).
+            let staged = unsafe {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), slot.ptr, bytes.len());
+                std::slice::from_raw_parts(slot.ptr as *const u8, bytes.len())
+            };
+            // SAFETY: dst holds bytes.len() bytes and stays allocated until `wait_copy` (the
+            // contract); the staged source stays untouched until `slot.done` completes.
+            unsafe { drv::memcpy_htod_async(dst.address(), staged, self.copy.cu_stream()) }.map_err(e)?;
+            slot.done.record(&self.copy).map_err(e)?;
+        }
+        self.copy.record_event(None).map_err(e)
+    }
+
+    fn wait_copy(&self, fence: CudaEvent) -> BackendResult {
+        self.stream.wait(&fence).map_err(|e| self.device_err("wait_copy", e))
     }
 
     fn upload<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult {

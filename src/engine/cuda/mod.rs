@@ -1,8 +1,7 @@
 //! The CUDA backend's foundations: the kernel sources of kernels/ (one .cu per op family, entry
 //! points `<op>_<dtype>`), their NVRTC compilation (cached once per process and architecture),
 //! and the library probes that turn "no driver" into a typed error instead of cudarc's panic.
-//! `backend` executes the `Backend` ops on a device; the model and trainer do not run on it yet,
-//! so `headroom train` on `cuda` stops with a clear error.
+//! `backend` executes the `Backend` ops on a device, which `headroom train` on `cuda` runs.
 
 mod backend;
 pub use backend::CudaBackend;

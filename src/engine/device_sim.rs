@@ -1,0 +1,371 @@
+//! `DeviceSim`: the CPU reference posing as a device whose memory the host may not read, so the
+//! device path of the model and trainer (uploads, downloads, backend-side optimizer, no host
+//! access to pool buffers) runs and is tested on a machine without a GPU.
+//!
+//! Its pool hands out buffers marked not host-visible: any host read or write of one outside
+//! this backend's ops panics ("host read of device memory"), as a CUDA pointer would fault.
+//! Each op exposes its views and runs the CPU reference on them; transfers are counted.
+//! A copy ahead behaves like one on a copy stream at its worst: the destination reads as NaN
+//! until `wait_copy`, and a fence dropped without being waited on panics.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use bytemuck::Pod;
+
+use crate::memory::Pool;
+
+use super::backend::{Backend, BackendResult, CpuBackend, View, ViewMut};
+use super::layers::Elem;
+use super::optim::AdamW;
+
+/// A copy ahead that has not landed: where to, and the bytes (taken when it was issued).
+pub(crate) struct PendingCopy {
+    address: u64,
+    bytes: Vec<u8>,
+    landed: bool,
+}
+
+impl Drop for PendingCopy {
+    fn drop(&mut self) {
+        if !self.landed && !std::thread::panicking() {
+            panic!("a copy ahead to {:#x} was dropped without wait_copy", self.address);
+        }
+    }
+}
+
+pub(crate) struct DeviceSim {
+    /// The pool as the engine sees it: device memory.
+    pool: Pool,
+    /// The reference over the same pool seen as host memory (its scratch buffers included).
+    cpu: CpuBackend,
+    uploaded: AtomicUsize,
+    downloaded: AtomicUsize,
+    /// Of `uploaded`, the bytes that went through `upload_ahead`.
+    ahead: AtomicUsize,
+}
+
+impl DeviceSim {
+    pub(crate) fn new(capacity: usize) -> DeviceSim {
+        let host = Pool::new("sim:0", capacity);
+        DeviceSim {
+            pool: host.seen_as(false),
+            cpu: CpuBackend::new(host),
+            uploaded: AtomicUsize::new(0),
+            downloaded: AtomicUsize::new(0),
+            ahead: AtomicUsize::new(0),
+        }
+    }
+
+    /// Bytes uploaded through `upload_ahead` so far.
+    pub(crate) fn copied_ahead(&self) -> usize {
+        self.ahead.load(Ordering::Relaxed)
+    }
+
+    /// Bytes copied host→device and device→host so far.
+    pub(crate) fn traffic(&self) -> (usize, usize) {
+        (self.uploaded.load(Ordering::Relaxed), self.downloaded.load(Ordering::Relaxed))
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+impl Backend for DeviceSim {
+    type Fence = PendingCopy;
+
+    fn device(&self) -> String {
+        "sim:0".into()
+    }
+    fn pool(&self) -> &Pool {
+        &self.pool
+    }
+    fn synchronize(&self) -> BackendResult {
+        Ok(())
+    }
+    fn upload<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult {
+        self.uploaded.fetch_add(std::mem::size_of_val(src), Ordering::Relaxed);
+        self.cpu.upload(dst.exposed(), src)
+    }
+    fn download<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult {
+        self.downloaded.fetch_add(std::mem::size_of_val(dst), Ordering::Relaxed);
+        self.cpu.download(src.exposed(), dst)
+    }
+    fn zero<T: Pod>(&self, dst: ViewMut<T>) -> BackendResult {
+        self.cpu.zero(dst.exposed())
+    }
+    fn upload_ahead<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult<PendingCopy> {
+        crate::engine::backend::shapes::same("upload_ahead", "destination", dst.len(), src.len())?;
+        let bytes = bytemuck::cast_slice::<T, u8>(src).to_vec();
+        self.uploaded.fetch_add(bytes.len(), Ordering::Relaxed);
+        self.ahead.fetch_add(bytes.len(), Ordering::Relaxed);
+        let mut dst = dst.exposed();
+        bytemuck::cast_slice_mut::<T, u8>(dst.host_mut()).fill(0xFF);
+        Ok(PendingCopy { address: dst.address(), bytes, landed: false })
+    }
+    fn wait_copy(&self, mut fence: PendingCopy) -> BackendResult {
+        // SAFETY: the contract of `upload_ahead`: the destination buffer, host memory of this
+        // pool, is alive and not otherwise accessed until its fence is waited on.
+        unsafe { std::ptr::copy_nonoverlapping(fence.bytes.as_ptr(), fence.address as *mut u8, fence.bytes.len()) };
+        fence.landed = true;
+        Ok(())
+    }
+    fn encoder_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        inp: View<u32>,
+        wte: View<E>,
+        wpe: View<E>,
+        t: usize,
+        c: usize,
+    ) -> BackendResult {
+        self.cpu.encoder_forward(out.exposed(), inp.exposed(), wte.exposed(), wpe.exposed(), t, c)
+    }
+    fn encoder_backward<E: Elem>(
+        &self,
+        dwte: ViewMut<E>,
+        dwpe: ViewMut<E>,
+        dout: View<E>,
+        inp: View<u32>,
+        t: usize,
+        c: usize,
+    ) -> BackendResult {
+        self.cpu.encoder_backward(dwte.exposed(), dwpe.exposed(), dout.exposed(), inp.exposed(), t, c)
+    }
+    fn layernorm_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        mean: ViewMut<f32>,
+        rstd: ViewMut<f32>,
+        inp: View<E>,
+        weight: View<E>,
+        bias: View<E>,
+        c: usize,
+    ) -> BackendResult {
+        let (out, mean, rstd) = (out.exposed(), mean.exposed(), rstd.exposed());
+        self.cpu.layernorm_forward(out, mean, rstd, inp.exposed(), weight.exposed(), bias.exposed(), c)
+    }
+    fn layernorm_recompute<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        inp: View<E>,
+        weight: View<E>,
+        bias: View<E>,
+        mean: View<f32>,
+        rstd: View<f32>,
+        c: usize,
+    ) -> BackendResult {
+        let (inp, weight, bias) = (inp.exposed(), weight.exposed(), bias.exposed());
+        self.cpu.layernorm_recompute(out.exposed(), inp, weight, bias, mean.exposed(), rstd.exposed(), c)
+    }
+    fn layernorm_backward<E: Elem>(
+        &self,
+        dinp: ViewMut<E>,
+        dweight: ViewMut<E>,
+        dbias: ViewMut<E>,
+        dout: View<E>,
+        inp: View<E>,
+        weight: View<E>,
+        mean: View<f32>,
+        rstd: View<f32>,
+        c: usize,
+    ) -> BackendResult {
+        let (dinp, dweight, dbias) = (dinp.exposed(), dweight.exposed(), dbias.exposed());
+        let (dout, inp, weight) = (dout.exposed(), inp.exposed(), weight.exposed());
+        self.cpu.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean.exposed(), rstd.exposed(), c)
+    }
+    fn matmul_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        inp: View<E>,
+        weight: View<E>,
+        bias: Option<View<E>>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> BackendResult {
+        let bias = bias.map(View::exposed);
+        self.cpu.matmul_forward(out.exposed(), inp.exposed(), weight.exposed(), bias, n, c, oc)
+    }
+    fn matmul_backward<E: Elem>(
+        &self,
+        dinp: ViewMut<E>,
+        dweight: ViewMut<E>,
+        dbias: Option<ViewMut<E>>,
+        dout: View<E>,
+        inp: View<E>,
+        weight: View<E>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> BackendResult {
+        let (dinp, dweight, dbias) = (dinp.exposed(), dweight.exposed(), dbias.map(ViewMut::exposed));
+        self.cpu.matmul_backward(dinp, dweight, dbias, dout.exposed(), inp.exposed(), weight.exposed(), n, c, oc)
+    }
+    fn attention_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        att: ViewMut<E>,
+        qkv: View<E>,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) -> BackendResult {
+        self.cpu.attention_forward(out.exposed(), att.exposed(), qkv.exposed(), b, t, c, nh)
+    }
+    fn attention_backward<E: Elem>(
+        &self,
+        dqkv: ViewMut<E>,
+        dout: View<E>,
+        qkv: View<E>,
+        att: View<E>,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) -> BackendResult {
+        self.cpu.attention_backward(dqkv.exposed(), dout.exposed(), qkv.exposed(), att.exposed(), b, t, c, nh)
+    }
+    fn gelu_forward<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult {
+        self.cpu.gelu_forward(out.exposed(), inp.exposed())
+    }
+    fn gelu_backward_inplace<E: Elem>(&self, dinout: ViewMut<E>, inp: View<E>) -> BackendResult {
+        self.cpu.gelu_backward_inplace(dinout.exposed(), inp.exposed())
+    }
+    fn residual_forward_inplace<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult {
+        self.cpu.residual_forward_inplace(out.exposed(), inp.exposed())
+    }
+    fn crossentropy_forward<E: Elem>(
+        &self,
+        logits: ViewMut<E>,
+        losses: ViewMut<f32>,
+        targets: View<u32>,
+        v: usize,
+    ) -> BackendResult {
+        self.cpu.crossentropy_forward(logits.exposed(), losses.exposed(), targets.exposed(), v)
+    }
+    fn crossentropy_backward_inplace<E: Elem>(
+        &self,
+        probs: ViewMut<E>,
+        targets: View<u32>,
+        dloss: f32,
+        v: usize,
+    ) -> BackendResult {
+        self.cpu.crossentropy_backward_inplace(probs.exposed(), targets.exposed(), dloss, v)
+    }
+    fn adamw<E: Elem>(
+        &self,
+        master: ViewMut<f32>,
+        params: Option<ViewMut<E>>,
+        grads: View<E>,
+        m: ViewMut<f32>,
+        v: ViewMut<f32>,
+        step: &AdamW,
+        decay: bool,
+        grad_mult: f32,
+    ) -> BackendResult {
+        let (master, params) = (master.exposed(), params.map(ViewMut::exposed));
+        self.cpu.adamw(master, params, grads.exposed(), m.exposed(), v.exposed(), step, decay, grad_mult)
+    }
+    fn sum_squares<E: Elem>(&self, x: View<E>) -> BackendResult<f64> {
+        self.cpu.sum_squares(x.exposed())
+    }
+    fn narrow<E: Elem>(&self, dst: ViewMut<E>, src: View<f32>) -> BackendResult {
+        self.cpu.narrow(dst.exposed(), src.exposed())
+    }
+    fn widen<E: Elem>(&self, dst: ViewMut<f32>, src: View<E>) -> BackendResult {
+        self.cpu.widen(dst.exposed(), src.exposed())
+    }
+    fn pack_int8<E: Elem>(&self, q: ViewMut<i8>, scales: ViewMut<f32>, x: View<E>, c: usize) -> BackendResult {
+        self.cpu.pack_int8(q.exposed(), scales.exposed(), x.exposed(), c)
+    }
+    fn unpack_int8<E: Elem>(&self, x: ViewMut<E>, q: View<i8>, scales: View<f32>, c: usize) -> BackendResult {
+        self.cpu.unpack_int8(x.exposed(), q.exposed(), scales.exposed(), c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::checkpoint;
+    use crate::engine::train_parity::{sequences, TrainParityCase};
+    use crate::engine::trainer::Trainer;
+    use crate::memory::Category;
+
+    fn tokens() -> Vec<u32> {
+        let text = std::fs::read("data/shakespeare-tiny.txt").expect("data/shakespeare-tiny.txt");
+        text[..64 << 10].iter().map(|&b| b as u32).collect()
+    }
+
+    /// A checkpoint written from the device and resumed on another device instance continues
+    /// exactly where an uninterrupted host run would be, and evaluation reads the same losses.
+    #[test]
+    fn checkpoints_and_evaluation_on_the_device_path_match_the_host() {
+        let tokens = tokens();
+        for case in [TrainParityCase::small(4), TrainParityCase::small_offloaded(4)] {
+            let t = case.cfg.block_size;
+            let host = Pool::new("cpu", 256 << 20);
+            let mut reference = Trainer::<half::bf16>::new(case.cfg, case.hyper(), host).unwrap();
+            let expected: Vec<f32> =
+                (0..4).map(|_| reference.train_step(&mut sequences(&tokens, t)).unwrap().loss).collect();
+
+            let dir = tempfile::tempdir().unwrap();
+            let open = || Trainer::<half::bf16, _>::on_backend(case.cfg, case.hyper(), DeviceSim::new(256 << 20), None);
+            let mut first = open().unwrap();
+            for _ in 0..2 {
+                first.train_step(&mut sequences(&tokens, t)).unwrap();
+            }
+            first.save_checkpoint(dir.path()).unwrap();
+            drop(first);
+            let (path, ckpt) = checkpoint::load_latest(dir.path(), |e| panic!("{e}")).expect("a checkpoint");
+            let mut resumed = open().unwrap();
+            resumed.restore(&path, ckpt).unwrap();
+            assert_eq!(resumed.step, 2);
+            let tail: Vec<f32> = (0..2).map(|_| resumed.train_step(&mut sequences(&tokens, t)).unwrap().loss).collect();
+            assert_eq!(tail, expected[2..], "{}: resumed losses", case.name);
+            assert_eq!(resumed.master_params().unwrap(), reference.master_params().unwrap(), "{}", case.name);
+
+            let mut eval = |i: usize, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
+                sequences(&tokens, t)(u64::MAX, i as u64, inp, tgt);
+            };
+            let (on_device, on_host) =
+                (resumed.evaluate(6, &mut eval).unwrap(), reference.evaluate(6, &mut eval).unwrap());
+            assert_eq!(on_device.to_bits(), on_host.to_bits(), "{}: validation loss", case.name);
+        }
+    }
+
+    #[test]
+    fn a_copy_ahead_lands_only_when_waited_on() {
+        let sim = DeviceSim::new(16 << 20);
+        let mut a = sim.pool().alloc(16, Category::Activations).unwrap();
+        let fence = sim.upload_ahead(ViewMut::of(&mut a), &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
+        let mut out = [0f32; 4];
+        sim.download(View::of(&a), &mut out).unwrap();
+        assert!(out.iter().all(|x| x.is_nan()), "not there before wait_copy: {out:?}");
+        sim.wait_copy(fence).unwrap();
+        sim.download(View::of(&a), &mut out).unwrap();
+        assert_eq!(out, [1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(sim.copied_ahead(), 16);
+
+        let forgotten = sim.upload_ahead(ViewMut::of(&mut a), &[0f32; 4]).unwrap();
+        let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(forgotten)));
+        assert!(dropped.is_err(), "a fence dropped without wait_copy is a bug the sim reports");
+    }
+
+    #[test]
+    fn its_buffers_refuse_host_access_but_its_ops_and_copies_work() {
+        let sim = DeviceSim::new(16 << 20);
+        let mut a = sim.pool().alloc(16, Category::Params).unwrap();
+        assert!(!a.host_visible());
+        let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.as_slice::<f32>()[0]));
+        assert!(read.is_err(), "the engine may not read the simulated device directly");
+        sim.upload(ViewMut::of(&mut a), &[1.0f32, -2.0, 3.0, 0.5]).unwrap();
+        let mut b = sim.pool().alloc(16, Category::Activations).unwrap();
+        sim.gelu_forward::<f32>(ViewMut::of(&mut b), View::of(&a)).unwrap();
+        let mut out = [0f32; 4];
+        sim.download(View::of(&b), &mut out).unwrap();
+        let mut expect = [0f32; 4];
+        crate::engine::layers::gelu_forward::<f32>(&mut expect, &[1.0, -2.0, 3.0, 0.5]);
+        assert_eq!(out, expect);
+        assert_eq!(sim.traffic(), (16, 16));
+        assert_eq!(sim.pool().stats().current(Category::Activations), 512, "one pool, one account");
+    }
+}
