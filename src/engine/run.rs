@@ -164,7 +164,8 @@ pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result
         return match spec.memory.precision {
             Precision::Fp32 => run.go::<f32, _>(be, events),
             Precision::Bf16 => run.go::<half::bf16, _>(be, events),
-            Precision::Fp16 => unreachable!("refused by open_cuda"),
+            // Refused by open_cuda while the kernels lack it; else each op would say so.
+            Precision::Fp16 => run.go::<half::f16, _>(be, events),
         };
     }
     match spec.memory.precision {
@@ -179,10 +180,18 @@ pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result
 #[cfg(feature = "cuda")]
 fn open_cuda(spec: &JobSpec) -> Result<super::cuda::CudaBackend, TrainError> {
     use super::cuda::{CudaBackend, CudaError};
-    if spec.memory.precision == Precision::Fp16 {
+    let precision = match spec.memory.precision {
+        Precision::Fp32 => <f32 as Elem>::NAME,
+        Precision::Bf16 => <half::bf16 as Elem>::NAME,
+        Precision::Fp16 => <half::f16 as Elem>::NAME,
+    };
+    if !CudaBackend::supports(precision) {
         return Err(TrainError::Config(ConfigError {
             field: "memory.precision".into(),
-            message: "fp16 is not available on cuda devices (the kernels are built for fp32 and bf16): use bf16".into(),
+            message: format!(
+                "{precision} is not available on cuda devices (the kernels are built for {}): use bf16",
+                CudaBackend::dtypes().join(" and ")
+            ),
         }));
     }
     if spec.memory.world_size > 1 {

@@ -109,13 +109,14 @@ enum Arg {
     F32(f32),
 }
 
-/// The storage types the kernels are compiled for.
+/// The storage types the kernels are compiled for: (`Elem::NAME`, entry-point suffix).
+const DTYPES: &[(&str, &str)] = &[("fp32", "f32"), ("bf16", "bf16")];
+
+/// The entry-point suffix of `E`, or the op's "unsupported" error.
 fn suffix<E: Elem>(backend: &CudaBackend, op: &'static str) -> BackendResult<&'static str> {
-    match E::NAME {
-        "fp32" => Ok("f32"),
-        "bf16" => Ok("bf16"),
-        other => Err(BackendError::Unsupported { backend: backend.device(), op, dtype: other }),
-    }
+    DTYPES.iter().find(|(name, _)| *name == E::NAME).map(|&(_, suffix)| suffix).ok_or_else(|| {
+        BackendError::Unsupported { backend: backend.device(), op, dtype: E::NAME }
+    })
 }
 
 fn data_type<E: Elem>() -> blas_sys::cudaDataType {
@@ -225,6 +226,17 @@ impl CudaBackend {
         let capacity = device_memory.unwrap_or(free);
         let pool = Pool::with_source(&format!("cuda:{index}"), capacity, Arc::new(CudaSegments { ctx: ctx.clone() }));
         Ok(CudaBackend { index, name, ctx, stream, copy, staging: Mutex::new(Vec::new()), blas, functions, pool })
+    }
+
+    /// Whether the kernels are built for the storage type called `dtype` (`Elem::NAME`:
+    /// fp32, bf16, fp16), and its names.
+    pub fn supports(dtype: &str) -> bool {
+        DTYPES.iter().any(|(name, _)| *name == dtype)
+    }
+
+    /// The storage types the kernels are built for, e.g. for an error message.
+    pub fn dtypes() -> Vec<&'static str> {
+        DTYPES.iter().map(|(name, _)| *name).collect()
     }
 
     /// The device's marketing name, e.g. "NVIDIA H200".
