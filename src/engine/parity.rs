@@ -146,6 +146,8 @@ impl<R: Backend, C: Backend> Harness<'_, R, C> {
         op: &'static str,
         run: impl FnOnce(&mut Self) -> BackendResult<Vec<(&'static str, f64)>>,
     ) {
+        // Each row times its own op.
+        (self.reference_ms, self.candidate_ms) = (0.0, 0.0);
         let (worst, rel_err, error) = match run(self) {
             Ok(errs) => {
                 let (w, e) = errs
@@ -699,13 +701,18 @@ pub(crate) mod tests {
     fn the_reference_agrees_with_itself_on_every_op() {
         let reference = CpuBackend::new(Pool::new("cpu", 512 * MIB));
         let candidate = CpuBackend::new(Pool::new("cpu", 512 * MIB));
+        let started = std::time::Instant::now();
         let rows = run(&reference, &candidate, ParityShape::ODD, 7);
+        let wall_ms = started.elapsed().as_secs_f64() * 1e3;
         eprintln!("{}", table(&rows));
         assert_eq!(rows.len(), 2 * 19, "19 ops × {{fp32, bf16}}");
         for r in &rows {
             assert!(r.error.is_none(), "{} {}: {:?}", r.op, r.dtype, r.error);
             assert_eq!(r.rel_err, 0.0, "{} {}: the same code on the same inputs", r.op, r.dtype);
         }
+        // Each row's times are its own op's: together they fit in the run's wall time.
+        let timed: f64 = rows.iter().map(|r| r.reference_ms + r.candidate_ms).sum();
+        assert!(timed <= wall_ms, "rows time {timed:.1} ms of a {wall_ms:.1} ms run");
     }
 
     #[test]

@@ -114,9 +114,11 @@ const DTYPES: &[(&str, &str)] = &[("fp32", "f32"), ("bf16", "bf16")];
 
 /// The entry-point suffix of `E`, or the op's "unsupported" error.
 fn suffix<E: Elem>(backend: &CudaBackend, op: &'static str) -> BackendResult<&'static str> {
-    DTYPES.iter().find(|(name, _)| *name == E::NAME).map(|&(_, suffix)| suffix).ok_or_else(|| {
-        BackendError::Unsupported { backend: backend.device(), op, dtype: E::NAME }
-    })
+    DTYPES
+        .iter()
+        .find(|(name, _)| *name == E::NAME)
+        .map(|&(_, suffix)| suffix)
+        .ok_or_else(|| BackendError::Unsupported { backend: backend.device(), op, dtype: E::NAME })
 }
 
 fn data_type<E: Elem>() -> blas_sys::cudaDataType {
