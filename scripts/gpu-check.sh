@@ -5,7 +5,8 @@
 #   scripts/gpu-check.sh [path/to/headroom] [gpu-check flags...]
 #
 # 1. `headroom train` of data/example-job.yaml on `cuda` (20 steps): the CLI, the event stream
-#    and checkpoints end to end on the device.
+#    and checkpoints end to end on the device; then the same job in bf16 with checkpointing and
+#    every offload, preempted at step 10 and resumed to 20.
 # 2. `headroom gpu-check`, which prints its summary table last:
 #    - every backend op (fp32 and bf16, two shapes) against the CPU reference with fresh random
 #      inputs and NaN-poisoned outputs (relative-error bound per dtype);
@@ -15,7 +16,7 @@
 #    - an OOM in training: a budget between the estimator's plain and fully checkpointed peaks,
 #      where the plain job must OOM (typed, mid-step) and the checkpointed one must fit;
 #    - the GPT-2 124M benchmark: tokens/s at B=16, T=1024, bf16.
-# Exit status: that of gpu-check (1 if any check failed), or 1 if the training run failed.
+# Exit status: that of gpu-check (1 if any check failed), or 1 if a training run failed.
 set -uo pipefail
 BIN=${1:-target/release/headroom}
 [ -x "$BIN" ] || { echo "no executable at $BIN (build with: cargo build --release)" >&2; exit 2; }
@@ -39,6 +40,20 @@ echo "== headroom train on cuda (data/example-job.yaml, 20 steps)"
 train_status=$?
 grep -E '"event":"(started|eval|finished|oom)"' "$run/events.jsonl" | cut -c1-400
 echo "train exit status: $train_status"
+
+# The same job in bf16 with every host<->device technique (full checkpointing, int8 activation
+# offload, weights and optimizer state in host memory: the copy stream), preempted after 10
+# steps (exit 4, checkpoint) and resumed from the checkpoint to 20 (exit 0).
+sed 's/precision: fp32/precision: bf16/; s/checkpointing: none/checkpointing: full\n  offload: { optimizer: cpu, params: cpu, activations: cpu-int8 }/' \
+    "$job" > "$job.offload.yaml"
+echo "== headroom train on cuda, bf16 + checkpointing + offload, stop after 10 steps, resume"
+"$BIN" train --config "$job.offload.yaml" --fresh --run-dir "$run/offload" --stop-after 10 > "$run/offload.jsonl"
+stop_status=$?
+"$BIN" train --config "$job.offload.yaml" --resume --run-dir "$run/offload" >> "$run/offload.jsonl"
+resume_status=$?
+grep -E '"event":"(started|eval|checkpoint|finished|oom)"' "$run/offload.jsonl" | cut -c1-400
+echo "stop exit status: $stop_status (expected 4), resume exit status: $resume_status (expected 0)"
+{ [ $stop_status -eq 4 ] && [ $resume_status -eq 0 ]; } || train_status=1
 
 echo
 echo "== headroom gpu-check"
