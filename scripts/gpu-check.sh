@@ -12,10 +12,11 @@
 #      inputs and NaN-poisoned outputs (relative-error bound per dtype);
 #    - the device pool's OOM paths (device_memory capacity; cuMemAlloc refused by the driver);
 #    - training parity: CUDA vs CPU losses step by step over 20 steps and the final weights,
-#      fp32 and bf16;
+#      fp32 and bf16, and bf16 with checkpointing + every offload;
 #    - an OOM in training: a budget between the estimator's plain and fully checkpointed peaks,
 #      where the plain job must OOM (typed, mid-step) and the checkpointed one must fit;
-#    - the GPT-2 124M benchmark: tokens/s at B=16, T=1024, bf16.
+#    - the GPT-2 124M benchmark: tokens/s at B=16, T=1024, bf16, resident and with the weights
+#      in host memory (offload params over the copy stream: the step-time ratio).
 # Exit status: that of gpu-check (1 if any check failed), or 1 if a training run failed.
 set -uo pipefail
 BIN=${1:-target/release/headroom}

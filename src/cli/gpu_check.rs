@@ -45,18 +45,25 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
     println!("seed: {seed}");
     drop(device);
     let open = |memory: Option<usize>| CudaBackend::new(index, memory).map_err(|e| anyhow::anyhow!("{e}"));
-    let checks = checks(&open, args, shapes, seed, true)?;
+    let gpt2 = crate::engine::bench::BenchCase {
+        label: "GPT-2 124M".into(),
+        cfg: crate::engine::model::GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab: 50257 },
+        batch: 16,
+        seq: 1024,
+    };
+    let checks = checks(&open, args, shapes, &gpt2, seed, true)?;
     summary(&checks)
 }
 
-/// Every check of `args` on backends made by `open(device_memory)`. `driver_refusal`: also
-/// check that an allocation beyond the device's memory is refused by its allocator (not for a
-/// device whose segments are host memory, which the OS may overcommit).
+/// Every check of `args` on backends made by `open(device_memory)`, timing `bench_case` in bf16.
+/// `driver_refusal`: also check that an allocation beyond the device's memory is refused by
+/// its allocator (not for a device whose segments are host memory, which the OS may overcommit).
 #[cfg(any(feature = "cuda", test))]
 fn checks<B: crate::engine::backend::Backend>(
     open: &dyn Fn(Option<usize>) -> anyhow::Result<B>,
     args: &GpuCheckArgs,
     shapes: &[ParityShape],
+    bench_case: &crate::engine::bench::BenchCase,
     seed: u64,
     driver_refusal: bool,
 ) -> anyhow::Result<Vec<Check>> {
@@ -165,33 +172,40 @@ fn checks<B: crate::engine::backend::Backend>(
         }
     }
 
-    // 5. The benchmark.
+    // 5. The benchmark: resident, then with the weights in host memory (every segment comes
+    // over the copy stream, one ahead of its use: the step-time ratio is the overlap's price).
     if args.bench_steps > 0 {
-        use crate::config::Checkpointing;
-        use crate::engine::bench::{self, BenchCase};
-        use crate::engine::model::GptConfig;
-        let case = BenchCase {
-            label: "gpt2-124M".into(),
-            cfg: GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab: 50257 },
-            batch: 16,
-            seq: 1024,
-        };
-        let result = bench::run_on::<half::bf16, _>(open(None)?, &case, 16, Checkpointing::None, 1, args.bench_steps);
-        checks.push(match result {
-            Ok((r, stats)) => Check {
-                name: "GPT-2 124M B=16 T=1024 bf16".into(),
-                ok: true,
-                figure: format!(
-                    "{:.0} tokens/s, {:.1} ms/step (min {:.1}), peak allocated {}, reserved {}",
-                    r.tokens_per_s,
-                    r.ms_per_step,
-                    r.min_ms,
-                    format_bytes(stats.peak_allocated),
-                    format_bytes(stats.peak_reserved)
-                ),
-            },
-            Err(e) => Check { name: "GPT-2 124M B=16 T=1024 bf16".into(), ok: false, figure: e.to_string() },
-        });
+        use crate::engine::bench::{self, Techniques};
+        let case = bench_case;
+        let offloaded = Techniques { offload_params: true, ..Techniques::default() };
+        let runs = [
+            (format!("{} B={} T={} bf16", case.label, case.batch, case.seq), Techniques::default()),
+            (format!("{} bf16, offload params", case.label), offloaded),
+        ];
+        let mut resident_ms = None;
+        for (name, techniques) in runs {
+            let result = bench::run_on::<half::bf16, _>(open(None)?, case, case.batch, techniques, 1, args.bench_steps);
+            checks.push(match result {
+                Ok((r, stats)) => {
+                    let ratio = resident_ms.map(|ms: f64| format!(", {:.2}x the resident step", r.ms_per_step / ms));
+                    resident_ms.get_or_insert(r.ms_per_step);
+                    Check {
+                        name: name.clone(),
+                        ok: true,
+                        figure: format!(
+                            "{:.0} tokens/s, {:.1} ms/step (min {:.1}){}, peak allocated {}, reserved {}",
+                            r.tokens_per_s,
+                            r.ms_per_step,
+                            r.min_ms,
+                            ratio.unwrap_or_default(),
+                            format_bytes(stats.peak_allocated),
+                            format_bytes(stats.peak_reserved)
+                        ),
+                    }
+                }
+                Err(e) => Check { name, ok: false, figure: e.to_string() },
+            });
+        }
     }
 
     Ok(checks)
@@ -218,13 +232,15 @@ mod tests {
     use super::*;
     use crate::engine::device_sim::DeviceSim;
 
-    /// The whole harness (all but the GPT-2 benchmark) on the simulated device: every check
-    /// runs to its verdict and passes, so a GPU session spends its time on the GPU's answers.
+    /// The whole harness on the simulated device (a tiny model in place of GPT-2 124M for the
+    /// benchmark): every check runs to its verdict and passes, so a GPU session spends its
+    /// time on the GPU's answers.
     #[test]
     fn the_harness_runs_every_check_on_a_device_and_passes_a_correct_one() {
-        let args = GpuCheckArgs { index: 0, seed: Some(7), shapes: "odd".into(), train_steps: 3, bench_steps: 0 };
+        let args = GpuCheckArgs { index: 0, seed: Some(7), shapes: "odd".into(), train_steps: 3, bench_steps: 1 };
         let open = |memory: Option<usize>| Ok(DeviceSim::new(memory.unwrap_or(4 << 30)));
-        let checks = checks(&open, &args, &[ParityShape::ODD], 7, false).unwrap();
+        let tiny = crate::engine::bench::preset("tiny").expect("the tiny preset").remove(0);
+        let checks = checks(&open, &args, &[ParityShape::ODD], &tiny, 7, false).unwrap();
         let names: Vec<&str> = checks.iter().map(|c| c.name.as_str()).collect();
         for c in &checks {
             assert!(c.ok, "{}: {}", c.name, c.figure);
@@ -234,6 +250,9 @@ mod tests {
         let trained = names.iter().filter(|n| n.starts_with("training parity")).count();
         assert_eq!(trained, 3, "plain fp32, plain bf16, offloaded bf16: {names:?}");
         assert!(names.iter().any(|n| n.starts_with("OOM in training")), "{names:?}");
+        let timed: Vec<&Check> = checks.iter().filter(|c| c.name.starts_with(&tiny.label)).collect();
+        assert_eq!(timed.len(), 2, "resident and offloaded benchmark rows: {names:?}");
+        assert!(timed[1].figure.contains("x the resident step"), "{}", timed[1].figure);
         summary(&checks).unwrap();
     }
 }

@@ -84,18 +84,29 @@ pub fn run_configured<E: Elem>(
     steps: usize,
 ) -> Result<(BenchResult, MemStats), crate::engine::backend::BackendError> {
     let backend = crate::engine::backend::CpuBackend::new(Pool::new("cpu", usize::MAX / 2));
-    run_on::<E, _>(backend, case, micro_batch, checkpointing, warmup, steps)
+    let techniques = Techniques { checkpointing, ..Techniques::default() };
+    run_on::<E, _>(backend, case, micro_batch, techniques, warmup, steps)
 }
 
-/// [`run_configured`] on any backend (e.g. a GPU's), with its pool.
+/// The memory techniques of a timed run besides precision and micro-batch.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Techniques {
+    pub checkpointing: Checkpointing,
+    pub offload_params: bool,
+    pub offload_optimizer: bool,
+    pub offload_activations: crate::config::OffloadTarget,
+}
+
+/// [`run_configured`] on any backend (e.g. a GPU's) with any techniques, and its pool's stats.
 pub fn run_on<E: Elem, B: crate::engine::backend::Backend>(
     backend: B,
     case: &BenchCase,
     micro_batch: usize,
-    checkpointing: Checkpointing,
+    techniques: Techniques,
     warmup: usize,
     steps: usize,
 ) -> Result<(BenchResult, MemStats), crate::engine::backend::BackendError> {
+    let Techniques { checkpointing, offload_params, offload_optimizer, offload_activations } = techniques;
     let hyper = Hyper {
         steps: (warmup + steps) as u64,
         global_batch: case.batch,
@@ -108,9 +119,9 @@ pub fn run_on<E: Elem, B: crate::engine::backend::Backend>(
         grad_clip: 1.0,
         seed: 1,
         checkpointing,
-        offload_optimizer: false,
-        offload_params: false,
-        offload_activations: crate::config::OffloadTarget::None,
+        offload_optimizer,
+        offload_params,
+        offload_activations,
         world_size: 1,
         zero_stage: 0,
     };
