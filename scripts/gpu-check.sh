@@ -6,13 +6,14 @@
 #
 # 1. `headroom train` of data/example-job.yaml on `cuda` (20 steps): the CLI, the event stream
 #    and checkpoints end to end on the device; then the same job in bf16 with checkpointing and
-#    every offload, preempted at step 10 and resumed to 20.
+#    every offload, preempted at step 10 and resumed to 20; with two GPUs, the job on two ranks.
 # 2. `headroom gpu-check`, which prints its summary table last:
 #    - every backend op (fp32 and bf16, two shapes) against the CPU reference with fresh random
 #      inputs and NaN-poisoned outputs (relative-error bound per dtype);
 #    - the device pool's OOM paths (device_memory capacity; cuMemAlloc refused by the driver);
 #    - training parity: CUDA vs CPU losses step by step over 20 steps and the final weights,
-#      fp32 and bf16, and bf16 with checkpointing + every offload;
+#      fp32 and bf16, bf16 with checkpointing + every offload, and two ranks (ZeRO-1, ZeRO-3)
+#      on the GPU against two CPU ranks;
 #    - an OOM in training: a budget between the estimator's plain and fully checkpointed peaks,
 #      where the plain job must OOM (typed, mid-step) and the checkpointed one must fit;
 #    - the GPT-2 124M benchmark: tokens/s at B=16, T=1024, bf16, resident and with the weights
@@ -55,6 +56,19 @@ resume_status=$?
 grep -E '"event":"(started|eval|checkpoint|finished|oom)"' "$run/offload.jsonl" | cut -c1-400
 echo "stop exit status: $stop_status (expected 4), resume exit status: $resume_status (expected 0)"
 { [ $stop_status -eq 4 ] && [ $resume_status -eq 0 ]; } || train_status=1
+
+# With two GPUs or more: the job on two ranks (cuda:0, cuda:1) at ZeRO-3, the collectives
+# staged through the host. gpu-check's training parity covers two ranks on one GPU.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "${gpus:-0}" -ge 2 ]; then
+    sed 's/^memory:/memory:\n  world_size: 2\n  zero_stage: 3/; s/micro_batch: 16/micro_batch: 8/' "$job" > "$job.ranks.yaml"
+    echo "== headroom train on cuda:0 and cuda:1 (2 ranks, ZeRO-3)"
+    "$BIN" train --config "$job.ranks.yaml" --fresh --run-dir "$run/ranks" > "$run/ranks.jsonl"
+    ranks_status=$?
+    grep -E '"event":"(started|eval|finished|oom)"' "$run/ranks.jsonl" | cut -c1-400
+    echo "2-rank train exit status: $ranks_status"
+    [ $ranks_status -eq 0 ] || train_status=1
+fi
 
 echo
 echo "== headroom gpu-check"

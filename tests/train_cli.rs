@@ -159,9 +159,10 @@ fn bad_job_files_exit_2_naming_the_field() {
         (good.clone() + "memory: { precision: fp8 }\n", "fp8"),
         // What the CUDA backend cannot run is refused before the device is opened.
         (good.replace("kind: cpu", "kind: cuda") + "memory: { precision: fp16 }\n", "memory.precision"),
+        // Ranks on cuda open cuda:0 and cuda:1: here (no driver, or one GPU) one is missing.
         (
             job_yaml("bad", 10, 16, 8, "64MiB").replace("kind: cpu", "kind: cuda") + "memory: { world_size: 2 }\n",
-            "memory.world_size",
+            "cuda:",
         ),
     ];
     for (yaml, needle) in cases {

@@ -126,14 +126,31 @@ fn checks<B: crate::engine::backend::Backend>(
         Some(tokens) => {
             if args.train_steps > 0 {
                 use train_parity::{train_parity, TrainParityCase};
-                let (plain, offloaded) =
-                    (TrainParityCase::small(args.train_steps), TrainParityCase::small_offloaded(args.train_steps));
+                let steps = args.train_steps;
+                let (plain, offloaded) = (TrainParityCase::small(steps), TrainParityCase::small_offloaded(steps));
+                let reference = |_rank| Ok(cpu());
+                // Every rank on this device: the ranks' collectives are staged through the host.
+                let device = |_rank| open(None).map_err(|e| e.to_string());
                 let reports = vec![
-                    train_parity::<f32, _, _>(cpu(), open(None)?, &plain, tokens),
-                    train_parity::<half::bf16, _, _>(cpu(), open(None)?, &plain, tokens),
+                    train_parity::<f32, _, _>(reference, device, &plain, tokens),
+                    train_parity::<half::bf16, _, _>(reference, device, &plain, tokens),
                     // Checkpointing, int8 activation offload, host weights and host optimizer:
                     // every host↔device copy path of the trainer.
-                    train_parity::<half::bf16, _, _>(cpu(), open(None)?, &offloaded, tokens),
+                    train_parity::<half::bf16, _, _>(reference, device, &offloaded, tokens),
+                    // Two ranks: ZeRO-1 (all-reduce, all-gather) and ZeRO-3 (segment gathers,
+                    // reduce-scatters), each rank's collectives staged through the host.
+                    train_parity::<half::bf16, _, _>(
+                        reference,
+                        device,
+                        &TrainParityCase::small_ranks(steps, 1),
+                        tokens,
+                    ),
+                    train_parity::<half::bf16, _, _>(
+                        reference,
+                        device,
+                        &TrainParityCase::small_ranks(steps, 3),
+                        tokens,
+                    ),
                 ];
                 print!("{}", train_parity::table(&reports));
                 for r in &reports {
@@ -248,7 +265,8 @@ mod tests {
         assert!(names[0].starts_with("op parity"), "{names:?}");
         assert!(names.contains(&"pool: device_memory 8 MiB"), "{names:?}");
         let trained = names.iter().filter(|n| n.starts_with("training parity")).count();
-        assert_eq!(trained, 3, "plain fp32, plain bf16, offloaded bf16: {names:?}");
+        assert_eq!(trained, 5, "plain fp32, plain bf16, offloaded bf16, 2 ranks at ZeRO-1 and ZeRO-3: {names:?}");
+        assert!(names.contains(&"training parity 2 ranks z3 bf16 (3 steps)"), "{names:?}");
         assert!(names.iter().any(|n| n.starts_with("OOM in training")), "{names:?}");
         let timed: Vec<&Check> = checks.iter().filter(|c| c.name.starts_with(&tiny.label)).collect();
         assert_eq!(timed.len(), 2, "resident and offloaded benchmark rows: {names:?}");

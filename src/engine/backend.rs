@@ -103,6 +103,11 @@ impl<'a, T: Pod> View<'a, T> {
         Self::new(Span::of::<T>(buf, range))
     }
 
+    /// A read-only view of host memory that is not a pool buffer (e.g. host-resident weights).
+    pub fn from_host(s: &'a [T]) -> Self {
+        Self::new(Span { address: s.as_ptr() as u64, len: s.len(), host_visible: true })
+    }
+
     /// Elements `range` of this view. Panics when out of bounds.
     pub fn slice(self, range: Range<usize>) -> Self {
         Self::new(self.span.sub::<T>(range))
@@ -254,9 +259,9 @@ impl<'a, T: Pod> ViewMut<'a, T> {
 }
 
 /// The op set. Shapes follow llm.c: B batch, T time, C channels, NH heads, V vocabulary,
-/// N = B·T rows.
+/// N = B·T rows. A backend belongs to one rank and may be moved to that rank's thread.
 #[allow(clippy::too_many_arguments)]
-pub trait Backend {
+pub trait Backend: Send {
     /// The device, e.g. `cpu` or `cuda:0`.
     fn device(&self) -> String;
     /// The pool every buffer of this backend comes from.
@@ -281,6 +286,17 @@ pub trait Backend {
     /// Order every op issued from now on after the copy behind `fence` (does not block the
     /// host on a device with streams).
     fn wait_copy(&self, fence: Self::Fence) -> BackendResult;
+    /// `wait_copy` on every fence, all of them even after an error (no copy may still be
+    /// landing once its memory is reused); the first error.
+    fn wait_copies(&self, fences: impl IntoIterator<Item = Self::Fence>) -> BackendResult
+    where
+        Self: Sized,
+    {
+        fences.into_iter().fold(Ok(()), |first, fence| {
+            let waited = self.wait_copy(fence);
+            first.and(waited)
+        })
+    }
 
     /// out: (B,T,C) = wte[inp] + wpe[t]; inp: (B,T); wte: (V,C); wpe: (maxT,C).
     fn encoder_forward<E: Elem>(

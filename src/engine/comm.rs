@@ -1,11 +1,16 @@
 //! Collectives between data-parallel ranks behind the `Comm` trait. `LocalComm` is the
-//! in-process shared-memory implementation used by the `cpu` device (one thread per rank).
-//! Reductions sum in rank order, so results are bitwise repeatable run to run.
+//! in-process shared-memory implementation (one thread per rank); its `*_on` forms take pool
+//! views of any backend and stage device memory through the host. Reductions sum in rank
+//! order, so results are bitwise repeatable run to run and the same on every backend.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
+use std::time::Instant;
 
+use super::backend::{Backend, BackendResult, View, ViewMut};
 use super::layers::Elem;
+use super::model::SwapStats;
 
 /// What the training loop needs from a rank group.
 pub trait Comm: Send + Sync {
@@ -254,6 +259,164 @@ impl Comm for LocalComm {
         }
         self.shared.barrier.wait();
         all_ok
+    }
+}
+
+/// Collectives on pool views of a rank's backend. A host-visible view (the `cpu` device) takes
+/// part in place. A device view is staged: this rank's part is downloaded, exchanged through
+/// host memory like any other, and the result uploaded; the bytes and the copy time are
+/// returned. A rank whose download fails still takes part (its contribution is whatever the
+/// staging buffer holds), so no other rank waits at a barrier for it, and returns the error
+/// after.
+impl LocalComm {
+    /// `all_reduce_sum` of a view.
+    pub fn all_reduce_sum_on<E: Elem, B: Backend>(&self, be: &B, mut buf: ViewMut<E>) -> BackendResult<SwapStats> {
+        if self.world() == 1 {
+            return Ok(SwapStats::default());
+        }
+        if buf.host_visible() {
+            self.all_reduce_sum(buf.host_mut());
+            return Ok(SwapStats::default());
+        }
+        let mut staged = Staged::new();
+        let mut host = vec![E::default(); buf.len()];
+        let down = staged.down(be, buf.as_view(), &mut host);
+        self.all_reduce_sum(&mut host);
+        down?;
+        staged.up(be, buf, &host)?;
+        Ok(staged.stats)
+    }
+
+    /// `all_gather` of a view holding every parameter, of which this rank owns `own`.
+    pub fn all_gather_on<E: Elem, B: Backend>(
+        &self,
+        be: &B,
+        mut buf: ViewMut<E>,
+        own: Range<usize>,
+    ) -> BackendResult<SwapStats> {
+        if self.world() == 1 {
+            return Ok(SwapStats::default());
+        }
+        if buf.host_visible() {
+            self.all_gather(buf.host_mut(), own);
+            return Ok(SwapStats::default());
+        }
+        let mut staged = Staged::new();
+        let mut host = vec![E::default(); buf.len()];
+        let down = staged.down(be, buf.as_view().slice(own.clone()), &mut host[own.clone()]);
+        self.all_gather(&mut host, own.clone());
+        down?;
+        // Only the other ranks' shards changed.
+        let (head, rest) = buf.split_at(own.start);
+        let (_, tail) = rest.split_at(own.len());
+        staged.up(be, head, &host[..own.start])?;
+        staged.up(be, tail, &host[own.end..])?;
+        Ok(staged.stats)
+    }
+
+    /// `reduce_scatter_add` of a gradient bucket (parameters `offset..`) into this rank's
+    /// shard view (parameters `own`, indexed from `own.start`).
+    pub fn reduce_scatter_add_on<E: Elem, B: Backend>(
+        &self,
+        be: &B,
+        bucket: View<E>,
+        offset: usize,
+        mut shard: ViewMut<E>,
+        own: Range<usize>,
+    ) -> BackendResult<SwapStats> {
+        if bucket.host_visible() && shard.host_visible() {
+            self.reduce_scatter_add(bucket.host(), offset, shard.host_mut(), own);
+            return Ok(SwapStats::default());
+        }
+        let mut staged = Staged::new();
+        let mut host_bucket = vec![E::default(); bucket.len()];
+        let mut down = staged.down(be, bucket, &mut host_bucket);
+        // The part of the bucket this rank owns: only it is read and written back.
+        let mine = owned_part(&own, offset..offset + bucket.len());
+        let in_shard = mine.start - own.start..mine.end - own.start;
+        let mut part = vec![E::default(); mine.len()];
+        if !mine.is_empty() {
+            down = down.and(staged.down(be, shard.as_view().slice(in_shard.clone()), &mut part));
+        }
+        self.reduce_scatter_add(&host_bucket, offset, &mut part, mine.clone());
+        down?;
+        if !mine.is_empty() {
+            staged.up(be, shard.slice(in_shard), &part)?;
+        }
+        Ok(staged.stats)
+    }
+
+    /// `gather_range` into a view `out` (parameters `offset..`) from this rank's shard
+    /// (parameters `own`, indexed from `own.start`), which may be a view of host memory.
+    pub fn gather_range_on<E: Elem, B: Backend>(
+        &self,
+        be: &B,
+        shard: View<E>,
+        own: Range<usize>,
+        offset: usize,
+        mut out: ViewMut<E>,
+    ) -> BackendResult<SwapStats> {
+        if shard.host_visible() && out.host_visible() {
+            self.gather_range(shard.host(), own, offset, out.host_mut());
+            return Ok(SwapStats::default());
+        }
+        let mut staged = Staged::new();
+        // The part of the range this rank owns is all the others read from it.
+        let mine = owned_part(&own, offset..offset + out.len());
+        let in_shard = mine.start - own.start..mine.end - own.start;
+        let mut part = vec![E::default(); mine.len()];
+        let down = if shard.host_visible() {
+            part.copy_from_slice(&shard.host()[in_shard]);
+            Ok(())
+        } else {
+            staged.down(be, shard.slice(in_shard), &mut part)
+        };
+        let mut host_out = vec![E::default(); out.len()];
+        self.gather_range(&part, mine, offset, &mut host_out);
+        down?;
+        if out.host_visible() {
+            out.host_mut().copy_from_slice(&host_out);
+        } else {
+            staged.up(be, out, &host_out)?;
+        }
+        Ok(staged.stats)
+    }
+}
+
+/// The part of `own` inside `range`; empty (at `own.start`) when they do not meet.
+fn owned_part(own: &Range<usize>, range: Range<usize>) -> Range<usize> {
+    let (lo, hi) = (own.start.max(range.start), own.end.min(range.end));
+    if lo < hi {
+        lo..hi
+    } else {
+        own.start..own.start
+    }
+}
+
+/// The copies of one staged collective, counted.
+struct Staged {
+    stats: SwapStats,
+}
+
+impl Staged {
+    fn new() -> Staged {
+        Staged { stats: SwapStats::default() }
+    }
+
+    fn down<E: Elem, B: Backend>(&mut self, be: &B, src: View<E>, dst: &mut [E]) -> BackendResult {
+        let t0 = Instant::now();
+        let done = be.download(src, dst);
+        self.stats.bytes_to_host += dst.len() * E::BYTES;
+        self.stats.transfer_ms += t0.elapsed().as_secs_f64() * 1e3;
+        done
+    }
+
+    fn up<E: Elem, B: Backend>(&mut self, be: &B, dst: ViewMut<E>, src: &[E]) -> BackendResult {
+        let t0 = Instant::now();
+        let done = be.upload(dst, src);
+        self.stats.bytes_to_device += src.len() * E::BYTES;
+        self.stats.transfer_ms += t0.elapsed().as_secs_f64() * 1e3;
+        done
     }
 }
 

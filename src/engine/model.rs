@@ -440,9 +440,7 @@ impl<F> Inbound<F> {
     /// Order what follows after the copies (and expand int8 rows of `c`): the device buffer.
     fn land<E: Elem, B: Backend<Fence = F>>(self, be: &B, c: usize) -> BackendResult<Buffer> {
         let Inbound { mut buf, packed, fences } = self;
-        for fence in fences {
-            be.wait_copy(fence)?;
-        }
+        be.wait_copies(fences)?;
         if let Some((q, scales)) = packed {
             be.unpack_int8::<E>(ViewMut::of(&mut buf), View::of(&q), View::of(&scales), c)?;
         }
@@ -460,9 +458,7 @@ struct InboundSlot<'b, B: Backend> {
 impl<B: Backend> Drop for InboundSlot<'_, B> {
     fn drop(&mut self) {
         if let Some(inbound) = self.pending.take() {
-            for fence in inbound.fences {
-                let _ = self.be.wait_copy(fence);
-            }
+            let _ = self.be.wait_copies(inbound.fences);
         }
     }
 }
@@ -851,7 +847,7 @@ pub fn backward<E: Elem, B: Backend>(
             c,
             v,
         )?;
-        grads.close(cfg.wte_range());
+        grads.close(cfg.wte_range())?;
     }
     drop(logits);
     be.zero::<E>(ViewMut::of(&mut dres))?;
@@ -870,7 +866,7 @@ pub fn backward<E: Elem, B: Backend>(
             View::of(&acts.lnf_rstd),
             c,
         )?;
-        grads.close(cfg.lnf_range());
+        grads.close(cfg.lnf_range())?;
     }
 
     // The next block input coming back: by a copy worker thread into a host-visible pool, or
@@ -1024,11 +1020,11 @@ pub fn backward<E: Elem, B: Backend>(
             c,
         )?;
         drop(a);
-        grads.close(cfg.layer_range(l));
+        grads.close(cfg.layer_range(l))?;
     }
     let (gwte, gwpe) = grads.open(cfg.embed_range())?.split_at(v * c);
     be.encoder_backward(gwte, gwpe, View::of(&dres), View::of(&acts.inputs), t, c)?;
-    grads.close(cfg.embed_range());
+    grads.close(cfg.embed_range())?;
     if acts.offload != OffloadTarget::None {
         pool.set_host_bytes(Category::Activations, 0);
     }

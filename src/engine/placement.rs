@@ -11,10 +11,10 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use crate::memory::{Buffer, Category, OomError, Pool};
+use crate::memory::{Buffer, Category, OomError};
 
 use super::backend::{Backend, BackendResult, View, ViewMut};
-use super::comm::{Comm, LocalComm};
+use super::comm::LocalComm;
 use super::layers::Elem;
 use super::model::SwapStats;
 
@@ -55,35 +55,51 @@ impl<E: Elem> ParamSource<E> for Resident<'_, E> {
     }
 }
 
-/// ZeRO-3: this rank keeps only `shard` (the parameters `own`); every fetch all-gathers the
-/// segment from its owners. A collective: every rank fetches the same ranges in the same order.
-/// Ranks exchange host memory (`LocalComm`), so this runs on the `cpu` device.
-pub struct Gathered<'a, E> {
-    shard: &'a [E],
+/// ZeRO-3: this rank keeps only `shard` (the parameters `own`, on the device or in host memory);
+/// every fetch all-gathers the segment from its owners. A collective: every rank fetches the
+/// same ranges in the same order.
+pub struct Gathered<'a, E, B: Backend> {
+    shard: View<'a, E>,
     own: Range<usize>,
     comm: &'a LocalComm,
-    pool: &'a Pool,
-    /// The shard is kept in host memory (`offload.params`): this rank's part of each segment
-    /// crosses host→device when gathered, and is counted.
+    backend: &'a B,
+    /// The shard is kept in host memory (`offload.params`).
     shard_on_host: bool,
     swap: Mutex<SwapStats>,
 }
 
-impl<'a, E: Elem> Gathered<'a, E> {
-    pub fn new(shard: &'a [E], own: Range<usize>, comm: &'a LocalComm, pool: &'a Pool, shard_on_host: bool) -> Self {
-        Gathered { shard, own, comm, pool, shard_on_host, swap: Mutex::new(SwapStats::default()) }
+impl<'a, E: Elem, B: Backend> Gathered<'a, E, B> {
+    pub fn new(
+        shard: View<'a, E>,
+        own: Range<usize>,
+        comm: &'a LocalComm,
+        backend: &'a B,
+        shard_on_host: bool,
+    ) -> Self {
+        Gathered { shard, own, comm, backend, shard_on_host, swap: Mutex::new(SwapStats::default()) }
     }
 }
 
-impl<E: Elem> ParamSource<E> for Gathered<'_, E> {
+impl<E: Elem, B: Backend> ParamSource<E> for Gathered<'_, E, B> {
     fn fetch(&self, range: Range<usize>, _next: Option<Range<usize>>) -> BackendResult<Weights<'_, E>> {
-        let mut buf = self.pool.alloc(range.len() * E::BYTES, Category::Workspace)?;
-        self.comm.gather_range(self.shard, self.own.clone(), range.start, buf.as_mut_slice::<E>());
-        if self.shard_on_host {
-            // Bytes only: the gather's time is mostly waiting for the other ranks.
+        let mut buf = self.backend.pool().alloc(range.len() * E::BYTES, Category::Workspace)?;
+        let host_pool = buf.host_visible();
+        // On a device the staged gather counts what crossed the bus (the segment going up).
+        let mut moved = self.comm.gather_range_on(
+            self.backend,
+            self.shard,
+            self.own.clone(),
+            range.start,
+            ViewMut::of(&mut buf),
+        )?;
+        if self.shard_on_host && host_pool {
+            // The `cpu` device with the shard in host memory: this rank's part of the segment
+            // is what crosses host→device. Bytes only: the gather's time is mostly waiting for
+            // the other ranks.
             let mine = range.end.min(self.own.end).saturating_sub(range.start.max(self.own.start));
-            self.swap.lock().unwrap_or_else(|e| e.into_inner()).bytes_to_device += mine * E::BYTES;
+            moved.bytes_to_device += mine * E::BYTES;
         }
+        self.swap.lock().unwrap_or_else(|e| e.into_inner()).add(moved);
         Ok(Weights::Staged(buf))
     }
 
@@ -217,7 +233,12 @@ pub trait GradSink<E: Elem> {
     fn open(&mut self, range: Range<usize>) -> BackendResult<ViewMut<'_, E>>;
     /// The pass is done with `range` for now (it may open it again later: the tied embedding
     /// gets gradient from the classifier first and from the encoder last).
-    fn close(&mut self, range: Range<usize>);
+    fn close(&mut self, range: Range<usize>) -> BackendResult;
+
+    /// Device↔host traffic of the closes so far (gradients staged for a collective).
+    fn swap(&self) -> SwapStats {
+        SwapStats::default()
+    }
 }
 
 /// Every gradient accumulated in place in one full buffer (ZeRO stages 0–1).
@@ -228,36 +249,51 @@ impl<E: Elem> GradSink<E> for FullGrads<'_, E> {
         Ok(self.0.reborrow().slice(range))
     }
 
-    fn close(&mut self, _range: Range<usize>) {}
+    fn close(&mut self, _range: Range<usize>) -> BackendResult {
+        Ok(())
+    }
 }
 
 /// ZeRO-2/3: this rank keeps only the gradients of its shard. Each segment is computed into a
 /// zeroed reduce bucket, reduce-scattered to the owners when closed, and freed. A collective:
-/// every rank opens and closes the same ranges in the same order (host memory, `cpu` device).
-pub struct ShardedGrads<'a, E> {
-    pub shard: &'a mut [E],
-    pub own: Range<usize>,
-    pub comm: &'a LocalComm,
-    pub pool: &'a Pool,
+/// every rank opens and closes the same ranges in the same order.
+pub struct ShardedGrads<'a, E, B: Backend> {
+    shard: ViewMut<'a, E>,
+    own: Range<usize>,
+    comm: &'a LocalComm,
+    backend: &'a B,
     bucket: Option<Buffer>,
+    swap: SwapStats,
 }
 
-impl<'a, E: Elem> ShardedGrads<'a, E> {
-    pub fn new(shard: &'a mut [E], own: Range<usize>, comm: &'a LocalComm, pool: &'a Pool) -> Self {
-        ShardedGrads { shard, own, comm, pool, bucket: None }
+impl<'a, E: Elem, B: Backend> ShardedGrads<'a, E, B> {
+    pub fn new(shard: ViewMut<'a, E>, own: Range<usize>, comm: &'a LocalComm, backend: &'a B) -> Self {
+        ShardedGrads { shard, own, comm, backend, bucket: None, swap: SwapStats::default() }
     }
 }
 
-impl<E: Elem> GradSink<E> for ShardedGrads<'_, E> {
+impl<E: Elem, B: Backend> GradSink<E> for ShardedGrads<'_, E, B> {
     fn open(&mut self, range: Range<usize>) -> BackendResult<ViewMut<'_, E>> {
-        let mut bucket = self.pool.alloc(range.len() * E::BYTES, Category::Workspace)?;
-        bucket.as_mut_slice::<E>().fill(E::default());
+        let mut bucket = self.backend.pool().alloc(range.len() * E::BYTES, Category::Workspace)?;
+        self.backend.zero::<E>(ViewMut::of(&mut bucket))?;
         Ok(ViewMut::of(self.bucket.insert(bucket)))
     }
 
-    fn close(&mut self, range: Range<usize>) {
+    fn close(&mut self, range: Range<usize>) -> BackendResult {
         let bucket = self.bucket.take().expect("close follows open");
-        debug_assert_eq!(bucket.as_slice::<E>().len(), range.len());
-        self.comm.reduce_scatter_add(bucket.as_slice::<E>(), range.start, self.shard, self.own.clone());
+        debug_assert_eq!(bucket.len(), range.len() * E::BYTES);
+        let moved = self.comm.reduce_scatter_add_on(
+            self.backend,
+            View::of(&bucket),
+            range.start,
+            self.shard.reborrow(),
+            self.own.clone(),
+        )?;
+        self.swap.add(moved);
+        Ok(())
+    }
+
+    fn swap(&self) -> SwapStats {
+        self.swap
     }
 }

@@ -3,7 +3,7 @@
 //! savings, and checkpoints moved across stages and world sizes.
 
 use crate::config::{Checkpointing, OffloadTarget, Precision};
-use crate::engine::backend::BackendError;
+use crate::engine::backend::{Backend, BackendError, CpuBackend};
 use crate::memory::{Category, Pool};
 
 use super::comm::LocalComm;
@@ -105,13 +105,23 @@ struct RankResult {
     weights: Vec<f32>,
 }
 
-/// Run `f` on every rank of a group of `setup.world`, each rank with its own pool of `capacity`
-/// bytes, and return each rank's result (rank order).
+/// Run `f` on every rank of a group of `setup.world`, each rank on the `cpu` device with its own
+/// pool of `capacity` bytes, and return each rank's result (rank order).
 fn on_ranks<E: Elem, R: Send>(
     setup: Setup,
     steps: u64,
     capacity: usize,
     f: impl Fn(Trainer<E>, Pool) -> R + Sync,
+) -> Vec<Result<R, BackendError>> {
+    on_backends(setup, steps, |rank| CpuBackend::new(Pool::new(&format!("cpu:{rank}"), capacity)), f)
+}
+
+/// `on_ranks` with each rank on the backend `open(rank)`.
+fn on_backends<E: Elem, B: Backend, R: Send>(
+    setup: Setup,
+    steps: u64,
+    open: impl Fn(usize) -> B + Sync,
+    f: impl Fn(Trainer<E, B>, Pool) -> R + Sync,
 ) -> Vec<Result<R, BackendError>> {
     let comms: Vec<Option<LocalComm>> =
         if setup.world == 1 { vec![None] } else { LocalComm::group(setup.world).into_iter().map(Some).collect() };
@@ -120,10 +130,11 @@ fn on_ranks<E: Elem, R: Send>(
             .into_iter()
             .enumerate()
             .map(|(rank, comm)| {
-                let f = &f;
+                let (f, open) = (&f, &open);
                 scope.spawn(move || {
-                    let pool = Pool::new(&format!("cpu:{rank}"), capacity);
-                    let trainer = Trainer::<E>::new_rank(setup.cfg, setup.hyper(steps), pool.clone(), comm)?;
+                    let backend = open(rank);
+                    let pool = backend.pool().clone();
+                    let trainer = Trainer::<E, B>::on_backend(setup.cfg, setup.hyper(steps), backend, comm)?;
                     Ok(f(trainer, pool))
                 })
             })
@@ -134,7 +145,16 @@ fn on_ranks<E: Elem, R: Send>(
 
 /// Train `steps` steps (evaluating once at the end, as the loop does) on every rank.
 fn train<E: Elem>(setup: Setup, steps: u64, capacity: usize) -> Result<Vec<RankResult>, BackendError> {
-    on_ranks::<E, _>(setup, steps, capacity, |mut trainer, pool| {
+    train_on::<E, _>(setup, steps, |rank| CpuBackend::new(Pool::new(&format!("cpu:{rank}"), capacity)))
+}
+
+/// `train` with each rank on the backend `open(rank)`.
+fn train_on<E: Elem, B: Backend>(
+    setup: Setup,
+    steps: u64,
+    open: impl Fn(usize) -> B + Sync,
+) -> Result<Vec<RankResult>, BackendError> {
+    on_backends::<E, B, _>(setup, steps, open, |mut trainer, pool| {
         let mut out = Vec::new();
         for _ in 0..steps {
             out.push(trainer.train_step(&mut batch(setup.cfg))?);
@@ -370,6 +390,40 @@ fn checkpoints_resume_under_another_stage_and_world_size() {
             assert!(d < 2e-5, "{setup:?}: resumed losses off by {d:e}");
             let w = rel_distance(&weights, &reference.weights);
             assert!(w < 1e-4, "{setup:?}: resumed weights off by {w:e}");
+        }
+    }
+}
+
+/// Ranks on a device whose memory the host may not read (`DeviceSim`) stage their collectives
+/// through host memory and follow ranks on the `cpu` device bit for bit, at every ZeRO stage and
+/// with weights, optimizer state or activations kept on the host.
+#[test]
+fn ranks_on_a_device_stage_their_collectives_and_match_the_cpu_bit_for_bit() {
+    use super::device_sim::DeviceSim;
+    let two = |stage| Setup::ranks(2, stage);
+    let cases = [
+        two(0),
+        two(1),
+        two(2),
+        two(3),
+        Setup { offload_params: true, ..two(3) },
+        Setup { offload_params: true, offload_optimizer: true, ..two(2) },
+        Setup { checkpointing: Checkpointing::Full, offload_activations: OffloadTarget::CpuInt8, ..two(3) },
+    ];
+    let n = CFG.num_params();
+    for setup in cases {
+        let on_cpu = train::<half::bf16>(setup, 3, BIG).unwrap();
+        let on_device = train_on::<half::bf16, _>(setup, 3, |_| DeviceSim::new(BIG)).unwrap();
+        for (rank, (cpu, device)) in on_cpu.iter().zip(&on_device).enumerate() {
+            let bits = |r: &RankResult| losses(r).iter().map(|l| l.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(device), bits(cpu), "{setup:?} rank {rank}: losses");
+            assert!(device.weights == cpu.weights, "{setup:?} rank {rank}: weights differ");
+            let swap = device.steps[2].swap.expect("a device rank reports its staged traffic");
+            if setup.stage == 0 && !setup.offload_params && !setup.offload_optimizer {
+                // The gradients go down and the sums come back up, once per step.
+                assert_eq!((swap.bytes_to_host, swap.bytes_to_device), (2 * n, 2 * n), "{setup:?}");
+            }
+            assert!(swap.bytes_to_host > 0 && swap.bytes_to_device > 0, "{setup:?}: {swap:?}");
         }
     }
 }

@@ -139,7 +139,7 @@ pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result
     // Open the device first: a machine without it fails fast, before the data is tokenised.
     #[cfg(feature = "cuda")]
     let cuda = match spec.device.kind {
-        DeviceKind::Cuda => Some(open_cuda(spec)?),
+        DeviceKind::Cuda => Some(open_cuda_ranks(spec)?),
         DeviceKind::Cpu => None,
     };
     #[cfg(not(feature = "cuda"))]
@@ -158,27 +158,29 @@ pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result
         .map_err(|message| ConfigError { field: "data.path".into(), message })?;
 
     let control = if opts.listen_stdin { Some(spawn_control_reader()) } else { None };
-    let run = Run { spec, opts, data: &data, control, cfg, hyper, capacity, comm: None };
+    let run = Run { spec, opts, data: &data, control, cfg, hyper, comm: None };
     #[cfg(feature = "cuda")]
-    if let Some(be) = cuda {
+    if let Some(backends) = cuda {
         return match spec.memory.precision {
-            Precision::Fp32 => run.go::<f32, _>(be, events),
-            Precision::Bf16 => run.go::<half::bf16, _>(be, events),
-            // Refused by open_cuda while the kernels lack it; else each op would say so.
-            Precision::Fp16 => run.go::<half::f16, _>(be, events),
+            Precision::Fp32 => run.ranks::<f32, _>(backends, events),
+            Precision::Bf16 => run.ranks::<half::bf16, _>(backends, events),
+            // Refused by open_cuda_ranks while the kernels lack it; else each op would say so.
+            Precision::Fp16 => run.ranks::<half::f16, _>(backends, events),
         };
     }
+    let backends =
+        (0..spec.memory.world_size).map(|rank| CpuBackend::new(Pool::new(&format!("cpu:{rank}"), capacity))).collect();
     match spec.memory.precision {
-        Precision::Fp32 => run.ranks::<f32>(events),
-        Precision::Bf16 => run.ranks::<half::bf16>(events),
-        Precision::Fp16 => run.ranks::<half::f16>(events),
+        Precision::Fp32 => run.ranks::<f32, _>(backends, events),
+        Precision::Bf16 => run.ranks::<half::bf16, _>(backends, events),
+        Precision::Fp16 => run.ranks::<half::f16, _>(backends, events),
     }
 }
 
-/// The CUDA device of the job, with what it cannot run yet refused up front (exit 2, the
-/// field named) rather than at the first op.
+/// The CUDA devices of the job's ranks (rank r on `cuda:{index + r}`), with what they cannot
+/// run yet refused up front (exit 2, the field named) rather than at the first op.
 #[cfg(feature = "cuda")]
-fn open_cuda(spec: &JobSpec) -> Result<super::cuda::CudaBackend, TrainError> {
+fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<super::cuda::CudaBackend>, TrainError> {
     use super::cuda::{CudaBackend, CudaError};
     let precision = match spec.memory.precision {
         Precision::Fp32 => <f32 as Elem>::NAME,
@@ -194,22 +196,21 @@ fn open_cuda(spec: &JobSpec) -> Result<super::cuda::CudaBackend, TrainError> {
             ),
         }));
     }
-    if spec.memory.world_size > 1 {
-        return Err(TrainError::Config(ConfigError {
-            field: "memory.world_size".into(),
-            message: format!(
-                "{} ranks on cuda need NCCL, which this build does not have: use world_size 1 on cuda, or the cpu device",
-                spec.memory.world_size
-            ),
-        }));
-    }
-    CudaBackend::new(spec.device.index, spec.device_capacity()).map_err(|e| TrainError::DeviceUnavailable {
-        device: format!("cuda:{}", spec.device.index),
-        reason: match e {
-            CudaError::NoDriver { .. } => "no CUDA driver found".to_string(),
-            e => e.to_string(),
-        },
-    })
+    // Validated: 1..=64.
+    let world = spec.memory.world_size as u32;
+    (0..world)
+        .map(|rank| {
+            let index = spec.device.index + rank;
+            CudaBackend::new(index, spec.device_capacity()).map_err(|e| TrainError::DeviceUnavailable {
+                device: format!("cuda:{index}"),
+                reason: match e {
+                    CudaError::NoDriver { .. } => "no CUDA driver found".to_string(),
+                    e if world > 1 => format!("rank {rank} of memory.world_size {world} (cuda:{index}): {e}"),
+                    e => e.to_string(),
+                },
+            })
+        })
+        .collect()
 }
 
 /// Everything a run needs once the job is validated and the data loaded.
@@ -220,33 +221,31 @@ struct Run<'a> {
     control: Option<Arc<AtomicU8>>,
     cfg: GptConfig,
     hyper: Hyper,
-    /// Device capacity of each rank.
-    capacity: usize,
     comm: Option<LocalComm>,
 }
 
 impl Run<'_> {
-    /// Run every data-parallel rank: rank 0 here (it speaks the protocol), the others on
-    /// threads of their own, each with its own device pool of `capacity` bytes.
-    fn ranks<E: Elem>(self, events: &mut Events) -> Result<(), TrainError> {
-        let world = self.spec.memory.world_size as usize;
-        let backend = |rank: usize, capacity: usize| CpuBackend::new(Pool::new(&format!("cpu:{rank}"), capacity));
+    /// Run every data-parallel rank, rank r on `backends[r]` (each with its own device pool):
+    /// rank 0 here (it speaks the protocol), the others on threads of their own.
+    fn ranks<E: Elem, B: Backend>(self, backends: Vec<B>, events: &mut Events) -> Result<(), TrainError> {
+        let world = backends.len();
+        let mut backends = backends.into_iter();
+        let leader_backend = backends.next().expect("world_size >= 1");
         if world == 1 {
-            let be = backend(0, self.capacity);
-            return self.go::<E, _>(be, events);
+            return self.go::<E, _>(leader_backend, events);
         }
         let mut comms = LocalComm::group(world).into_iter();
         let leader_comm = comms.next();
         std::thread::scope(|scope| {
             let followers: Vec<_> = comms
-                .map(|comm| {
-                    let run = Run { control: None, comm: Some(comm.clone()), hyper: self.hyper.clone(), ..self };
-                    let be = backend(comm.rank(), self.capacity);
+                .zip(backends)
+                .map(|(comm, be)| {
+                    let run = Run { control: None, comm: Some(comm), hyper: self.hyper.clone(), ..self };
                     scope.spawn(move || run.go::<E, _>(be, &mut Events::new(Box::new(std::io::sink()))))
                 })
                 .collect();
             let leader = Run { comm: leader_comm, ..self };
-            let result = leader.go::<E, _>(backend(0, self.capacity), events);
+            let result = leader.go::<E, _>(leader_backend, events);
             for (i, f) in followers.into_iter().enumerate() {
                 match f.join() {
                     Ok(Ok(())) | Ok(Err(TrainError::Preempted { .. })) => {}
@@ -263,7 +262,7 @@ impl Run<'_> {
 
     /// The training loop of one rank in compute precision `E` on `backend`.
     fn go<E: Elem, B: Backend>(self, backend: B, events: &mut Events) -> Result<(), TrainError> {
-        let Run { spec, opts, data, control, cfg, hyper, capacity: _, comm } = self;
+        let Run { spec, opts, data, control, cfg, hyper, comm } = self;
         let rank = comm.as_ref().map_or(0, |c| c.rank());
         let pool = backend.pool().clone();
         let device = backend.device();

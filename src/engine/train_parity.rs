@@ -8,6 +8,7 @@ use std::fmt::Write as _;
 use crate::config::{Checkpointing, OffloadTarget};
 
 use super::backend::Backend;
+use super::comm::{Comm, LocalComm};
 use super::layers::Elem;
 use super::model::GptConfig;
 use super::rng::mix64;
@@ -27,6 +28,9 @@ pub struct TrainParityCase {
     pub offload_optimizer: bool,
     pub offload_params: bool,
     pub offload_activations: OffloadTarget,
+    /// Data-parallel ranks (each on its own backend) and their ZeRO stage.
+    pub world: usize,
+    pub zero_stage: usize,
 }
 
 impl TrainParityCase {
@@ -43,6 +47,8 @@ impl TrainParityCase {
             offload_optimizer: false,
             offload_params: false,
             offload_activations: OffloadTarget::None,
+            world: 1,
+            zero_stage: 0,
         }
     }
 
@@ -60,10 +66,19 @@ impl TrainParityCase {
         }
     }
 
+    /// `small` on two ranks at ZeRO `stage`, each accumulating half the micro-batches: the
+    /// same global batch, so the same trajectory as one rank up to summation order. Stage 1
+    /// all-reduces the gradients and all-gathers the updated weights; stage 3 gathers every
+    /// weight segment before use and reduce-scatters every gradient segment.
+    pub fn small_ranks(steps: usize, stage: usize) -> TrainParityCase {
+        let names = ["2 ranks z0", "2 ranks z1", "2 ranks z2", "2 ranks z3"];
+        TrainParityCase { name: names[stage.min(3)], grad_accum: 1, world: 2, zero_stage: stage, ..Self::small(steps) }
+    }
+
     pub(crate) fn hyper(&self) -> Hyper {
         Hyper {
             steps: self.steps as u64,
-            global_batch: self.micro_batch * self.grad_accum,
+            global_batch: self.micro_batch * self.grad_accum * self.world,
             micro_batch: self.micro_batch,
             grad_accum: self.grad_accum,
             seq_len: self.cfg.block_size,
@@ -76,8 +91,8 @@ impl TrainParityCase {
             offload_optimizer: self.offload_optimizer,
             offload_params: self.offload_params,
             offload_activations: self.offload_activations,
-            world_size: 1,
-            zero_stage: 0,
+            world_size: self.world,
+            zero_stage: self.zero_stage,
         }
     }
 }
@@ -125,11 +140,12 @@ pub fn bounds<E: Elem>() -> (f64, f64) {
     }
 }
 
-/// Train `case` on both backends over `tokens` (ids below the vocabulary; sequences start at
-/// pseudo-random offsets fixed by step and index) and compare.
+/// Train `case` on both sides over `tokens` (ids below the vocabulary; sequences start at
+/// pseudo-random offsets fixed by step and index) and compare. Each side's rank r runs on the
+/// backend its opener gives for r.
 pub fn train_parity<E: Elem, R: Backend, C: Backend>(
-    reference: R,
-    candidate: C,
+    reference: impl Fn(usize) -> Result<R, String>,
+    candidate: impl Fn(usize) -> Result<C, String>,
     case: &TrainParityCase,
     tokens: &[u32],
 ) -> TrainParityReport {
@@ -150,12 +166,9 @@ pub fn train_parity<E: Elem, R: Backend, C: Backend>(
         report.error = Some(format!("need more than {} tokens below {}", t + 1, case.cfg.vocab));
         return report;
     }
-    let mut batch = sequences(tokens, t);
-    let run = |side: &str, r: Result<(Vec<f32>, Vec<f32>, f64), super::backend::BackendError>| {
-        r.map_err(|e| format!("{side}: {e}"))
-    };
-    let reference = run("reference", train_on::<E, R>(reference, case, &mut batch));
-    let candidate = run("candidate", train_on::<E, C>(candidate, case, &mut batch));
+    let run = |side: &str, r: Result<(Vec<f32>, Vec<f32>, f64), String>| r.map_err(|e| format!("{side}: {e}"));
+    let reference = run("reference", train_on::<E, R>(&reference, case, tokens));
+    let candidate = run("candidate", train_on::<E, C>(&candidate, case, tokens));
     match (reference, candidate) {
         (Ok((lr, wr, ms_r)), Ok((lc, wc, ms_c))) => {
             report.losses = lr.into_iter().zip(lc).collect();
@@ -178,21 +191,62 @@ pub(crate) fn sequences(tokens: &[u32], t: usize) -> impl FnMut(u64, u64, &mut V
     }
 }
 
-/// Each step's loss, the final master weights and the mean step time.
+/// Each step's loss, the final master weights and the mean step time (of rank 0), every rank
+/// on its own thread and backend.
 fn train_on<E: Elem, B: Backend>(
-    backend: B,
+    open: &dyn Fn(usize) -> Result<B, String>,
     case: &TrainParityCase,
-    batch: &mut super::trainer::BatchFn<'_>,
-) -> Result<(Vec<f32>, Vec<f32>, f64), super::backend::BackendError> {
-    let mut trainer = Trainer::<E, B>::on_backend(case.cfg, case.hyper(), backend, None)?;
+    tokens: &[u32],
+) -> Result<(Vec<f32>, Vec<f32>, f64), String> {
+    let backends = (0..case.world).map(open).collect::<Result<Vec<B>, String>>()?;
+    let comms: Vec<Option<LocalComm>> =
+        if case.world == 1 { vec![None] } else { LocalComm::group(case.world).into_iter().map(Some).collect() };
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let ranks: Vec<_> = backends
+            .into_iter()
+            .zip(comms)
+            .map(|(backend, comm)| scope.spawn(move || train_rank::<E, B>(backend, comm, case, tokens)))
+            .collect();
+        ranks.into_iter().map(|r| r.join().unwrap_or_else(|_| Err("a rank panicked".into()))).collect()
+    });
+    let mut first = None;
+    for (rank, result) in results.into_iter().enumerate() {
+        match result {
+            Err(e) if case.world > 1 => return Err(format!("rank {rank}: {e}")),
+            Err(e) => return Err(e),
+            Ok(r) => {
+                first.get_or_insert(r);
+            }
+        }
+    }
+    Ok(first.expect("world >= 1"))
+}
+
+/// One rank of `train_on`.
+fn train_rank<E: Elem, B: Backend>(
+    backend: B,
+    comm: Option<LocalComm>,
+    case: &TrainParityCase,
+    tokens: &[u32],
+) -> Result<(Vec<f32>, Vec<f32>, f64), String> {
+    let trainer = Trainer::<E, B>::on_backend(case.cfg, case.hyper(), backend, comm.clone());
+    // A rank that cannot allocate must not leave the others waiting in a collective.
+    let all_ok = comm.as_ref().map_or(trainer.is_ok(), |c| c.agree(trainer.is_ok()));
+    let mut trainer = match (trainer, all_ok) {
+        (Ok(t), true) => t,
+        (Err(e), _) => return Err(e.to_string()),
+        (Ok(_), false) => return Err("another rank could not allocate its state".into()),
+    };
+    let mut batch = sequences(tokens, case.cfg.block_size);
     let mut losses = Vec::with_capacity(case.steps);
     let mut ms = 0.0;
     for _ in 0..case.steps {
-        let s = trainer.train_step(batch)?;
+        let s = trainer.train_step(&mut batch).map_err(|e| e.to_string())?;
         losses.push(s.loss);
         ms += s.step_ms;
     }
-    Ok((losses, trainer.master_params()?, ms / case.steps.max(1) as f64))
+    let weights = trainer.full_master_params().map_err(|e| e.to_string())?;
+    Ok((losses, weights, ms / case.steps.max(1) as f64))
 }
 
 fn norm_rel_err(reference: &[f32], candidate: &[f32]) -> f64 {
@@ -322,8 +376,8 @@ mod tests {
     fn the_reference_trains_identically_on_a_second_instance() {
         let case = TrainParityCase::small(6);
         for report in [
-            train_parity::<f32, _, _>(cpu(), cpu(), &case, &tokens()),
-            train_parity::<half::bf16, _, _>(cpu(), cpu(), &case, &tokens()),
+            train_parity::<f32, _, _>(|_| Ok(cpu()), |_| Ok(cpu()), &case, &tokens()),
+            train_parity::<half::bf16, _, _>(|_| Ok(cpu()), |_| Ok(cpu()), &case, &tokens()),
         ] {
             eprintln!("{}", table(std::slice::from_ref(&report)));
             assert!(report.error.is_none(), "{:?}", report.error);
@@ -339,10 +393,16 @@ mod tests {
     /// and offload copies through the backend) computes exactly what the host path does.
     #[test]
     fn the_device_path_trains_bit_identically_to_the_host_path() {
-        for case in [TrainParityCase::small(4), TrainParityCase::small_offloaded(4)] {
+        let cases = [
+            TrainParityCase::small(4),
+            TrainParityCase::small_offloaded(4),
+            TrainParityCase::small_ranks(4, 1),
+            TrainParityCase::small_ranks(4, 3),
+        ];
+        for case in cases {
             for report in [
-                train_parity::<f32, _, _>(cpu(), DeviceSim::new(256 << 20), &case, &tokens()),
-                train_parity::<half::bf16, _, _>(cpu(), DeviceSim::new(256 << 20), &case, &tokens()),
+                train_parity::<f32, _, _>(|_| Ok(cpu()), |_| Ok(DeviceSim::new(256 << 20)), &case, &tokens()),
+                train_parity::<half::bf16, _, _>(|_| Ok(cpu()), |_| Ok(DeviceSim::new(256 << 20)), &case, &tokens()),
             ] {
                 eprintln!("{}", table(std::slice::from_ref(&report)));
                 assert!(report.error.is_none(), "{} {}: {:?}", case.name, report.dtype, report.error);
@@ -404,7 +464,7 @@ mod tests {
     #[test]
     fn a_backend_with_a_planted_bug_fails_training_parity() {
         let case = TrainParityCase::small(4);
-        let report = train_parity::<f32, _, _>(cpu(), Faulty(cpu()), &case, &tokens());
+        let report = train_parity::<f32, _, _>(|_| Ok(cpu()), |_| Ok(Faulty(cpu())), &case, &tokens());
         let table = table(std::slice::from_ref(&report));
         eprintln!("{table}");
         assert!(!report.passed(), "{table}");
@@ -422,7 +482,12 @@ mod tests {
     #[test]
     fn a_candidate_that_runs_out_of_memory_is_a_failed_report_not_a_panic() {
         let case = TrainParityCase::small(2);
-        let report = train_parity::<f32, _, _>(cpu(), CpuBackend::new(Pool::new("cpu", 1 << 20)), &case, &tokens());
+        let report = train_parity::<f32, _, _>(
+            |_| Ok(cpu()),
+            |_| Ok(CpuBackend::new(Pool::new("cpu", 1 << 20))),
+            &case,
+            &tokens(),
+        );
         let error = report.error.as_deref().expect("an error");
         assert!(error.starts_with("candidate: ") && error.contains("out of device memory"), "{error}");
         assert!(!report.passed());

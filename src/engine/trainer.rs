@@ -14,7 +14,7 @@ use super::comm::{shard_range, Comm, LocalComm};
 use super::layers::{narrow, widen, Elem};
 use super::model::{self, alloc_elems, alloc_f32, GptConfig, TensorInfo};
 use super::optim::{clip_coefficient, lr_at, AdamW};
-use super::placement::{FullGrads, Gathered, HostStaged, ParamSource, Resident, ShardedGrads};
+use super::placement::{FullGrads, Gathered, GradSink, HostStaged, ParamSource, Resident, ShardedGrads};
 use super::rng::Rng;
 
 /// Hyper-parameters of the loop, resolved from the job spec.
@@ -128,17 +128,19 @@ enum ParamStore<E> {
 }
 
 impl<E: Elem> ParamStore<E> {
-    fn as_slice(&self) -> &[E] {
+    fn view(&self) -> View<'_, E> {
         match self {
-            ParamStore::Device(b) => b.as_slice(),
-            ParamStore::Host(v) => v,
+            ParamStore::Device(b) => View::of(b),
+            ParamStore::Host(v) => View::from_host(v),
         }
     }
 
-    fn as_mut_slice(&mut self) -> &mut [E] {
+    fn view_mut(&mut self) -> ViewMut<'_, E> {
         match self {
-            ParamStore::Device(b) => b.as_mut_slice(),
-            ParamStore::Host(v) => Arc::get_mut(v).expect("no copy worker holds the weights between passes"),
+            ParamStore::Device(b) => ViewMut::of(b),
+            ParamStore::Host(v) => {
+                ViewMut::from_host(Arc::get_mut(v).expect("no copy worker holds the weights between passes"))
+            }
         }
     }
 }
@@ -148,7 +150,7 @@ pub use super::model::SwapStats;
 /// The weight source a pass reads through, for where the weights are kept.
 enum Source<'a, E, B: Backend> {
     Resident(Resident<'a, E>),
-    Gathered(Gathered<'a, E>),
+    Gathered(Gathered<'a, E, B>),
     Host(HostStaged<'a, E, B>),
 }
 
@@ -169,8 +171,8 @@ impl<E: Elem, B: Backend> Source<'_, E, B> {
 ///
 /// ZeRO stages on a group of `world` ranks: 1 shards the optimizer state, 2 also the gradients
 /// (each backward segment is reduce-scattered to its owners), 3 also the weights (each segment
-/// is all-gathered before use). With world 1 every stage is stage 0. Ranks exchange host
-/// memory, so a group runs on the `cpu` device.
+/// is all-gathered before use). With world 1 every stage is stage 0. Ranks exchange through
+/// host memory: in place on the `cpu` device, staged (downloaded and uploaded) on a device.
 pub struct Trainer<E: Elem = f32, B: Backend = CpuBackend> {
     pub cfg: GptConfig,
     pub hyper: Hyper,
@@ -222,13 +224,6 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         let n = cfg.num_params();
         let (rank, world) = comm.as_ref().map(|c| (c.rank(), c.world())).unwrap_or((0, 1));
         let stage = if world > 1 { hyper.zero_stage } else { 0 };
-        if world > 1 && !pool.host_visible() {
-            return Err(BackendError::Unsupported {
-                backend: backend.device(),
-                op: "data-parallel ranks (memory.world_size > 1)",
-                dtype: E::NAME,
-            });
-        }
         let shard = if stage >= 1 { shard_range(n, rank, world) } else { 0..n };
         let state_len = if stage >= 1 { n.div_ceil(world) } else { n };
         let k = shard.len();
@@ -433,9 +428,11 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                 loss_sum += acts.mean_loss() as f64;
                 let moved = match (&self.comm, self.grads_sharded) {
                     (Some(comm), true) => {
-                        let grads = self.grads.as_mut_slice::<E>();
-                        let mut sink = ShardedGrads::new(grads, self.shard.clone(), comm, &self.pool);
-                        model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, dloss)?
+                        let grads = ViewMut::of(&mut self.grads);
+                        let mut sink = ShardedGrads::new(grads, self.shard.clone(), comm, be);
+                        let mut moved = model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, dloss)?;
+                        moved.add(sink.swap());
+                        moved
                     }
                     _ => {
                         let mut sink = FullGrads(ViewMut::of(&mut self.grads));
@@ -452,7 +449,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             be.sum_squares::<E>(View::range(&self.grads, 0..k))?
         } else {
             if let Some(comm) = &self.comm {
-                comm.all_reduce_sum(self.grads.as_mut_slice::<E>());
+                swap.add(comm.all_reduce_sum_on::<E, B>(be, ViewMut::of(&mut self.grads))?);
             }
             be.sum_squares::<E>(View::of(&self.grads))?
         };
@@ -479,7 +476,8 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             swap.add(self.optimizer_step(&opt, grad_mult)?);
             if let (Some(comm), true, false) = (&self.comm, k < self.cfg.num_params(), self.params_sharded) {
                 // ZeRO-1/2: every rank updated its shard; gather the full weights everywhere.
-                comm.all_gather(self.params.as_mut_slice(), self.shard.clone());
+                let moved = comm.all_gather_on::<E, B>(&self.backend, self.params.view_mut(), self.shard.clone())?;
+                swap.add(moved);
             }
             if self.dynamic_scale {
                 self.good_steps += 1;
@@ -502,7 +500,8 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             tokens_per_s: (h.global_batch * t) as f64 / secs.max(1e-9),
             loss_scale: self.loss_scale,
             skipped,
-            swap: offloading.then_some(swap),
+            // Offloading, or ranks on a device staging their collectives through the host.
+            swap: (offloading || swap.bytes_to_host + swap.bytes_to_device > 0).then_some(swap),
         })
     }
 
@@ -719,10 +718,10 @@ fn source_of<'a, E: Elem, B: Backend>(
 ) -> Source<'a, E, B> {
     match (params, sharded, comm) {
         (store, true, Some(comm)) => Source::Gathered(Gathered::new(
-            &store.as_slice()[..shard.len()],
+            store.view().slice(0..shard.len()),
             shard.clone(),
             comm,
-            backend.pool(),
+            backend,
             matches!(store, ParamStore::Host(_)),
         )),
         (ParamStore::Host(host), _, _) => Source::Host(HostStaged::new(Arc::clone(host), backend)),
