@@ -292,10 +292,12 @@ pub trait Backend: Send {
     where
         Self: Sized,
     {
-        fences.into_iter().fold(Ok(()), |first, fence| {
+        let mut first = Ok(());
+        for fence in fences {
             let waited = self.wait_copy(fence);
-            first.and(waited)
-        })
+            first = first.and(waited);
+        }
+        first
     }
 
     /// out: (B,T,C) = wte[inp] + wpe[t]; inp: (B,T); wte: (V,C); wpe: (maxT,C).
