@@ -198,19 +198,29 @@ fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<super::cuda::CudaBackend>, Trai
     }
     // Validated: 1..=64.
     let world = spec.memory.world_size as u32;
-    (0..world)
-        .map(|rank| {
-            let index = spec.device.index + rank;
-            CudaBackend::new(index, spec.device_capacity()).map_err(|e| TrainError::DeviceUnavailable {
-                device: format!("cuda:{index}"),
-                reason: match e {
-                    CudaError::NoDriver { .. } => "no CUDA driver found".to_string(),
-                    e if world > 1 => format!("rank {rank} of memory.world_size {world} (cuda:{index}): {e}"),
-                    e => e.to_string(),
-                },
-            })
+    let open = |rank: u32, capacity: Option<usize>| {
+        let index = spec.device.index + rank;
+        CudaBackend::new(index, capacity).map_err(|e| TrainError::DeviceUnavailable {
+            device: format!("cuda:{index}"),
+            reason: match e {
+                CudaError::NoDriver { .. } => "no CUDA driver found".to_string(),
+                e if world > 1 => format!("rank {rank} of memory.world_size {world} (cuda:{index}): {e}"),
+                e => e.to_string(),
+            },
         })
-        .collect()
+    };
+    let mut backends = (0..world).map(|rank| open(rank, spec.device_capacity())).collect::<Result<Vec<_>, _>>()?;
+    // Without a `device_memory` each pool is its GPU's free memory, which other processes can
+    // make unequal. Ranks make identical allocations, so give every rank the smallest: an OOM
+    // then hits all ranks at the same allocation, never one rank while the others wait for it
+    // in a collective.
+    let smallest = backends.iter().map(|b| b.pool().stats().capacity).min().unwrap_or(0);
+    for (rank, backend) in backends.iter_mut().enumerate() {
+        if backend.pool().stats().capacity != smallest {
+            drop(std::mem::replace(backend, open(rank as u32, Some(smallest))?));
+        }
+    }
+    Ok(backends)
 }
 
 /// Everything a run needs once the job is validated and the data loaded.
