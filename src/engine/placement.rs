@@ -13,7 +13,7 @@ use std::thread::JoinHandle;
 
 use crate::memory::{Buffer, Category, OomError};
 
-use super::backend::{Backend, BackendResult, View, ViewMut};
+use super::backend::{Backend, BackendError, BackendResult, View, ViewMut};
 use super::comm::LocalComm;
 use super::layers::Elem;
 use super::model::SwapStats;
@@ -155,12 +155,18 @@ impl<'b, E: Elem, B: Backend> HostStaged<'b, E, B> {
             }),
         ))
     }
+}
 
+impl<E, B: Backend> HostStaged<'_, E, B> {
     /// Wait for a copy started by `start`: its range and the filled buffer.
     fn finish(&self, ahead: Ahead<B::Fence>, swap: &mut SwapStats) -> BackendResult<(Range<usize>, Buffer)> {
         match ahead {
             Ahead::Worker(range, worker) => {
-                let (buf, ms) = worker.join().expect("copy worker");
+                let (buf, ms) = worker.join().map_err(|_| BackendError::Device {
+                    op: "offload.params copy",
+                    device: self.backend.device(),
+                    detail: "the copy worker panicked".into(),
+                })?;
                 swap.transfer_ms += ms;
                 Ok((range, buf))
             }
@@ -216,13 +222,8 @@ impl<E, B: Backend> Drop for HostStaged<'_, E, B> {
     fn drop(&mut self) {
         // A copy in flight must land before its buffer is freed, and the copy worker holds a
         // handle on the host weights: both must be done before the optimizer updates them.
-        match self.ahead.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
-            Some(Ahead::Worker(_, worker)) => drop(worker.join()),
-            Some(Ahead::Copy(_, buf, fence)) => {
-                let _ = self.backend.wait_copy(fence);
-                drop(buf);
-            }
-            None => {}
+        if let Some(ahead) = self.ahead.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = self.finish(ahead, &mut SwapStats::default());
         }
     }
 }
