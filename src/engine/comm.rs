@@ -404,6 +404,9 @@ impl Staged {
     }
 
     fn down<E: Elem, B: Backend>(&mut self, be: &B, src: View<E>, dst: &mut [E]) -> BackendResult {
+        if dst.is_empty() {
+            return Ok(());
+        }
         let t0 = Instant::now();
         let done = be.download(src, dst);
         self.stats.bytes_to_host += dst.len() * E::BYTES;
@@ -412,6 +415,10 @@ impl Staged {
     }
 
     fn up<E: Elem, B: Backend>(&mut self, be: &B, dst: ViewMut<E>, src: &[E]) -> BackendResult {
+        if src.is_empty() {
+            // Nothing to copy (a shard at either end of the buffer, or none at all).
+            return Ok(());
+        }
         let t0 = Instant::now();
         let done = be.upload(dst, src);
         self.stats.bytes_to_device += src.len() * E::BYTES;
@@ -516,6 +523,78 @@ mod tests {
         let expected = ((1e16 + 1.0) + -1e16) + 1.0;
         for s in &sums {
             assert_eq!(s, &vec![expected; 3], "rank order, the same bits everywhere");
+        }
+    }
+
+    /// The `*_on` forms on a device (staged through the host) give what the host forms give,
+    /// with shards of unequal length, an empty shard (fewer parameters than ranks) and buckets
+    /// straddling shard boundaries.
+    #[test]
+    fn staged_collectives_on_a_device_match_the_host_ones() {
+        use crate::engine::device_sim::DeviceSim;
+        use crate::memory::Category;
+        for n in [10usize, 2] {
+            let run = |on_device: bool| {
+                on_group(3, |c| {
+                    let be = DeviceSim::new(16 << 20);
+                    let own = shard_range(n, c.rank(), c.world());
+                    let upload = |v: &[f32]| {
+                        let mut b = be.pool().alloc(v.len().max(1) * 4, Category::Workspace).unwrap();
+                        be.upload(ViewMut::range(&mut b, 0..v.len()), v).unwrap();
+                        b
+                    };
+                    let read = |b: &crate::memory::Buffer, len: usize| {
+                        let mut v = vec![0f32; len];
+                        be.download(View::range(b, 0..len), &mut v).unwrap();
+                        v
+                    };
+                    let r = c.rank() as f32;
+                    let mut sum: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 + r).collect();
+                    let mut gathered: Vec<f32> =
+                        (0..n).map(|i| if own.contains(&i) { 10.0 * r + i as f32 } else { -1.0 }).collect();
+                    let bucket: Vec<f32> = (0..n - 1).map(|i| (c.rank() + 1) as f32 * (i + 2) as f32).collect();
+                    let mut shard = vec![0.25f32; own.len()];
+                    let mut segment = vec![-1f32; n - 1];
+                    let weights: Vec<f32> = own.clone().map(|i| i as f32 * 3.0).collect();
+                    if on_device {
+                        let mut d_sum = upload(&sum);
+                        let mut d_gathered = upload(&gathered);
+                        let d_bucket = upload(&bucket);
+                        let mut d_shard = upload(&shard);
+                        let mut d_segment = upload(&segment);
+                        let d_weights = upload(&weights);
+                        c.all_reduce_sum_on(&be, ViewMut::<f32>::range(&mut d_sum, 0..n)).unwrap();
+                        c.all_gather_on(&be, ViewMut::<f32>::range(&mut d_gathered, 0..n), own.clone()).unwrap();
+                        let bucket_view = View::<f32>::range(&d_bucket, 0..n - 1);
+                        c.reduce_scatter_add_on(
+                            &be,
+                            bucket_view,
+                            1,
+                            ViewMut::range(&mut d_shard, 0..own.len()),
+                            own.clone(),
+                        )
+                        .unwrap();
+                        let weights_view = View::<f32>::range(&d_weights, 0..own.len());
+                        c.gather_range_on(&be, weights_view, own.clone(), 1, ViewMut::range(&mut d_segment, 0..n - 1))
+                            .unwrap();
+                        (read(&d_sum, n), read(&d_gathered, n), read(&d_shard, own.len()), read(&d_segment, n - 1))
+                    } else {
+                        c.all_reduce_sum(&mut sum);
+                        c.all_gather(&mut gathered, own.clone());
+                        c.reduce_scatter_add(&bucket, 1, &mut shard, own.clone());
+                        c.gather_range(&weights, own.clone(), 1, &mut segment);
+                        (sum, gathered, shard, segment)
+                    }
+                })
+            };
+            let (host, device) = (run(false), run(true));
+            assert_eq!(device, host, "{n} parameters on 3 ranks");
+            // And the host results are the collectives' meaning.
+            let (sum, gathered, _, segment) = &host[2];
+            assert_eq!(sum, &(0..n).map(|i| 1.5 * i as f32 + 3.0).collect::<Vec<_>>());
+            let owner = |i: usize| (0..3).find(|&r| shard_range(n, r, 3).contains(&i)).unwrap() as f32;
+            assert_eq!(gathered, &(0..n).map(|i| 10.0 * owner(i) + i as f32).collect::<Vec<_>>());
+            assert_eq!(segment, &(1..n).map(|i| i as f32 * 3.0).collect::<Vec<_>>());
         }
     }
 }
