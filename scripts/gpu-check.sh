@@ -25,12 +25,20 @@ BIN=${1:-target/release/headroom}
 BIN="$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")"
 cd "$(dirname "$0")/.."
 
-# libnvrtc and libcublas from the CUDA toolkit, or from the pip wheels.
-for pkg in cuda_nvrtc cublas; do
-    for d in $(python3 -c "import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))" 2>/dev/null)/nvidia/$pkg/lib /usr/local/cuda/lib64; do
-        [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
-    done
+# libnvrtc and libcublas (CUDA 13 or 12) from pip's nvidia-* wheels (CUDA 13: nvidia/cu13/lib;
+# CUDA 12: nvidia/cuda_nvrtc/lib, nvidia/cublas/lib) or the CUDA toolkit, searched in that order.
+lib_dirs=()
+for site in $(python3 -c 'import nvidia; print(" ".join(nvidia.__path__))' 2>/dev/null); do
+    for d in "$site"/*/lib; do lib_dirs+=("$d"); done
 done
+lib_dirs+=(/usr/local/cuda/lib64)
+for d in "${lib_dirs[@]}"; do
+    if compgen -G "$d/libnvrtc.so*" >/dev/null || compgen -G "$d/libcublas.so*" >/dev/null; then
+        LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+    fi
+done
+export LD_LIBRARY_PATH
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi not found"
 
 job=$(mktemp /tmp/headroom-cuda-job.XXXXXX.yaml)

@@ -42,6 +42,15 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
     let index = args.index;
     let device = CudaBackend::new(index, None).map_err(|e| UsageError(e.to_string()))?;
     println!("device: cuda:{index} {} (pool capacity {})", device.name(), format_bytes(device.pool().stats().capacity));
+    let version = |v: Option<(i32, i32)>| v.map_or("?".to_string(), |(major, minor)| format!("{major}.{minor}"));
+    println!(
+        "driver: CUDA {}, NVRTC {}",
+        version(crate::engine::cuda::driver_version()),
+        version(crate::engine::cuda::nvrtc_version())
+    );
+    for (library, path) in crate::engine::cuda::libraries::loaded() {
+        println!("loaded {library}: {}", path.display());
+    }
     println!("seed: {seed}");
     drop(device);
     let open = |memory: Option<usize>| CudaBackend::new(index, memory).map_err(|e| anyhow::anyhow!("{e}"));

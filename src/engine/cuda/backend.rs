@@ -24,7 +24,9 @@ use cudarc::driver::{
 
 use crate::memory::{Buffer, Category, Pool, SegmentSource};
 
-use super::{compile, cublas_present, driver_present, entry_points, nvrtc_present, CudaError, KERNELS};
+use super::{
+    compile, cublas_present, driver_present, entry_points, no_cublas, no_nvrtc, nvrtc_present, CudaError, KERNELS,
+};
 use crate::engine::backend::{shapes, Backend, BackendError, BackendResult, View, ViewMut};
 use crate::engine::layers::Elem;
 use crate::engine::optim::{AdamW, BETA1, BETA2, EPS};
@@ -201,10 +203,10 @@ impl CudaBackend {
             return Err(CudaError::NoDriver { index });
         }
         if !nvrtc_present() {
-            return Err(CudaError::NoNvrtc);
+            return Err(no_nvrtc());
         }
         if !cublas_present() {
-            return Err(CudaError::NoCublas);
+            return Err(no_cublas());
         }
         let err =
             |op: &'static str| move |e: &dyn std::fmt::Debug| CudaError::Driver { index, op, detail: format!("{e:?}") };
@@ -217,8 +219,17 @@ impl CudaBackend {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS handle creation")(&e))?;
         let mut functions = HashMap::new();
         for (family, _) in KERNELS {
-            let ptx = compile(family, &arch)?;
-            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| err("module load")(&e))?;
+            let cubin = compile(family, &arch)?;
+            let module =
+                ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec())).map_err(|e| CudaError::Driver {
+                    index,
+                    op: "kernel module load",
+                    detail: format!(
+                        "{e:?} ({family} for {arch}; NVRTC {}, driver CUDA {})",
+                        super::nvrtc_version().map_or("?".into(), |(a, b)| format!("{a}.{b}")),
+                        super::driver_version().map_or("?".into(), |(a, b)| format!("{a}.{b}")),
+                    ),
+                })?;
             for ep in entry_points(family)? {
                 let f = module.load_function(&ep).map_err(|e| err("kernel lookup")(&e))?;
                 functions.insert(ep, f);
@@ -266,7 +277,14 @@ impl CudaBackend {
         unsafe { builder.launch(cfg) }.map(|_| ()).map_err(|e| self.device_err(op, e))
     }
 
+    /// Make this device's context current on the calling thread (a rank's ops run on its own
+    /// thread). Kernel launches do it through cudarc; raw driver and cuBLAS calls come here first.
+    fn bind(&self, op: &'static str) -> BackendResult {
+        self.ctx.bind_to_thread().map_err(|e| self.device_err(op, e))
+    }
+
     fn gemm(&self, op: &'static str, g: Gemm) -> BackendResult {
+        self.bind(op)?;
         let t = |x: bool| {
             if x {
                 blas_sys::cublasOperation_t::CUBLAS_OP_T
@@ -331,6 +349,7 @@ impl CudaBackend {
     /// `bf16_kernel` cast (`cast_f32_to_bf16` or `cast_bf16_to_f32`).
     fn convert<E: Elem>(&self, op: &'static str, bf16_kernel: &str, dst: u64, src: u64, n: usize) -> BackendResult {
         if E::is_f32() {
+            self.bind(op)?;
             // SAFETY: both ranges hold n f32 (checked by the caller).
             unsafe { drv::memcpy_dtod_async(dst, src, n * 4, self.stream.cu_stream()) }
                 .map_err(|e| self.device_err(op, e))
@@ -397,7 +416,7 @@ impl Backend for CudaBackend {
 
     fn upload<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult {
         shapes::same("upload", "destination", dst.len(), src.len())?;
-        self.ctx.bind_to_thread().map_err(|e| self.device_err("upload", e))?;
+        self.bind("upload")?;
         // SAFETY: dst holds src.len() elements; the synchronize keeps `src` borrowed until done.
         unsafe { drv::memcpy_htod_async(dst.address(), src, self.stream.cu_stream()) }
             .map_err(|e| self.device_err("upload", e))?;
@@ -406,7 +425,7 @@ impl Backend for CudaBackend {
 
     fn download<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult {
         shapes::same("download", "destination", dst.len(), src.len())?;
-        self.ctx.bind_to_thread().map_err(|e| self.device_err("download", e))?;
+        self.bind("download")?;
         // SAFETY: as for upload.
         unsafe { drv::memcpy_dtoh_async(dst, src.address(), self.stream.cu_stream()) }
             .map_err(|e| self.device_err("download", e))?;
@@ -415,6 +434,7 @@ impl Backend for CudaBackend {
 
     fn zero<T: Pod>(&self, dst: ViewMut<T>) -> BackendResult {
         let bytes = dst.len() * std::mem::size_of::<T>();
+        self.bind("zero")?;
         // SAFETY: the view's bytes lie inside its buffer.
         unsafe { drv::memset_d8_async(dst.address(), 0, bytes, self.stream.cu_stream()) }
             .map_err(|e| self.device_err("zero", e))

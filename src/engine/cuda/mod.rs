@@ -6,8 +6,13 @@
 mod backend;
 pub use backend::CudaBackend;
 
+pub mod libraries;
+
 use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
+use std::ffi::{CStr, CString};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::nvrtc::result as nvrtc;
 
 /// Shared helpers, spliced in front of every kernel family (NVRTC gets no include path).
 const COMMON: &str = include_str!("../../../kernels/common.cuh");
@@ -30,12 +35,12 @@ pub const KERNELS: &[(&str, &str)] = &[
 pub enum CudaError {
     #[error("device cuda:{index} requested but no CUDA driver found (libcuda could not be loaded)")]
     NoDriver { index: u32 },
-    #[error("NVRTC (libnvrtc) not found: install the CUDA toolkit or `pip install nvidia-cuda-nvrtc-cu12` and put its lib folder on LD_LIBRARY_PATH")]
-    NoNvrtc,
+    #[error("NVRTC (libnvrtc.so.13 or .so.12) not found on the library path{hint}")]
+    NoNvrtc { hint: String },
     #[error("kernel {family} does not compile for {arch}: {log}")]
     Compile { family: String, arch: String, log: String },
-    #[error("cuBLAS (libcublas) not found: install the CUDA toolkit or `pip install nvidia-cublas-cu12` and put its lib folder on LD_LIBRARY_PATH")]
-    NoCublas,
+    #[error("cuBLAS (libcublas.so.13 or .so.12) not found on the library path{hint}")]
+    NoCublas { hint: String },
     #[error("device cuda:{index}: {op} failed: {detail}")]
     Driver { index: u32, op: &'static str, detail: String },
     #[error("unknown kernel family `{0}`")]
@@ -73,36 +78,100 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// PTX text of one family for `arch` (e.g. "sm_80"), compiled once per process.
-pub fn compile(family: &str, arch: &str) -> Result<String, CudaError> {
-    static CACHE: OnceLock<Mutex<HashMap<(String, String), String>>> = OnceLock::new();
+/// The error for a missing libnvrtc, with where one was found off the library path, if anywhere.
+pub fn no_nvrtc() -> CudaError {
+    CudaError::NoNvrtc { hint: libraries::hint("libnvrtc.so", "nvidia-cuda-nvrtc") }
+}
+
+/// The error for a missing libcublas, with where one was found off the library path, if anywhere.
+pub fn no_cublas() -> CudaError {
+    CudaError::NoCublas { hint: libraries::hint("libcublas.so", "nvidia-cublas") }
+}
+
+/// NVRTC's version as (major, minor); None when libnvrtc is absent.
+pub fn nvrtc_version() -> Option<(i32, i32)> {
+    if !nvrtc_present() {
+        return None;
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two out-parameters; libnvrtc is present.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }.result().ok()?;
+    Some((major, minor))
+}
+
+/// The CUDA version the driver supports as (major, minor); None without a driver.
+pub fn driver_version() -> Option<(i32, i32)> {
+    if !driver_present() {
+        return None;
+    }
+    let mut version = 0;
+    // SAFETY: one out-parameter; libcuda is present.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }.result().ok()?;
+    Some((version / 1000, version % 1000 / 10))
+}
+
+/// Machine code (a CUBIN) of one family for `arch` (e.g. "sm_90"), compiled once per process.
+///
+/// Machine code rather than PTX: the driver loads it without a JIT step, and it loads on a
+/// driver older than libnvrtc within one CUDA major version (a pip wheel of NVRTC 13.5 on a
+/// 13.0 driver), where PTX of the newer ISA would be refused.
+pub fn compile(family: &str, arch: &str) -> Result<Arc<[u8]>, CudaError> {
+    /// CUBINs by (family, arch).
+    type Cubins = HashMap<(String, String), Arc<[u8]>>;
+    static CACHE: OnceLock<Mutex<Cubins>> = OnceLock::new();
     let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
     let key = (family.to_string(), arch.to_string());
-    if let Some(ptx) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-        return Ok(ptx.clone());
+    if let Some(cubin) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return Ok(cubin.clone());
     }
+    let cubin: Arc<[u8]> = compile_source(family, &source(family)?, arch)?.into();
+    cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, cubin.clone());
+    Ok(cubin)
+}
+
+/// One NVRTC compilation of `src` (named `family`.cu in messages) to a CUBIN for `arch`.
+fn compile_source(family: &str, src: &str, arch: &str) -> Result<Vec<u8>, CudaError> {
     if !nvrtc_present() {
-        return Err(CudaError::NoNvrtc);
+        return Err(no_nvrtc());
     }
-    // NVRTC wants a 'static arch name; the few distinct ones a process sees are interned.
-    let arch_static: &'static str = Box::leak(arch.to_string().into_boxed_str());
-    let opts = cudarc::nvrtc::CompileOptions {
-        arch: Some(arch_static),
-        name: Some(format!("{family}.cu")),
-        options: vec!["--std=c++17".into()],
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source(family)?, opts).map_err(|e| CudaError::Compile {
-        family: family.into(),
-        arch: arch.into(),
-        log: match &e {
-            cudarc::nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
-            other => format!("{other:?}"),
-        },
-    })?;
-    let text = ptx.to_src();
-    cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, text.clone());
-    Ok(text)
+    let fail = |log: String| CudaError::Compile { family: family.into(), arch: arch.into(), log };
+    let src = CString::new(src).map_err(|_| fail("the source holds a NUL byte".into()))?;
+    let name = CString::new(format!("{family}.cu")).map_err(|_| fail("bad family name".into()))?;
+    let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
+    let options = [format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    // SAFETY: `prog` was created above and is destroyed once, below; `src` and `name` outlive it.
+    unsafe {
+        let cubin = match nvrtc::compile_program(prog, &options) {
+            Err(e) => {
+                let log = nvrtc::get_program_log(prog)
+                    .map(|log| CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                Err(fail(format!("{e:?}: {}", log.trim_end())))
+            }
+            Ok(()) => cubin_of(prog).map_err(|e| fail(format!("no CUBIN: {e:?}"))),
+        };
+        let _ = nvrtc::destroy_program(prog);
+        cubin
+    }
+}
+
+/// The CUBIN of a program compiled for a real architecture.
+///
+/// # Safety
+/// `prog` must be a live program that compiled.
+unsafe fn cubin_of(prog: cudarc::nvrtc::sys::nvrtcProgram) -> Result<Vec<u8>, nvrtc::NvrtcError> {
+    use cudarc::nvrtc::sys;
+    let mut size = 0usize;
+    sys::nvrtcGetCUBINSize(prog, &mut size).result()?;
+    let mut cubin = vec![0u8; size];
+    sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()).result()?;
+    Ok(cubin)
+}
+
+/// Whether a CUBIN defines the kernel `entry` (its name in the ELF string table).
+pub fn cubin_defines(cubin: &[u8], entry: &str) -> bool {
+    let needle: Vec<u8> = [b"\0", entry.as_bytes(), b"\0"].concat();
+    cubin.starts_with(b"\x7fELF") && cubin.windows(needle.len()).any(|w| w == needle.as_slice())
 }
 
 #[cfg(test)]
@@ -123,7 +192,8 @@ mod tests {
     }
 
     /// Compiles every kernel for sm_80 and sm_90. Required in CI (HEADROOM_NVRTC_TEST=1, set
-    /// by .ci/run after installing libnvrtc); elsewhere it says when NVRTC is missing.
+    /// by .ci/run after installing libnvrtc; HEADROOM_NVRTC_MAJOR names the major version it
+    /// must have loaded); elsewhere it says when NVRTC is missing.
     #[test]
     fn every_kernel_compiles_with_nvrtc_for_sm80_and_sm90() {
         let required = std::env::var("HEADROOM_NVRTC_TEST").is_ok_and(|v| v == "1");
@@ -132,14 +202,38 @@ mod tests {
             eprintln!("skipped: libnvrtc not found");
             return;
         }
+        let (major, minor) = nvrtc_version().expect("NVRTC loads but reports no version");
+        eprintln!("NVRTC {major}.{minor}");
+        if let Ok(want) = std::env::var("HEADROOM_NVRTC_MAJOR") {
+            assert_eq!(major.to_string(), want, "HEADROOM_NVRTC_MAJOR={want} but NVRTC {major}.{minor} was loaded");
+        }
         for (family, _) in KERNELS {
             for arch in ["sm_80", "sm_90"] {
-                let ptx = compile(family, arch).unwrap_or_else(|e| panic!("{e}"));
+                let cubin = compile(family, arch).unwrap_or_else(|e| panic!("{e}"));
                 for ep in entry_points(family).unwrap() {
-                    assert!(ptx.contains(&format!(".entry {ep}")), "{family}/{arch}: no entry {ep}");
+                    assert!(cubin_defines(&cubin, &ep), "{family}/{arch}: no entry {ep}");
                 }
+                assert!(!cubin_defines(&cubin, "no_such_kernel_f32"), "{family}/{arch}");
             }
         }
+    }
+
+    #[test]
+    fn a_kernel_that_does_not_compile_is_a_typed_error_with_the_log() {
+        if !nvrtc_present() {
+            assert!(matches!(compile_source("broken", "", "sm_90"), Err(CudaError::NoNvrtc { .. })));
+            eprintln!("skipped: libnvrtc not found");
+            return;
+        }
+        let src = "extern \"C\" __global__ void broken_f32(float* x) { x[0] = undeclared; }";
+        let err = compile_source("broken", src, "sm_90").unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, CudaError::Compile { .. }), "{text}");
+        assert!(text.starts_with("kernel broken does not compile for sm_90: "), "{text}");
+        assert!(text.contains("broken.cu") && text.contains("undeclared"), "{text}");
+        let ok = compile_source("fine", "extern \"C\" __global__ void fine_f32(float* x) { x[0] = 1.0f; }", "sm_80")
+            .unwrap();
+        assert!(cubin_defines(&ok, "fine_f32") && !cubin_defines(&ok, "broken_f32"));
     }
 
     #[test]
