@@ -25,15 +25,17 @@ BIN=${1:-target/release/headroom}
 BIN="$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")"
 cd "$(dirname "$0")/.."
 
-# libnvrtc and libcublas (CUDA 13 or 12) from pip's nvidia-* wheels (CUDA 13: nvidia/cu13/lib;
-# CUDA 12: nvidia/cuda_nvrtc/lib, nvidia/cublas/lib) or the CUDA toolkit, searched in that order.
+# libnvrtc and libcublas (CUDA 13 or 12) and libnccl from pip's nvidia-* wheels (CUDA 13:
+# nvidia/cu13/lib; CUDA 12: nvidia/cuda_nvrtc/lib, nvidia/cublas/lib; nvidia/nccl/lib) or the
+# CUDA toolkit, searched in that order.
 lib_dirs=()
 for site in $(python3 -c 'import nvidia; print(" ".join(nvidia.__path__))' 2>/dev/null); do
     for d in "$site"/*/lib; do lib_dirs+=("$d"); done
 done
 lib_dirs+=(/usr/local/cuda/lib64)
 for d in "${lib_dirs[@]}"; do
-    if compgen -G "$d/libnvrtc.so*" >/dev/null || compgen -G "$d/libcublas.so*" >/dev/null; then
+    if compgen -G "$d/libnvrtc.so*" >/dev/null || compgen -G "$d/libcublas.so*" >/dev/null \
+        || compgen -G "$d/libnccl.so*" >/dev/null; then
         LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
     fi
 done
@@ -65,8 +67,9 @@ grep -E '"event":"(started|eval|checkpoint|finished|oom)"' "$run/offload.jsonl" 
 echo "stop exit status: $stop_status (expected 4), resume exit status: $resume_status (expected 0)"
 { [ $stop_status -eq 4 ] && [ $resume_status -eq 0 ]; } || train_status=1
 
-# With two GPUs or more: the job on two ranks (cuda:0, cuda:1) at ZeRO-3, the collectives
-# staged through the host. gpu-check's training parity covers two ranks on one GPU.
+# With two GPUs or more: the job on two ranks (cuda:0, cuda:1) at ZeRO-3, the collectives on
+# NCCL (staged through the host when libnccl does not load: the log says which). gpu-check's
+# training parity covers two ranks on one GPU (staged) and, with two GPUs, on NCCL.
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if [ "${gpus:-0}" -ge 2 ]; then
     sed 's/^memory:/memory:\n  world_size: 2\n  zero_stage: 3/; s/micro_batch: 16/micro_batch: 8/' "$job" > "$job.ranks.yaml"

@@ -60,8 +60,54 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
         batch: 16,
         seq: 1024,
     };
-    let checks = checks(&open, args, shapes, &gpt2, seed, true)?;
+    let mut checks = checks(&open, args, shapes, &gpt2, seed, true)?;
+    checks.extend(nccl_checks(index, args)?);
     summary(&checks)
+}
+
+/// Two ranks on two GPUs with their collectives on NCCL, against two CPU ranks (ZeRO-1 and
+/// ZeRO-3), when there is a second GPU: NCCL refuses two ranks on one GPU, so on one GPU it
+/// only says whether libnccl loads.
+#[cfg(feature = "cuda")]
+fn nccl_checks(index: u32, args: &GpuCheckArgs) -> anyhow::Result<Vec<Check>> {
+    use crate::engine::backend::CpuBackend;
+    use crate::engine::cuda::{nccl, CudaBackend};
+    use crate::engine::train_parity::{train_parity, TrainParityCase};
+    use crate::memory::Pool;
+    use std::sync::Mutex;
+
+    let gpus = cudarc::driver::CudaContext::device_count().unwrap_or(0).max(0) as u32;
+    let tokens = corpus_tokens();
+    let (Some(tokens), true, true) = (tokens, gpus >= index + 2, args.train_steps > 0) else {
+        let library = nccl::version().unwrap_or_else(|e| e);
+        println!("NCCL: not checked (needs cuda:{} too; this machine has {gpus} GPU(s)); {library}", index + 1);
+        return Ok(Vec::new());
+    };
+    let mut checks = Vec::new();
+    for stage in [1, 3] {
+        let mut pair = vec![CudaBackend::new(index, None)?, CudaBackend::new(index + 1, None)?];
+        let version = match nccl::attach(&mut pair) {
+            Ok(version) => version,
+            Err(e) => {
+                checks.push(Check { name: "NCCL on two GPUs".into(), ok: false, figure: e.to_string() });
+                break;
+            }
+        };
+        let slots = Mutex::new(pair.into_iter().map(Some).collect::<Vec<_>>());
+        let candidate = |rank: usize| {
+            slots.lock().unwrap_or_else(|e| e.into_inner())[rank]
+                .take()
+                .ok_or_else(|| format!("rank {rank} opened twice"))
+        };
+        let case = TrainParityCase::small_ranks(args.train_steps, stage);
+        let reference = |_rank| Ok(CpuBackend::new(Pool::new("cpu", 64 << 30)));
+        let report = train_parity::<half::bf16, _, _>(reference, candidate, &case, &tokens);
+        print!("{}", crate::engine::train_parity::table(std::slice::from_ref(&report)));
+        let mut check = parity_check(&report);
+        check.name = format!("{} on cuda:{}+{} ({version})", check.name, index, index + 1);
+        checks.push(check);
+    }
+    Ok(checks)
 }
 
 /// Every check of `args` on backends made by `open(device_memory)`, timing `bench_case` in bf16.
@@ -122,14 +168,11 @@ fn checks<B: crate::engine::backend::Backend>(
     }
 
     // 3. Training parity and 4. the OOM drill, on the repository's corpus as bytes.
-    let corpus = std::path::Path::new("data/shakespeare-tiny.txt");
-    let tokens: Option<Vec<u32>> =
-        std::fs::read(corpus).ok().map(|text| text[..text.len().min(256 << 10)].iter().map(|&b| b as u32).collect());
-    match &tokens {
+    match &corpus_tokens() {
         None if args.train_steps > 0 => checks.push(Check {
             name: "training parity".into(),
             ok: false,
-            figure: format!("{} not found: run from the repository root", corpus.display()),
+            figure: format!("{CORPUS} not found: run from the repository root"),
         }),
         None => {}
         Some(tokens) => {
@@ -162,22 +205,7 @@ fn checks<B: crate::engine::backend::Backend>(
                     ),
                 ];
                 print!("{}", train_parity::table(&reports));
-                for r in &reports {
-                    checks.push(Check {
-                        name: format!("training parity {} {} ({} steps)", r.case, r.dtype, r.losses.len()),
-                        ok: r.passed(),
-                        figure: match &r.error {
-                            Some(e) => e.clone(),
-                            None => format!(
-                                "loss rel err {:.2e} (bound {:.0e}), weights {:.2e} (bound {:.0e})",
-                                r.worst_loss_rel_err(),
-                                r.loss_bound,
-                                r.weights_rel_err,
-                                r.weights_bound
-                            ),
-                        },
-                    });
-                }
+                checks.extend(reports.iter().map(parity_check));
             }
             let drill = train_parity::oom_drill(|capacity| open(Some(capacity)).map_err(|e| e.to_string()), tokens);
             checks.push(Check {
@@ -238,6 +266,36 @@ fn checks<B: crate::engine::backend::Backend>(
 }
 
 /// The summary table, last; an error when any check failed.
+/// The corpus the training checks read, as bytes.
+#[cfg(any(feature = "cuda", test))]
+const CORPUS: &str = "data/shakespeare-tiny.txt";
+
+/// The first 256 KiB of the corpus as byte tokens; None when it is not there (not run from
+/// the repository root).
+#[cfg(any(feature = "cuda", test))]
+fn corpus_tokens() -> Option<Vec<u32>> {
+    std::fs::read(CORPUS).ok().map(|text| text[..text.len().min(256 << 10)].iter().map(|&b| b as u32).collect())
+}
+
+/// One training-parity report as a summary line.
+#[cfg(any(feature = "cuda", test))]
+fn parity_check(r: &crate::engine::train_parity::TrainParityReport) -> Check {
+    Check {
+        name: format!("training parity {} {} ({} steps)", r.case, r.dtype, r.losses.len()),
+        ok: r.passed(),
+        figure: match &r.error {
+            Some(e) => e.clone(),
+            None => format!(
+                "loss rel err {:.2e} (bound {:.0e}), weights {:.2e} (bound {:.0e})",
+                r.worst_loss_rel_err(),
+                r.loss_bound,
+                r.weights_rel_err,
+                r.weights_bound
+            ),
+        },
+    }
+}
+
 #[cfg(any(feature = "cuda", test))]
 fn summary(checks: &[Check]) -> anyhow::Result<()> {
     let width = checks.iter().map(|c| c.name.len()).max().unwrap_or(0);

@@ -14,6 +14,7 @@ use bytemuck::Pod;
 
 use crate::memory::{Buffer, Category, OomError, Pool};
 
+use super::collectives::DeviceCollectives;
 use super::layers::{self, Elem};
 use super::model::TensorInfo;
 use super::optim::{self, AdamW};
@@ -268,6 +269,11 @@ pub trait Backend: Send {
     fn pool(&self) -> &Pool;
     /// Wait for every op issued so far.
     fn synchronize(&self) -> BackendResult;
+    /// Native collectives with the other ranks' devices (NCCL on cuda), when this rank's
+    /// group was opened with them; `None`: `LocalComm` stages device memory through the host.
+    fn collectives(&self) -> Option<&dyn DeviceCollectives> {
+        None
+    }
 
     /// What `upload_ahead` hands back: the copy's completion, for `wait_copy`.
     type Fence;

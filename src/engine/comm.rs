@@ -9,6 +9,7 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::Instant;
 
 use super::backend::{Backend, BackendResult, View, ViewMut};
+use super::collectives::{DeviceCollectives, Dtype};
 use super::layers::Elem;
 use super::model::SwapStats;
 
@@ -278,6 +279,10 @@ impl LocalComm {
             self.all_reduce_sum(buf.host_mut());
             return Ok(SwapStats::default());
         }
+        if let Some(native) = be.collectives() {
+            native.all_reduce_sum(buf.address(), buf.len(), Dtype::of::<E>())?;
+            return Ok(SwapStats::default());
+        }
         let mut staged = Staged::new();
         let mut host = vec![E::default(); buf.len()];
         let down = staged.down(be, buf.as_view(), &mut host);
@@ -299,6 +304,16 @@ impl LocalComm {
         }
         if buf.host_visible() {
             self.all_gather(buf.host_mut(), own);
+            return Ok(SwapStats::default());
+        }
+        if let Some(native) = be.collectives() {
+            // Each shard is broadcast in place from its owner.
+            for (root, part) in self.owned_ranges(&own).into_iter().enumerate() {
+                if !part.is_empty() {
+                    let at = element_address::<E>(buf.address(), part.start);
+                    native.broadcast((root == self.rank).then_some(at), at, part.len(), Dtype::of::<E>(), root)?;
+                }
+            }
             return Ok(SwapStats::default());
         }
         let mut staged = Staged::new();
@@ -327,6 +342,13 @@ impl LocalComm {
         if bucket.host_visible() && shard.host_visible() {
             self.reduce_scatter_add(bucket.host(), offset, shard.host_mut(), own);
             return Ok(SwapStats::default());
+        }
+        match be.collectives() {
+            Some(native) if self.world() > 1 && !bucket.host_visible() && !shard.host_visible() => {
+                self.reduce_scatter_add_native(be, native, bucket, offset, shard, own)?;
+                return Ok(SwapStats::default());
+            }
+            _ => {}
         }
         let mut staged = Staged::new();
         let mut host_bucket = vec![E::default(); bucket.len()];
@@ -360,6 +382,12 @@ impl LocalComm {
             self.gather_range(shard.host(), own, offset, out.host_mut());
             return Ok(SwapStats::default());
         }
+        match be.collectives() {
+            Some(native) if self.world() > 1 && !out.host_visible() => {
+                return self.gather_range_native(be, native, shard, own, offset, out);
+            }
+            _ => {}
+        }
         let mut staged = Staged::new();
         // The part of the range this rank owns is all the others read from it.
         let mine = owned_part(&own, offset..offset + out.len());
@@ -381,6 +409,92 @@ impl LocalComm {
         }
         Ok(staged.stats)
     }
+}
+
+/// ZeRO's collectives built from a backend's native primitives (NCCL): no host copies.
+impl LocalComm {
+    /// Every rank's shard, in rank order (a host exchange: ranks publish only their own).
+    fn owned_ranges(&self, own: &Range<usize>) -> Vec<Range<usize>> {
+        let slots = self.exchange(Published { own: (own.start, own.end), ..Default::default() });
+        self.shared.barrier.wait();
+        slots.into_iter().map(|p| p.own.0..p.own.1).collect()
+    }
+
+    /// `reduce_scatter_add_on` natively: for each owner, the part of the bucket in its shard
+    /// is reduced into a workspace on the owner, which adds it into its shard (in fp32 the
+    /// same two additions as the host path; in 16 bits the sum is rounded once more).
+    fn reduce_scatter_add_native<E: Elem, B: Backend>(
+        &self,
+        be: &B,
+        native: &dyn DeviceCollectives,
+        bucket: View<E>,
+        offset: usize,
+        mut shard: ViewMut<E>,
+        own: Range<usize>,
+    ) -> BackendResult {
+        let range = offset..offset + bucket.len();
+        let parts: Vec<Range<usize>> =
+            self.owned_ranges(&own).iter().map(|theirs| owned_part(theirs, range.clone())).collect();
+        // Every rank allocates the workspace for the largest part, before any call: the same
+        // allocation on every rank, so an OOM hits all of them here and none waits in NCCL.
+        let largest = parts.iter().map(|p| p.len()).max().unwrap_or(0);
+        let mut sum = be.pool().alloc(largest.max(1) * E::BYTES, crate::memory::Category::Workspace)?;
+        for (root, part) in parts.into_iter().enumerate() {
+            if part.is_empty() {
+                continue;
+            }
+            let send = element_address::<E>(bucket.address(), part.start - offset);
+            if root != self.rank {
+                native.reduce_sum(send, None, part.len(), Dtype::of::<E>(), root)?;
+                continue;
+            }
+            let sum = ViewMut::<E>::range(&mut sum, 0..part.len());
+            native.reduce_sum(send, Some(sum.address()), part.len(), Dtype::of::<E>(), root)?;
+            let mine = shard.reborrow().slice(part.start - own.start..part.end - own.start);
+            be.residual_forward_inplace(mine, sum.as_view())?;
+        }
+        Ok(())
+    }
+
+    /// `gather_range_on` natively: each owner broadcasts its part of the range into every
+    /// rank's `out`. A shard in host memory (`offload.params`) is uploaded into its own part
+    /// of `out` first and broadcast from there.
+    fn gather_range_native<E: Elem, B: Backend>(
+        &self,
+        be: &B,
+        native: &dyn DeviceCollectives,
+        shard: View<E>,
+        own: Range<usize>,
+        offset: usize,
+        mut out: ViewMut<E>,
+    ) -> BackendResult<SwapStats> {
+        let range = offset..offset + out.len();
+        let mut staged = Staged::new();
+        let mine = owned_part(&own, range.clone());
+        if shard.host_visible() && !mine.is_empty() {
+            let dst = out.reborrow().slice(mine.start - offset..mine.end - offset);
+            staged.up(be, dst, &shard.host()[mine.start - own.start..mine.end - own.start])?;
+        }
+        for (root, theirs) in self.owned_ranges(&own).into_iter().enumerate() {
+            let part = owned_part(&theirs, range.clone());
+            if part.is_empty() {
+                continue;
+            }
+            let recv = element_address::<E>(out.address(), part.start - offset);
+            let send = match (root == self.rank, shard.host_visible()) {
+                (false, _) => None,
+                (true, true) => Some(recv),
+                (true, false) => Some(element_address::<E>(shard.address(), part.start - own.start)),
+            };
+            native.broadcast(send, recv, part.len(), Dtype::of::<E>(), root)?;
+        }
+        Ok(staged.stats)
+    }
+}
+
+/// The address of element `index` of a buffer of `E` at `base`.
+fn element_address<E: Elem>(base: u64, index: usize) -> u64 {
+    base + (index * E::BYTES) as u64
 }
 
 /// The part of `own` inside `range`; empty (at `own.start`) when they do not meet.
@@ -530,13 +644,24 @@ mod tests {
     /// with shards of unequal length, an empty shard (fewer parameters than ranks) and buckets
     /// straddling shard boundaries.
     #[test]
-    fn staged_collectives_on_a_device_match_the_host_ones() {
-        use crate::engine::device_sim::DeviceSim;
+    fn staged_and_native_collectives_on_a_device_match_the_host_ones() {
+        use crate::engine::device_sim::{DeviceSim, SimCollectives};
         use crate::memory::Category;
+        #[derive(Clone, Copy, PartialEq)]
+        enum Mode {
+            Host,
+            Staged,
+            /// Native collectives; the weights' shard in host memory when true (offload.params).
+            Native(bool),
+        }
         for n in [10usize, 2] {
-            let run = |on_device: bool| {
+            let group = SimCollectives::group(3);
+            let run = |mode: Mode| {
                 on_group(3, |c| {
-                    let be = DeviceSim::new(16 << 20);
+                    let be = match mode {
+                        Mode::Native(_) => DeviceSim::new(16 << 20).with_collectives(group[c.rank()].clone()),
+                        _ => DeviceSim::new(16 << 20),
+                    };
                     let own = shard_range(n, c.rank(), c.world());
                     let upload = |v: &[f32]| {
                         let mut b = be.pool().alloc(v.len().max(1) * 4, Category::Workspace).unwrap();
@@ -556,7 +681,7 @@ mod tests {
                     let mut shard = vec![0.25f32; own.len()];
                     let mut segment = vec![-1f32; n - 1];
                     let weights: Vec<f32> = own.clone().map(|i| i as f32 * 3.0).collect();
-                    if on_device {
+                    if mode != Mode::Host {
                         let mut d_sum = upload(&sum);
                         let mut d_gathered = upload(&gathered);
                         let d_bucket = upload(&bucket);
@@ -574,7 +699,10 @@ mod tests {
                             own.clone(),
                         )
                         .unwrap();
-                        let weights_view = View::<f32>::range(&d_weights, 0..own.len());
+                        let weights_view = match mode {
+                            Mode::Native(true) => View::from_host(&weights),
+                            _ => View::<f32>::range(&d_weights, 0..own.len()),
+                        };
                         c.gather_range_on(&be, weights_view, own.clone(), 1, ViewMut::range(&mut d_segment, 0..n - 1))
                             .unwrap();
                         (read(&d_sum, n), read(&d_gathered, n), read(&d_shard, own.len()), read(&d_segment, n - 1))
@@ -587,8 +715,12 @@ mod tests {
                     }
                 })
             };
-            let (host, device) = (run(false), run(true));
-            assert_eq!(device, host, "{n} parameters on 3 ranks");
+            let host = run(Mode::Host);
+            assert_eq!(run(Mode::Staged), host, "staged: {n} parameters on 3 ranks");
+            let calls = group[0].calls();
+            assert_eq!(run(Mode::Native(false)), host, "native: {n} parameters on 3 ranks");
+            assert!(group[0].calls() > calls, "the native primitives were not called");
+            assert_eq!(run(Mode::Native(true)), host, "native, weights on the host: {n} parameters on 3 ranks");
             // And the host results are the collectives' meaning.
             let (sum, gathered, _, segment) = &host[2];
             assert_eq!(sum, &(0..n).map(|i| 1.5 * i as f32 + 3.0).collect::<Vec<_>>());

@@ -7,14 +7,18 @@
 //! Each op exposes its views and runs the CPU reference on them; transfers are counted.
 //! A copy ahead behaves like one on a copy stream at its worst: the destination reads as NaN
 //! until `wait_copy`, and a fence dropped without being waited on panics.
+//! `SimCollectives` stands in for NCCL: the native primitives over the ranks' pool memory.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use bytemuck::Pod;
 
 use crate::memory::Pool;
 
 use super::backend::{Backend, BackendResult, CpuBackend, View, ViewMut};
+use super::collectives::{DeviceCollectives, Dtype};
+use super::comm::{Comm, LocalComm};
 use super::layers::Elem;
 use super::optim::AdamW;
 
@@ -42,6 +46,7 @@ pub(crate) struct DeviceSim {
     downloaded: AtomicUsize,
     /// Of `uploaded`, the bytes that went through `upload_ahead`.
     ahead: AtomicUsize,
+    collectives: Option<SimCollectives>,
 }
 
 impl DeviceSim {
@@ -53,7 +58,14 @@ impl DeviceSim {
             uploaded: AtomicUsize::new(0),
             downloaded: AtomicUsize::new(0),
             ahead: AtomicUsize::new(0),
+            collectives: None,
         }
+    }
+
+    /// This rank with native collectives (its handle of a `SimCollectives::group`).
+    pub(crate) fn with_collectives(mut self, collectives: SimCollectives) -> DeviceSim {
+        self.collectives = Some(collectives);
+        self
     }
 
     /// Bytes uploaded through `upload_ahead` so far.
@@ -64,6 +76,99 @@ impl DeviceSim {
     /// Bytes copied host→device and device→host so far.
     pub(crate) fn traffic(&self) -> (usize, usize) {
         (self.uploaded.load(Ordering::Relaxed), self.downloaded.load(Ordering::Relaxed))
+    }
+}
+
+/// NCCL's primitives for `DeviceSim` ranks, run on the host over the ranks' pool memory (host
+/// memory behind the device view) through a `LocalComm`, so sums go in rank order as in the
+/// staged path. Counts the primitives called, across the group.
+#[derive(Clone)]
+pub(crate) struct SimCollectives {
+    comm: LocalComm,
+    calls: Arc<AtomicUsize>,
+}
+
+impl SimCollectives {
+    pub(crate) fn group(world: usize) -> Vec<SimCollectives> {
+        let calls = Arc::new(AtomicUsize::new(0));
+        LocalComm::group(world).into_iter().map(|comm| SimCollectives { comm, calls: calls.clone() }).collect()
+    }
+
+    /// Primitives called so far by every rank of the group.
+    pub(crate) fn calls(&self) -> usize {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    fn count_call(&self) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// `count` elements of `E` at `address`, as a host slice.
+///
+/// # Safety
+/// They are this rank's pool memory (host memory behind the device view), not otherwise
+/// accessed while the slice lives.
+unsafe fn elements<'a, E: Elem>(address: u64, count: usize) -> &'a mut [E] {
+    std::slice::from_raw_parts_mut(address as *mut E, count)
+}
+
+/// `$body` with `$e` the element type of `$dtype`.
+macro_rules! with_elem {
+    ($dtype:expr, $e:ident => $body:expr) => {
+        match $dtype {
+            Dtype::F32 => {
+                type $e = f32;
+                $body
+            }
+            Dtype::Bf16 => {
+                type $e = half::bf16;
+                $body
+            }
+            Dtype::F16 => {
+                type $e = half::f16;
+                $body
+            }
+        }
+    };
+}
+
+impl DeviceCollectives for SimCollectives {
+    fn describe(&self) -> String {
+        "simulated NCCL".into()
+    }
+
+    fn all_reduce_sum(&self, buf: u64, count: usize, dtype: Dtype) -> BackendResult {
+        self.count_call();
+        // SAFETY: the collectives' contract: `buf` is this rank's, for this call.
+        with_elem!(dtype, E => self.comm.all_reduce_sum::<E>(unsafe { elements(buf, count) }));
+        Ok(())
+    }
+
+    fn reduce_sum(&self, send: u64, recv: Option<u64>, count: usize, dtype: Dtype, root: usize) -> BackendResult {
+        assert_eq!(recv.is_some(), self.comm.rank() == root, "only the root receives a reduce");
+        self.count_call();
+        with_elem!(dtype, E => {
+            // SAFETY: as above; `send` is only read, before `recv` is written.
+            let mut sum: Vec<E> = unsafe { elements::<E>(send, count) }.to_vec();
+            self.comm.all_reduce_sum(&mut sum);
+            if let Some(recv) = recv {
+                unsafe { elements::<E>(recv, count) }.copy_from_slice(&sum);
+            }
+        });
+        Ok(())
+    }
+
+    fn broadcast(&self, send: Option<u64>, recv: u64, count: usize, dtype: Dtype, root: usize) -> BackendResult {
+        assert_eq!(send.is_some(), self.comm.rank() == root, "only the root sends a broadcast");
+        self.count_call();
+        with_elem!(dtype, E => {
+            // SAFETY: as above. The root's data is copied first: its send may be its receive buffer.
+            let data: Vec<E> = send.map(|s| unsafe { elements::<E>(s, count) }.to_vec()).unwrap_or_default();
+            let own = if send.is_some() { 0..count } else { count..count };
+            self.comm.gather_range(&data, own, 0, unsafe { elements::<E>(recv, count) });
+        });
+        Ok(())
     }
 }
 
@@ -79,6 +184,9 @@ impl Backend for DeviceSim {
     }
     fn synchronize(&self) -> BackendResult {
         Ok(())
+    }
+    fn collectives(&self) -> Option<&dyn DeviceCollectives> {
+        self.collectives.as_ref().map(|c| c as &dyn DeviceCollectives)
     }
     fn upload<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult {
         self.uploaded.fetch_add(std::mem::size_of_val(src), Ordering::Relaxed);

@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod bench;
 pub mod checkpoint;
+pub mod collectives;
 pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -220,6 +220,18 @@ fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<super::cuda::CudaBackend>, Trai
             drop(std::mem::replace(backend, open(rank as u32, Some(smallest))?));
         }
     }
+    // The ranks' collectives: NCCL on the GPUs when it loads (HEADROOM_NCCL=0: never), else
+    // staged through host memory (same results, PCIe traffic in each step's `swap`).
+    if world > 1 {
+        if std::env::var("HEADROOM_NCCL").is_ok_and(|v| v == "0") {
+            tracing::info!("HEADROOM_NCCL=0: the ranks' collectives are staged through host memory");
+        } else {
+            match super::cuda::nccl::attach(&mut backends) {
+                Ok(version) => tracing::info!("the ranks' collectives run on the GPUs ({version})"),
+                Err(e) => tracing::warn!("{e}; the ranks' collectives are staged through host memory"),
+            }
+        }
+    }
     Ok(backends)
 }
 

@@ -28,6 +28,7 @@ use super::{
     compile, cublas_present, driver_present, entry_points, no_cublas, no_nvrtc, nvrtc_present, CudaError, KERNELS,
 };
 use crate::engine::backend::{shapes, Backend, BackendError, BackendResult, View, ViewMut};
+use crate::engine::collectives::DeviceCollectives;
 use crate::engine::layers::Elem;
 use crate::engine::optim::{AdamW, BETA1, BETA2, EPS};
 
@@ -177,10 +178,13 @@ struct Gemm {
 }
 
 pub struct CudaBackend {
-    index: u32,
+    /// Collectives with the other ranks' GPUs, when the group has them (dropped first).
+    pub(super) nccl: Option<super::nccl::NcclRank>,
+    pub(super) index: u32,
     name: String,
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    pub(super) ctx: Arc<CudaContext>,
+    /// The compute stream: every op, and NCCL's collectives.
+    pub(super) stream: Arc<CudaStream>,
     /// Offload prefetch: host→device copies that overlap the compute stream.
     copy: Arc<CudaStream>,
     staging: Mutex<Vec<Staging>>,
@@ -238,7 +242,18 @@ impl CudaBackend {
         let (free, _total) = ctx.mem_get_info().map_err(|e| err("memory query")(&e))?;
         let capacity = device_memory.unwrap_or(free);
         let pool = Pool::with_source(&format!("cuda:{index}"), capacity, Arc::new(CudaSegments { ctx: ctx.clone() }));
-        Ok(CudaBackend { index, name, ctx, stream, copy, staging: Mutex::new(Vec::new()), blas, functions, pool })
+        Ok(CudaBackend {
+            nccl: None,
+            index,
+            name,
+            ctx,
+            stream,
+            copy,
+            staging: Mutex::new(Vec::new()),
+            blas,
+            functions,
+            pool,
+        })
     }
 
     /// Whether the kernels are built for the storage type called `dtype` (`Elem::NAME`:
@@ -368,6 +383,10 @@ impl Backend for CudaBackend {
 
     fn pool(&self) -> &Pool {
         &self.pool
+    }
+
+    fn collectives(&self) -> Option<&dyn DeviceCollectives> {
+        self.nccl.as_ref().map(|n| n as &dyn DeviceCollectives)
     }
 
     fn synchronize(&self) -> BackendResult {

@@ -77,24 +77,25 @@ fn name_of(path: &Path) -> &str {
     path.file_name().and_then(|n| n.to_str()).unwrap_or("")
 }
 
-/// Copies of `soname_base` (e.g. "libcublas.so") whose major version cudarc loads (13, 12 or
+/// Copies of `soname_base` (e.g. "libcublas.so") of the major `versions` that are loaded (and
 /// unversioned), in `dirs`.
-fn find_in(dirs: &[PathBuf], soname_base: &str) -> Vec<PathBuf> {
-    let accepted = [soname_base.to_string(), format!("{soname_base}.13"), format!("{soname_base}.12")];
+fn find_in(dirs: &[PathBuf], soname_base: &str, versions: &[&str]) -> Vec<PathBuf> {
+    let accepted: Vec<String> =
+        std::iter::once(soname_base.to_string()).chain(versions.iter().map(|v| format!("{soname_base}.{v}"))).collect();
     dirs.iter().flat_map(|d| accepted.iter().map(move |n| d.join(n))).filter(|p| p.exists()).collect()
 }
 
-/// The tail of a "not found" message: where a copy was found off the library path and the
-/// folder to add, or which pip package provides it.
-pub fn hint(soname_base: &str, pip_package: &str) -> String {
+/// The tail of a "not found" message for `soname_base` of major `versions`: where a copy was
+/// found off the library path and the folder to add, or which pip package provides it.
+pub fn hint(soname_base: &str, versions: &[&str], pip_package: &str) -> String {
     let on_path: Vec<PathBuf> =
         std::env::var_os("LD_LIBRARY_PATH").map(|v| std::env::split_paths(&v).collect()).unwrap_or_default();
-    hint_in(&search_dirs(), &on_path, soname_base, pip_package)
+    hint_in(&search_dirs(), &on_path, soname_base, versions, pip_package)
 }
 
 /// `hint` with the folders to search and those on LD_LIBRARY_PATH given.
-fn hint_in(dirs: &[PathBuf], on_path: &[PathBuf], soname_base: &str, pip_package: &str) -> String {
-    match find_in(dirs, soname_base).first() {
+fn hint_in(dirs: &[PathBuf], on_path: &[PathBuf], soname_base: &str, versions: &[&str], pip_package: &str) -> String {
+    match find_in(dirs, soname_base, versions).first() {
         Some(path) => {
             let dir = path.parent().unwrap_or(Path::new("/"));
             if on_path.iter().any(|p| p == dir) {
@@ -109,8 +110,8 @@ fn hint_in(dirs: &[PathBuf], on_path: &[PathBuf], soname_base: &str, pip_package
             }
         }
         None => format!(
-            ": install the CUDA toolkit, or `pip install {pip_package}` (CUDA 13; its lib folder is \
-             site-packages/nvidia/cu13/lib) and put its lib folder on LD_LIBRARY_PATH"
+            ": install the CUDA toolkit, or `pip install {pip_package}` and put its lib folder (under \
+             site-packages/nvidia/, e.g. nvidia/cu13/lib) on LD_LIBRARY_PATH"
         ),
     }
 }
@@ -151,14 +152,14 @@ mod tests {
         std::fs::write(old.join("libnvrtc.so.11.2"), b"").unwrap();
         let dirs = [old.clone(), cu13.clone()];
         // CUDA 11's library is not one cudarc loads: not offered.
-        let hint = hint_in(&dirs, &[], "libnvrtc.so", "nvidia-cuda-nvrtc");
+        let hint = hint_in(&dirs, &[], "libnvrtc.so", &["13", "12"], "nvidia-cuda-nvrtc");
         assert!(hint.contains("`pip install nvidia-cuda-nvrtc`"), "{hint}");
         std::fs::write(cu13.join("libnvrtc.so.13"), b"").unwrap();
         let lib = cu13.join("libnvrtc.so.13");
-        let hint = hint_in(&dirs, &[], "libnvrtc.so", "nvidia-cuda-nvrtc");
+        let hint = hint_in(&dirs, &[], "libnvrtc.so", &["13", "12"], "nvidia-cuda-nvrtc");
         assert_eq!(hint, format!(": found {}; add {} to LD_LIBRARY_PATH", lib.display(), cu13.display()));
         // Already on the path but broken (here: an empty file): the loader's own reason.
-        let hint = hint_in(&dirs, std::slice::from_ref(&cu13), "libnvrtc.so", "nvidia-cuda-nvrtc");
+        let hint = hint_in(&dirs, std::slice::from_ref(&cu13), "libnvrtc.so", &["13", "12"], "nvidia-cuda-nvrtc");
         assert!(hint.starts_with(&format!(": {} is on LD_LIBRARY_PATH but does not load: ", lib.display())), "{hint}");
         assert!(hint.contains("file too short"), "{hint}");
     }

@@ -7,6 +7,7 @@ mod backend;
 pub use backend::CudaBackend;
 
 pub mod libraries;
+pub mod nccl;
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
@@ -43,6 +44,8 @@ pub enum CudaError {
     NoCublas { hint: String },
     #[error("device cuda:{index}: {op} failed: {detail}")]
     Driver { index: u32, op: &'static str, detail: String },
+    #[error("NCCL unavailable: {detail}")]
+    Nccl { detail: String },
     #[error("unknown kernel family `{0}`")]
     UnknownFamily(String),
 }
@@ -80,12 +83,12 @@ pub fn nvrtc_present() -> bool {
 
 /// The error for a missing libnvrtc, with where one was found off the library path, if anywhere.
 pub fn no_nvrtc() -> CudaError {
-    CudaError::NoNvrtc { hint: libraries::hint("libnvrtc.so", "nvidia-cuda-nvrtc") }
+    CudaError::NoNvrtc { hint: libraries::hint("libnvrtc.so", &["13", "12"], "nvidia-cuda-nvrtc") }
 }
 
 /// The error for a missing libcublas, with where one was found off the library path, if anywhere.
 pub fn no_cublas() -> CudaError {
-    CudaError::NoCublas { hint: libraries::hint("libcublas.so", "nvidia-cublas") }
+    CudaError::NoCublas { hint: libraries::hint("libcublas.so", &["13", "12"], "nvidia-cublas") }
 }
 
 /// NVRTC's version as (major, minor); None when libnvrtc is absent.
