@@ -587,6 +587,50 @@ mod tests {
         })
     }
 
+    /// A native reduce-scatter whose workspace does not fit fails on every rank before any
+    /// rank enters a collective (a rank left waiting in NCCL would hang the job) — also when
+    /// the bucket's parts are as unequal as they get: a few elements of rank 0's shard and
+    /// all of rank 1's.
+    #[test]
+    fn a_native_reduce_scatter_that_runs_out_of_memory_fails_on_every_rank() {
+        use crate::engine::device_sim::{DeviceSim, SimCollectives};
+        use crate::memory::Category;
+        use std::sync::mpsc;
+        const N: usize = 3 << 20; // parameters: 6 MiB shards of f32
+        const OFFSET: usize = N / 2 - 1024; // the bucket: 1024 of rank 0's, all of rank 1's
+        let (done, results) = mpsc::channel();
+        let group = SimCollectives::group(2);
+        for (c, native) in LocalComm::group(2).into_iter().zip(group) {
+            let done = done.clone();
+            std::thread::spawn(move || {
+                // Room for the bucket and the shard (12 MiB and a bit), and for a 4 KiB
+                // workspace, not for a 6 MiB one.
+                let be = DeviceSim::new(16 << 20).with_collectives(native);
+                let own = shard_range(N, c.rank(), 2);
+                let mut bucket = be.pool().alloc((N - OFFSET) * 4, Category::Workspace).unwrap();
+                let mut shard = be.pool().alloc(own.len() * 4, Category::Grads).unwrap();
+                be.zero(ViewMut::<f32>::of(&mut bucket)).unwrap();
+                let shard = ViewMut::<f32>::range(&mut shard, 0..own.len());
+                let bucket = View::<f32>::range(&bucket, 0..N - OFFSET);
+                let result = c.reduce_scatter_add_on(&be, bucket, OFFSET, shard, own);
+                let _ = done.send((c.rank(), result.map_err(|e| e.to_string())));
+            });
+        }
+        let mut seen = Vec::new();
+        for _ in 0..2 {
+            let got = results.recv_timeout(std::time::Duration::from_secs(20));
+            seen.push(got.expect("a rank is stuck in a collective"));
+        }
+        seen.sort_by_key(|(rank, _)| *rank);
+        for (rank, result) in seen {
+            let err = result.expect_err("the workspace cannot fit");
+            assert!(
+                err.starts_with("out of device memory: requested 6291456 bytes for workspace"),
+                "rank {rank}: {err}"
+            );
+        }
+    }
+
     #[test]
     fn reduce_scatter_adds_each_bucket_into_its_owners_shard() {
         // 10 parameters over 3 ranks: shards 0..4, 4..8, 8..10. Two buckets (2..7 and 7..10)
