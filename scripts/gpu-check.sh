@@ -42,6 +42,8 @@ done
 export LD_LIBRARY_PATH
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi not found"
+echo "== headroom gpu-check --libraries"
+"$BIN" gpu-check --libraries
 
 job=$(mktemp /tmp/headroom-cuda-job.XXXXXX.yaml)
 run=$(mktemp -d /tmp/headroom-cuda-run.XXXXXX)

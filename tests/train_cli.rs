@@ -394,4 +394,17 @@ fn gpu_check_without_a_driver_or_with_a_bad_flag_exits_2_with_the_reason() {
         stderr.contains("no CUDA driver found") || stderr.contains("not compiled with the `cuda` feature"),
         "{stderr}"
     );
+    // The library report: one line per library, the driver missing here, exit 2.
+    let out = Command::new(bin()).args(["gpu-check", "--libraries"]).output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(2), "{stdout}{stderr}");
+    if !stderr.contains("not compiled with the `cuda` feature") {
+        let lines: Vec<&str> = stdout.lines().collect();
+        assert_eq!(lines.len(), 4, "{stdout}");
+        assert!(lines[0].starts_with("libcuda    MISSING  not found: no NVIDIA driver"), "{stdout}");
+        for (line, name) in lines.iter().zip(["libcuda", "libnvrtc", "libcublas", "libnccl"]) {
+            assert!(line.starts_with(name), "{stdout}");
+        }
+        assert!(stderr.contains("cuda devices cannot be used here: libcuda"), "{stderr}");
+    }
 }

@@ -8,6 +8,9 @@ use super::GpuCheckArgs;
 use crate::engine::parity::ParityShape;
 
 pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
+    if args.libraries {
+        return libraries();
+    }
     let shapes = match args.shapes.as_str() {
         "odd" => vec![ParityShape::ODD],
         "gpt2" => vec![ParityShape::GPT2],
@@ -18,6 +21,30 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
     });
     run_on(&args, &shapes, seed)
+}
+
+/// `--libraries`: one line per library; exit 2 when one a cuda device needs is missing.
+#[cfg(feature = "cuda")]
+fn libraries() -> anyhow::Result<()> {
+    let report = crate::engine::cuda::library_report();
+    for l in &report {
+        let status = match (l.loaded, l.required) {
+            (true, _) => "ok",
+            (false, true) => "MISSING",
+            (false, false) => "absent",
+        };
+        println!("{:<10} {:<8} {}", l.name, status, l.detail);
+    }
+    let missing: Vec<&str> = report.iter().filter(|l| l.required && !l.loaded).map(|l| l.name).collect();
+    if !missing.is_empty() {
+        return Err(UsageError(format!("cuda devices cannot be used here: {} missing", missing.join(", "))).into());
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn libraries() -> anyhow::Result<()> {
+    Err(UsageError("this build was not compiled with the `cuda` feature".into()).into())
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -321,7 +348,14 @@ mod tests {
     /// time on the GPU's answers.
     #[test]
     fn the_harness_runs_every_check_on_a_device_and_passes_a_correct_one() {
-        let args = GpuCheckArgs { index: 0, seed: Some(7), shapes: "odd".into(), train_steps: 3, bench_steps: 1 };
+        let args = GpuCheckArgs {
+            index: 0,
+            seed: Some(7),
+            shapes: "odd".into(),
+            train_steps: 3,
+            bench_steps: 1,
+            libraries: false,
+        };
         let open = |memory: Option<usize>| Ok(DeviceSim::new(memory.unwrap_or(4 << 30)));
         let tiny = crate::engine::bench::preset("tiny").expect("the tiny preset").remove(0);
         let checks = checks(&open, &args, &[ParityShape::ODD], &tiny, 7, false).unwrap();

@@ -56,6 +56,10 @@ pub struct GpuCheckArgs {
     /// Timed steps of the GPT-2 124M benchmark (B=16, T=1024, bf16); 0 skips it.
     #[arg(long, default_value_t = 5)]
     pub bench_steps: usize,
+    /// Only report which CUDA libraries load (driver, NVRTC, cuBLAS, NCCL), their versions and
+    /// files; exit 2 if one a cuda device needs is missing.
+    #[arg(long)]
+    pub libraries: bool,
 }
 
 #[derive(Debug, clap::Args)]

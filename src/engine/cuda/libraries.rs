@@ -18,7 +18,7 @@ pub fn loaded() -> Vec<(&'static str, PathBuf)> {
 
 /// `loaded` on the text of a maps file.
 fn loaded_in(maps: &str) -> Vec<(&'static str, PathBuf)> {
-    const STEMS: [&str; 5] = ["libcuda", "libnvrtc", "libcublas", "libcublasLt", "libnvidia-ml"];
+    const STEMS: [&str; 6] = ["libcuda", "libnvrtc", "libcublas", "libcublasLt", "libnccl", "libnvidia-ml"];
     let mut found: Vec<(&'static str, PathBuf)> = Vec::new();
     for path in maps.lines().filter_map(|line| line.split_whitespace().nth(5)) {
         let Some(file) = Path::new(path).file_name().and_then(|f| f.to_str()) else { continue };

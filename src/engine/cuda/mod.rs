@@ -113,6 +113,70 @@ pub fn driver_version() -> Option<(i32, i32)> {
     Some((version / 1000, version % 1000 / 10))
 }
 
+/// cuBLAS's version as (major, minor, patch); None when libcublas is absent.
+pub fn cublas_version() -> Option<(i32, i32, i32)> {
+    use cudarc::cublas::sys::{cublasGetProperty, libraryPropertyType};
+    if !cublas_present() {
+        return None;
+    }
+    let mut v = [0; 3];
+    for (slot, property) in v.iter_mut().zip([
+        libraryPropertyType::MAJOR_VERSION,
+        libraryPropertyType::MINOR_VERSION,
+        libraryPropertyType::PATCH_LEVEL,
+    ]) {
+        // SAFETY: one out-parameter; libcublas is present.
+        unsafe { cublasGetProperty(property, slot) }.result().ok()?;
+    }
+    Some((v[0], v[1], v[2]))
+}
+
+/// One library in `library_report`.
+#[derive(Debug, Clone)]
+pub struct LibraryStatus {
+    /// e.g. "libcublas".
+    pub name: &'static str,
+    /// Loaded; `detail` is then its version and file, else why not.
+    pub loaded: bool,
+    /// Whether `cuda` devices need it (NCCL only serves ranks on several GPUs).
+    pub required: bool,
+    pub detail: String,
+}
+
+/// Which of the libraries a `cuda` device uses load here, their versions and files (loading
+/// them): what `headroom gpu-check --libraries` prints.
+pub fn library_report() -> Vec<LibraryStatus> {
+    let dotted = |v: &[i32]| v.iter().map(i32::to_string).collect::<Vec<_>>().join(".");
+    // Load each first (the versions), then read which files are mapped.
+    let driver = driver_version().map(|(a, b)| format!("CUDA {}", dotted(&[a, b])));
+    let nvrtc = nvrtc_version().map(|(a, b)| format!("NVRTC {}", dotted(&[a, b])));
+    let cublas = cublas_version().map(|(a, b, c)| format!("cuBLAS {}", dotted(&[a, b, c])));
+    let nccl = nccl::version();
+    let files = libraries::loaded();
+    let status = |name: &'static str, required: bool, version: Result<String, String>| {
+        let file = files.iter().find(|(stem, _)| *stem == name).map(|(_, p)| p.display().to_string());
+        match version {
+            Ok(v) => LibraryStatus {
+                name,
+                loaded: true,
+                required,
+                detail: format!("{v}, {}", file.unwrap_or_else(|| "file not seen".into())),
+            },
+            Err(why) => LibraryStatus { name, loaded: false, required, detail: why },
+        }
+    };
+    vec![
+        status(
+            "libcuda",
+            true,
+            driver.ok_or_else(|| "not found: no NVIDIA driver (libcuda.so.1) on this machine".into()),
+        ),
+        status("libnvrtc", true, nvrtc.ok_or_else(|| no_nvrtc().to_string())),
+        status("libcublas", true, cublas.ok_or_else(|| no_cublas().to_string())),
+        status("libnccl", false, nccl.map_err(|e| e + " (needed only for ranks on several GPUs)")),
+    ]
+}
+
 /// Machine code (a CUBIN) of one family for `arch` (e.g. "sm_90"), compiled once per process.
 ///
 /// Machine code rather than PTX: the driver loads it without a JIT step, and it loads on a
@@ -237,6 +301,41 @@ mod tests {
         let ok = compile_source("fine", "extern \"C\" __global__ void fine_f32(float* x) { x[0] = 1.0f; }", "sm_80")
             .unwrap();
         assert!(cubin_defines(&ok, "fine_f32") && !cubin_defines(&ok, "broken_f32"));
+    }
+
+    /// The report loads what it can and says where each came from; on a machine without a
+    /// driver libcuda is reported missing. In CI (HEADROOM_NVRTC_TEST=1, HEADROOM_NCCL_TEST=1)
+    /// NVRTC and NCCL must be reported loaded from pip's files.
+    #[test]
+    fn the_library_report_names_each_library_its_version_and_file() {
+        let report = library_report();
+        let names: Vec<&str> = report.iter().map(|l| l.name).collect();
+        assert_eq!(names, ["libcuda", "libnvrtc", "libcublas", "libnccl"]);
+        for l in &report {
+            eprintln!("{:<10} {:<5} {}", l.name, l.loaded, l.detail);
+            assert!(!l.detail.is_empty());
+        }
+        if !driver_present() {
+            assert!(!report[0].loaded && report[0].detail.contains("no NVIDIA driver"));
+        }
+        if std::env::var("HEADROOM_NVRTC_TEST").is_ok_and(|v| v == "1") {
+            assert!(report[1].loaded, "{}", report[1].detail);
+            assert!(
+                report[1].detail.starts_with("NVRTC 1") && report[1].detail.contains("/libnvrtc.so.1"),
+                "{}",
+                report[1].detail
+            );
+        }
+        if std::env::var("HEADROOM_NCCL_TEST").is_ok_and(|v| v == "1") {
+            assert!(report[3].loaded && report[3].detail.contains("/libnccl.so.2"), "{}", report[3].detail);
+        }
+        if !report[2].loaded {
+            assert!(
+                report[2].detail.starts_with("cuBLAS (libcublas.so.13 or .so.12) not found"),
+                "{}",
+                report[2].detail
+            );
+        }
     }
 
     #[test]
