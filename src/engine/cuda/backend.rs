@@ -147,7 +147,9 @@ fn long(v: usize) -> Arg {
 
 fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(THREADS).max(1), 1, 1),
+        // In usize: n itself may pass u32 (logits of B·T·V elements); the block count cannot
+        // in any buffer that fits a device.
+        grid_dim: (n.div_ceil(THREADS as usize).max(1) as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -155,12 +157,12 @@ fn elementwise(n: usize) -> LaunchConfig {
 
 /// One warp per row, eight rows per block.
 fn warp_rows(rows: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: ((rows as u32).div_ceil(8).max(1), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig { grid_dim: (rows.div_ceil(8).max(1) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// Column sums: blocks of 32 columns × 16 row strides.
 fn column_sums(cols: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: ((cols as u32).div_ceil(32).max(1), 1, 1), block_dim: (32, 16, 1), shared_mem_bytes: 0 }
+    LaunchConfig { grid_dim: (cols.div_ceil(32).max(1) as u32, 1, 1), block_dim: (32, 16, 1), shared_mem_bytes: 0 }
 }
 
 /// One GEMM (or a strided batch of them) in cuBLAS's column-major terms.
