@@ -34,6 +34,9 @@ use crate::engine::optim::{AdamW, BETA1, BETA2, EPS};
 
 /// Threads per block of the elementwise kernels.
 const THREADS: u32 = 256;
+/// The most threads any launch puts in a block (cross-entropy rows, column sums): every
+/// kernel's registers must fit 64K per block at this size (tested from ptxas's report).
+pub(super) const MAX_BLOCK_THREADS: u32 = 512;
 /// Blocks of the sum-of-squares first pass.
 const NORM_BLOCKS: usize = 1024;
 
@@ -162,7 +165,11 @@ fn warp_rows(rows: usize) -> LaunchConfig {
 
 /// Column sums: blocks of 32 columns × 16 row strides.
 fn column_sums(cols: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (cols.div_ceil(32).max(1) as u32, 1, 1), block_dim: (32, 16, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: (cols.div_ceil(32).max(1) as u32, 1, 1),
+        block_dim: (32, MAX_BLOCK_THREADS / 32, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// One GEMM (or a strided batch of them) in cuBLAS's column-major terms.
@@ -932,7 +939,8 @@ impl Backend for CudaBackend {
         const OP: &str = "crossentropy_forward";
         let dt = suffix::<E>(self, OP)?;
         let n = shapes::crossentropy_forward(logits.len(), losses.len(), targets, v)?;
-        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+        let cfg =
+            LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (MAX_BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 };
         let args = [
             Arg::Ptr(logits.address()),
             Arg::Ptr(losses.address()),

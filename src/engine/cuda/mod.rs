@@ -191,13 +191,14 @@ pub fn compile(family: &str, arch: &str) -> Result<Arc<[u8]>, CudaError> {
     if let Some(cubin) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok(cubin.clone());
     }
-    let cubin: Arc<[u8]> = compile_source(family, &source(family)?, arch)?.into();
+    let cubin: Arc<[u8]> = compile_source(family, &source(family)?, arch, &[])?.0.into();
     cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, cubin.clone());
     Ok(cubin)
 }
 
-/// One NVRTC compilation of `src` (named `family`.cu in messages) to a CUBIN for `arch`.
-fn compile_source(family: &str, src: &str, arch: &str) -> Result<Vec<u8>, CudaError> {
+/// One NVRTC compilation of `src` (named `family`.cu in messages) to a CUBIN for `arch`, with
+/// `extra` options; the CUBIN and NVRTC's log.
+fn compile_source(family: &str, src: &str, arch: &str, extra: &[&str]) -> Result<(Vec<u8>, String), CudaError> {
     if !nvrtc_present() {
         return Err(no_nvrtc());
     }
@@ -205,21 +206,58 @@ fn compile_source(family: &str, src: &str, arch: &str) -> Result<Vec<u8>, CudaEr
     let src = CString::new(src).map_err(|_| fail("the source holds a NUL byte".into()))?;
     let name = CString::new(format!("{family}.cu")).map_err(|_| fail("bad family name".into()))?;
     let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
-    let options = [format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    options.extend(extra.iter().map(|o| o.to_string()));
     // SAFETY: `prog` was created above and is destroyed once, below; `src` and `name` outlive it.
     unsafe {
-        let cubin = match nvrtc::compile_program(prog, &options) {
-            Err(e) => {
-                let log = nvrtc::get_program_log(prog)
-                    .map(|log| CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned())
-                    .unwrap_or_default();
-                Err(fail(format!("{e:?}: {}", log.trim_end())))
-            }
-            Ok(()) => cubin_of(prog).map_err(|e| fail(format!("no CUBIN: {e:?}"))),
+        let compiled = nvrtc::compile_program(prog, &options);
+        let log = nvrtc::get_program_log(prog)
+            .map(|log| CStr::from_ptr(log.as_ptr()).to_string_lossy().trim_end().to_string())
+            .unwrap_or_default();
+        let cubin = match compiled {
+            Err(e) => Err(fail(format!("{e:?}: {log}"))),
+            Ok(()) => cubin_of(prog).map(|c| (c, log)).map_err(|e| fail(format!("no CUBIN: {e:?}"))),
         };
         let _ = nvrtc::destroy_program(prog);
         cubin
     }
+}
+
+/// What ptxas says one kernel uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelResources {
+    pub entry: String,
+    pub registers: u32,
+    pub spill_bytes: u32,
+}
+
+/// Registers and spills of every kernel of `family` for `arch`, from ptxas's verbose report.
+pub fn kernel_resources(family: &str, arch: &str) -> Result<Vec<KernelResources>, CudaError> {
+    let (_, log) = compile_source(family, &source(family)?, arch, &["--ptxas-options=-v"])?;
+    Ok(parse_ptxas_report(&log))
+}
+
+/// The per-function lines of `ptxas -v`: "Compiling entry function 'NAME'", then
+/// "N bytes spill stores, M bytes spill loads" and "Used R registers".
+fn parse_ptxas_report(log: &str) -> Vec<KernelResources> {
+    let number_before = |line: &str, word: &str| -> u32 {
+        let at = line.find(word).unwrap_or(0);
+        line[..at].split_whitespace().last().and_then(|n| n.parse().ok()).unwrap_or(0)
+    };
+    let mut kernels: Vec<KernelResources> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let entry = rest.split('\'').next().unwrap_or("").to_string();
+            kernels.push(KernelResources { entry, registers: 0, spill_bytes: 0 });
+        } else if let Some(k) = kernels.last_mut() {
+            if line.contains("spill stores") {
+                k.spill_bytes = number_before(line, "bytes spill stores") + number_before(line, "bytes spill loads");
+            } else if line.contains("Used ") && line.contains(" registers") {
+                k.registers = number_before(line, "registers");
+            }
+        }
+    }
+    kernels
 }
 
 /// The CUBIN of a program compiled for a real architecture.
@@ -285,21 +323,73 @@ mod tests {
         }
     }
 
+    /// Every kernel fits a block of the largest size any launch uses (registers × threads
+    /// within 64K: else "too many resources requested for launch" on the GPU) and spills
+    /// nothing to local memory, for sm_80 and sm_90, per ptxas's own report.
+    #[test]
+    fn every_kernel_fits_its_largest_block_without_spilling() {
+        if !nvrtc_present() {
+            eprintln!("skipped: libnvrtc not found");
+            return;
+        }
+        let per_block = 65536 / backend::MAX_BLOCK_THREADS;
+        let mut most = KernelResources { entry: String::new(), registers: 0, spill_bytes: 0 };
+        for (family, _) in KERNELS {
+            for arch in ["sm_80", "sm_90"] {
+                let kernels = kernel_resources(family, arch).unwrap_or_else(|e| panic!("{e}"));
+                let mut entries: Vec<String> = kernels.iter().map(|k| k.entry.clone()).collect();
+                let mut declared = entry_points(family).unwrap();
+                entries.sort();
+                declared.sort();
+                assert_eq!(entries, declared, "{family}/{arch}: ptxas reported other functions");
+                for k in kernels {
+                    assert!(k.registers > 0 && k.registers <= per_block, "{family}/{arch}: {k:?}");
+                    assert_eq!(k.spill_bytes, 0, "{family}/{arch}: {k:?}");
+                    if k.registers > most.registers {
+                        most = k;
+                    }
+                }
+            }
+        }
+        eprintln!("most registers: {} ({}), limit {per_block}", most.registers, most.entry);
+    }
+
+    #[test]
+    fn the_ptxas_report_is_read_per_kernel() {
+        let log = "ptxas info    : 1 bytes gmem
+ptxas info    : Compiling entry function 'a_f32' for 'sm_90'
+ptxas info    : Function properties for a_f32
+ptxas         .     0 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 128 bytes smem
+ptxas info    : Compiling entry function 'b_bf16' for 'sm_90'
+ptxas info    : Function properties for b_bf16
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 16 registers, used 0 barriers";
+        assert_eq!(
+            parse_ptxas_report(log),
+            [
+                KernelResources { entry: "a_f32".into(), registers: 40, spill_bytes: 20 },
+                KernelResources { entry: "b_bf16".into(), registers: 16, spill_bytes: 0 },
+            ]
+        );
+    }
+
     #[test]
     fn a_kernel_that_does_not_compile_is_a_typed_error_with_the_log() {
         if !nvrtc_present() {
-            assert!(matches!(compile_source("broken", "", "sm_90"), Err(CudaError::NoNvrtc { .. })));
+            assert!(matches!(compile_source("broken", "", "sm_90", &[]), Err(CudaError::NoNvrtc { .. })));
             eprintln!("skipped: libnvrtc not found");
             return;
         }
         let src = "extern \"C\" __global__ void broken_f32(float* x) { x[0] = undeclared; }";
-        let err = compile_source("broken", src, "sm_90").unwrap_err();
+        let err = compile_source("broken", src, "sm_90", &[]).unwrap_err();
         let text = err.to_string();
         assert!(matches!(err, CudaError::Compile { .. }), "{text}");
         assert!(text.starts_with("kernel broken does not compile for sm_90: "), "{text}");
         assert!(text.contains("broken.cu") && text.contains("undeclared"), "{text}");
-        let ok = compile_source("fine", "extern \"C\" __global__ void fine_f32(float* x) { x[0] = 1.0f; }", "sm_80")
-            .unwrap();
+        let (ok, _) =
+            compile_source("fine", "extern \"C\" __global__ void fine_f32(float* x) { x[0] = 1.0f; }", "sm_80", &[])
+                .unwrap();
         assert!(cubin_defines(&ok, "fine_f32") && !cubin_defines(&ok, "broken_f32"));
     }
 
