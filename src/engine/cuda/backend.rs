@@ -25,7 +25,7 @@ use cudarc::driver::{
 use crate::memory::{Buffer, Category, Pool, SegmentSource};
 
 use super::{
-    compile, cublas_present, driver_present, entry_points, no_cublas, no_nvrtc, nvrtc_present, CudaError, KERNELS,
+    compile, cublas_present, driver_present, no_cublas, no_nvrtc, nvrtc_present, signatures, CudaError, Param, KERNELS,
 };
 use crate::engine::backend::{shapes, Backend, BackendError, BackendResult, View, ViewMut};
 use crate::engine::collectives::DeviceCollectives;
@@ -115,6 +115,17 @@ enum Arg {
     F32(f32),
 }
 
+impl Arg {
+    fn param(&self) -> Param {
+        match self {
+            Arg::Ptr(_) => Param::Ptr,
+            Arg::I32(_) => Param::I32,
+            Arg::I64(_) => Param::I64,
+            Arg::F32(_) => Param::F32,
+        }
+    }
+}
+
 /// The storage types the kernels are compiled for: (`Elem::NAME`, entry-point suffix).
 const DTYPES: &[(&str, &str)] = &[("fp32", "f32"), ("bf16", "bf16")];
 
@@ -198,7 +209,8 @@ pub struct CudaBackend {
     copy: Arc<CudaStream>,
     staging: Mutex<Vec<Staging>>,
     blas: CudaBlas,
-    functions: HashMap<String, CudaFunction>,
+    /// Every entry point, with its parameters' C types (each launch is checked against them).
+    functions: HashMap<String, (CudaFunction, Vec<Param>)>,
     pool: Pool,
 }
 
@@ -243,9 +255,9 @@ impl CudaBackend {
                         super::driver_version().map_or("?".into(), |(a, b)| format!("{a}.{b}")),
                     ),
                 })?;
-            for ep in entry_points(family)? {
+            for (ep, params) in signatures(family)? {
                 let f = module.load_function(&ep).map_err(|e| err("kernel lookup")(&e))?;
-                functions.insert(ep, f);
+                functions.insert(ep, (f, params));
             }
         }
         let (free, _total) = ctx.mem_get_info().map_err(|e| err("memory query")(&e))?;
@@ -286,7 +298,12 @@ impl CudaBackend {
     }
 
     fn launch(&self, op: &'static str, kernel: &str, cfg: LaunchConfig, args: &[Arg]) -> BackendResult {
-        let f = self.functions.get(kernel).ok_or_else(|| self.device_err(op, format!("no kernel {kernel}")))?;
+        let (f, params) =
+            self.functions.get(kernel).ok_or_else(|| self.device_err(op, format!("no kernel {kernel}")))?;
+        let given: Vec<Param> = args.iter().map(Arg::param).collect();
+        if &given != params {
+            return Err(self.device_err(op, format!("kernel {kernel} takes {params:?}, was given {given:?}")));
+        }
         let mut builder = self.stream.launch_builder(f);
         for a in args {
             match a {
@@ -297,7 +314,7 @@ impl CudaBackend {
             };
         }
         // SAFETY: every caller checks the views' lengths against the shapes it passes, and the
-        // argument list follows the kernel's C signature (see kernels/*.cu).
+        // argument list matches the kernel's C signature (checked above).
         unsafe { builder.launch(cfg) }.map(|_| ()).map_err(|e| self.device_err(op, e))
     }
 

@@ -58,12 +58,49 @@ pub fn source(family: &str) -> Result<String, CudaError> {
 
 /// Entry points (`extern "C" __global__`) a family declares.
 pub fn entry_points(family: &str) -> Result<Vec<String>, CudaError> {
-    let src = source(family)?;
-    Ok(src
-        .split("extern \"C\" __global__ void ")
-        .skip(1)
-        .filter_map(|rest| rest.split('(').next().map(|n| n.trim().to_string()))
-        .collect())
+    Ok(signatures(family)?.into_iter().map(|(name, _)| name).collect())
+}
+
+/// The C type of a kernel parameter, as a launch passes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Param {
+    /// Any pointer (a device address).
+    Ptr,
+    /// `int`
+    I32,
+    /// `long`
+    I64,
+    /// `float`
+    F32,
+}
+
+/// Every entry point a family declares, with its parameters' types, read from the source (a
+/// launch is checked against them).
+pub fn signatures(family: &str) -> Result<Vec<(String, Vec<Param>)>, CudaError> {
+    parse_signatures(family, &source(family)?)
+}
+
+fn parse_signatures(family: &str, src: &str) -> Result<Vec<(String, Vec<Param>)>, CudaError> {
+    let bad = |what: String| CudaError::Compile { family: family.into(), arch: "-".into(), log: what };
+    let mut entries = Vec::new();
+    for rest in src.split("extern \"C\" __global__ void ").skip(1) {
+        let (name, tail) = rest.split_once('(').ok_or_else(|| bad("an entry point without parameters".into()))?;
+        let params = tail.split_once(')').map(|(p, _)| p).ok_or_else(|| bad(format!("{name}: unclosed (")))?;
+        let mut types = Vec::new();
+        for param in params.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let words: Vec<&str> = param.split_whitespace().collect();
+            let ty = words[..words.len().saturating_sub(1)].join(" ");
+            types.push(match ty.as_str() {
+                _ if param.contains('*') => Param::Ptr,
+                "int" => Param::I32,
+                "long" => Param::I64,
+                "float" => Param::F32,
+                _ => return Err(bad(format!("{}: parameter `{param}` of a type launches cannot pass", name.trim()))),
+            });
+        }
+        entries.push((name.trim().to_string(), types));
+    }
+    Ok(entries)
 }
 
 pub fn driver_present() -> bool {
@@ -352,6 +389,23 @@ mod tests {
             }
         }
         eprintln!("most registers: {} ({}), limit {per_block}", most.registers, most.entry);
+    }
+
+    #[test]
+    fn kernel_signatures_are_read_from_the_source() {
+        for (family, _) in KERNELS {
+            for (entry, params) in signatures(family).unwrap() {
+                assert!(params.contains(&Param::Ptr), "{family}: {entry} takes no buffer: {params:?}");
+            }
+        }
+        let adamw = signatures("adamw").unwrap();
+        assert!(adamw.iter().all(|(name, _)| name.starts_with("adamw_")), "{adamw:?}");
+        let src = "extern \"C\" __global__ void k_f32(float* a, const unsigned int* t, int n, long m, float s) { }\n\
+                   extern \"C\" __global__ void j_f32(double d) { }";
+        let err = parse_signatures("x", src).unwrap_err().to_string();
+        assert!(err.contains("j_f32: parameter `double d` of a type launches cannot pass"), "{err}");
+        let ok = parse_signatures("x", &src[..src.find('\n').unwrap()]).unwrap();
+        assert_eq!(ok, [("k_f32".to_string(), vec![Param::Ptr, Param::Ptr, Param::I32, Param::I64, Param::F32])]);
     }
 
     #[test]
