@@ -23,9 +23,9 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
     run_on(&args, &shapes, seed)
 }
 
-/// `--libraries`: one line per library; exit 2 when one a cuda device needs is missing.
+/// The CUDA libraries, one line each: loaded (version and file), or why not.
 #[cfg(feature = "cuda")]
-fn libraries() -> anyhow::Result<()> {
+fn print_libraries() -> Vec<crate::engine::cuda::LibraryStatus> {
     let report = crate::engine::cuda::library_report();
     for l in &report {
         let status = match (l.loaded, l.required) {
@@ -35,6 +35,13 @@ fn libraries() -> anyhow::Result<()> {
         };
         println!("{:<10} {:<8} {}", l.name, status, l.detail);
     }
+    report
+}
+
+/// `--libraries`: one line per library; exit 2 when one a cuda device needs is missing.
+#[cfg(feature = "cuda")]
+fn libraries() -> anyhow::Result<()> {
+    let report = print_libraries();
     let missing: Vec<&str> = report.iter().filter(|l| l.required && !l.loaded).map(|l| l.name).collect();
     if !missing.is_empty() {
         return Err(UsageError(format!("cuda devices cannot be used here: {} missing", missing.join(", "))).into());
@@ -69,15 +76,7 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
     let index = args.index;
     let device = CudaBackend::new(index, None).map_err(|e| UsageError(e.to_string()))?;
     println!("device: cuda:{index} {} (pool capacity {})", device.name(), format_bytes(device.pool().stats().capacity));
-    let version = |v: Option<(i32, i32)>| v.map_or("?".to_string(), |(major, minor)| format!("{major}.{minor}"));
-    println!(
-        "driver: CUDA {}, NVRTC {}",
-        version(crate::engine::cuda::driver_version()),
-        version(crate::engine::cuda::nvrtc_version())
-    );
-    for (library, path) in crate::engine::cuda::libraries::loaded() {
-        println!("loaded {library}: {}", path.display());
-    }
+    print_libraries();
     println!("seed: {seed}");
     drop(device);
     let open = |memory: Option<usize>| CudaBackend::new(index, memory).map_err(|e| anyhow::anyhow!("{e}"));

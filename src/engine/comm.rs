@@ -471,9 +471,12 @@ impl LocalComm {
         let range = offset..offset + out.len();
         let mut staged = Staged::new();
         let mine = owned_part(&own, range.clone());
+        // A rank whose upload fails still takes part (the others must not wait for it), and
+        // returns the error after.
+        let mut uploaded = Ok(());
         if shard.host_visible() && !mine.is_empty() {
             let dst = out.reborrow().slice(mine.start - offset..mine.end - offset);
-            staged.up(be, dst, &shard.host()[mine.start - own.start..mine.end - own.start])?;
+            uploaded = staged.up(be, dst, &shard.host()[mine.start - own.start..mine.end - own.start]);
         }
         for (root, theirs) in self.owned_ranges(&own).into_iter().enumerate() {
             let part = owned_part(&theirs, range.clone());
@@ -488,6 +491,7 @@ impl LocalComm {
             };
             native.broadcast(send, recv, part.len(), Dtype::of::<E>(), root)?;
         }
+        uploaded?;
         Ok(staged.stats)
     }
 }

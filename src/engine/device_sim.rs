@@ -99,8 +99,17 @@ impl SimCollectives {
         self.calls.load(Ordering::Relaxed)
     }
 
-    fn count_call(&self) {
+    /// Count a call, and check NCCL's contract: every rank passes the same count and root
+    /// (rank 0's, compared on each rank).
+    fn call(&self, count: usize, root: usize) {
         self.calls.fetch_add(1, Ordering::Relaxed);
+        let (count0, root0) = (self.comm.broadcast(count as u64), self.comm.broadcast(root as u64));
+        assert_eq!(
+            (count0, root0),
+            (count as u64, root as u64),
+            "rank {}: (count, root) unlike rank 0's",
+            self.comm.rank()
+        );
     }
 }
 
@@ -139,7 +148,7 @@ impl DeviceCollectives for SimCollectives {
     }
 
     fn all_reduce_sum(&self, buf: u64, count: usize, dtype: Dtype) -> BackendResult {
-        self.count_call();
+        self.call(count, 0);
         // SAFETY: the collectives' contract: `buf` is this rank's, for this call.
         with_elem!(dtype, E => self.comm.all_reduce_sum::<E>(unsafe { elements(buf, count) }));
         Ok(())
@@ -147,7 +156,7 @@ impl DeviceCollectives for SimCollectives {
 
     fn reduce_sum(&self, send: u64, recv: Option<u64>, count: usize, dtype: Dtype, root: usize) -> BackendResult {
         assert_eq!(recv.is_some(), self.comm.rank() == root, "only the root receives a reduce");
-        self.count_call();
+        self.call(count, root);
         with_elem!(dtype, E => {
             // SAFETY: as above; `send` is only read, before `recv` is written.
             let mut sum: Vec<E> = unsafe { elements::<E>(send, count) }.to_vec();
@@ -161,7 +170,7 @@ impl DeviceCollectives for SimCollectives {
 
     fn broadcast(&self, send: Option<u64>, recv: u64, count: usize, dtype: Dtype, root: usize) -> BackendResult {
         assert_eq!(send.is_some(), self.comm.rank() == root, "only the root sends a broadcast");
-        self.count_call();
+        self.call(count, root);
         with_elem!(dtype, E => {
             // SAFETY: as above. The root's data is copied first: its send may be its receive buffer.
             let data: Vec<E> = send.map(|s| unsafe { elements::<E>(s, count) }.to_vec()).unwrap_or_default();

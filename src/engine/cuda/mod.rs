@@ -44,6 +44,8 @@ pub enum CudaError {
     NoCublas { hint: String },
     #[error("device cuda:{index}: {op} failed: {detail}")]
     Driver { index: u32, op: &'static str, detail: String },
+    #[error("kernel {family}: {detail}")]
+    Signature { family: String, detail: String },
     #[error("NCCL unavailable: {detail}")]
     Nccl { detail: String },
     #[error("unknown kernel family `{0}`")]
@@ -81,7 +83,7 @@ pub fn signatures(family: &str) -> Result<Vec<(String, Vec<Param>)>, CudaError> 
 }
 
 fn parse_signatures(family: &str, src: &str) -> Result<Vec<(String, Vec<Param>)>, CudaError> {
-    let bad = |what: String| CudaError::Compile { family: family.into(), arch: "-".into(), log: what };
+    let bad = |detail: String| CudaError::Signature { family: family.into(), detail };
     let mut entries = Vec::new();
     for rest in src.split("extern \"C\" __global__ void ").skip(1) {
         let (name, tail) = rest.split_once('(').ok_or_else(|| bad("an entry point without parameters".into()))?;
