@@ -30,8 +30,6 @@ impl Dtype {
 
 /// One rank's handle on native collectives with its peers (ranks `0..world`).
 pub trait DeviceCollectives: Send + Sync {
-    /// What runs them, for logs: e.g. "NCCL 2.27.3".
-    fn describe(&self) -> String;
     /// `count` elements at `buf` become the elementwise sum over ranks, on every rank.
     fn all_reduce_sum(&self, buf: u64, count: usize, dtype: Dtype) -> BackendResult;
     /// On `root`, `recv` receives the elementwise sum over ranks of each rank's `count`

@@ -143,10 +143,6 @@ macro_rules! with_elem {
 }
 
 impl DeviceCollectives for SimCollectives {
-    fn describe(&self) -> String {
-        "simulated NCCL".into()
-    }
-
     fn all_reduce_sum(&self, buf: u64, count: usize, dtype: Dtype) -> BackendResult {
         self.call(count, 0);
         // SAFETY: the collectives' contract: `buf` is this rank's, for this call.

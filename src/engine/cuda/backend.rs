@@ -251,8 +251,8 @@ impl CudaBackend {
                     op: "kernel module load",
                     detail: format!(
                         "{e:?} ({family} for {arch}; NVRTC {}, driver CUDA {})",
-                        super::nvrtc_version().map_or("?".into(), |(a, b)| format!("{a}.{b}")),
-                        super::driver_version().map_or("?".into(), |(a, b)| format!("{a}.{b}")),
+                        super::nvrtc_version().map_or("?".into(), super::dotted),
+                        super::driver_version().map_or("?".into(), super::dotted),
                     ),
                 })?;
             for (ep, params) in signatures(family)? {

@@ -141,6 +141,11 @@ pub fn nvrtc_version() -> Option<(i32, i32)> {
     Some((major, minor))
 }
 
+/// A (major, minor) version as "major.minor".
+pub fn dotted((major, minor): (i32, i32)) -> String {
+    format!("{major}.{minor}")
+}
+
 /// The CUDA version the driver supports as (major, minor); None without a driver.
 pub fn driver_version() -> Option<(i32, i32)> {
     if !driver_present() {
@@ -185,11 +190,10 @@ pub struct LibraryStatus {
 /// Which of the libraries a `cuda` device uses load here, their versions and files (loading
 /// them): what `headroom gpu-check --libraries` prints.
 pub fn library_report() -> Vec<LibraryStatus> {
-    let dotted = |v: &[i32]| v.iter().map(i32::to_string).collect::<Vec<_>>().join(".");
     // Load each first (the versions), then read which files are mapped.
-    let driver = driver_version().map(|(a, b)| format!("CUDA {}", dotted(&[a, b])));
-    let nvrtc = nvrtc_version().map(|(a, b)| format!("NVRTC {}", dotted(&[a, b])));
-    let cublas = cublas_version().map(|(a, b, c)| format!("cuBLAS {}", dotted(&[a, b, c])));
+    let driver = driver_version().map(|v| format!("CUDA {}", dotted(v)));
+    let nvrtc = nvrtc_version().map(|v| format!("NVRTC {}", dotted(v)));
+    let cublas = cublas_version().map(|(a, b, c)| format!("cuBLAS {a}.{b}.{c}"));
     let nccl = nccl::version();
     let files = libraries::loaded();
     let status = |name: &'static str, required: bool, version: Result<String, String>| {

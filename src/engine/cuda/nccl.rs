@@ -122,10 +122,6 @@ impl NcclRank {
 }
 
 impl DeviceCollectives for NcclRank {
-    fn describe(&self) -> String {
-        self.lib.version.clone()
-    }
-
     fn all_reduce_sum(&self, buf: u64, count: usize, dtype: Dtype) -> BackendResult {
         let ptr = buf as *mut c_void;
         // SAFETY: `buf` holds `count` elements of `dtype` on this rank's device (the contract).
