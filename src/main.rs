@@ -11,10 +11,10 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             let code = headroom::cli::exit_code(&err);
-            if code != 4 {
+            if code != headroom::protocol::ExitCode::Preempted {
                 eprintln!("error: {err:#}");
             }
-            ExitCode::from(code as u8)
+            ExitCode::from(code.code() as u8)
         }
     }
 }

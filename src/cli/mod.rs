@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 
 use crate::config::{ConfigError, JobSpec};
 use crate::engine::{self, bench, ResumeMode, TrainError, TrainOptions};
+use crate::protocol::ExitCode;
 
 mod client;
 mod gpu_check;
@@ -268,16 +269,17 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The one place errors become exit codes (DESIGN.md "Trainer protocol").
-pub fn exit_code(err: &anyhow::Error) -> i32 {
+/// The one place a subcommand's error becomes its exit code (`protocol::ExitCode`; a trainer's
+/// errors through `TrainError::exit_code`).
+pub fn exit_code(err: &anyhow::Error) -> ExitCode {
     if let Some(e) = err.downcast_ref::<TrainError>() {
         return e.exit_code();
     }
     if err.downcast_ref::<ConfigError>().is_some() || err.downcast_ref::<client::UsageError>().is_some() {
-        return 2;
+        return ExitCode::Invalid;
     }
     if err.chain().any(|e| e.downcast_ref::<crate::memory::OomError>().is_some()) {
-        return 3;
+        return ExitCode::OutOfMemory;
     }
-    1
+    ExitCode::Internal
 }

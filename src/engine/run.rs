@@ -1,15 +1,15 @@
-//! `headroom train`: runs one job end to end and speaks the trainer protocol (DESIGN.md):
-//! JSON lines on stdout, control lines on stdin, exit codes through [`TrainError::exit_code`].
+//! `headroom train`: runs one job end to end and speaks the trainer protocol
+//! (`crate::protocol`, docs/DESIGN.md): JSON lines on stdout, control lines on stdin, exit codes
+//! through [`TrainError::exit_code`].
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-use serde_json::{json, Value};
-
 use crate::config::{ConfigError, DeviceKind, JobSpec, Precision};
 use crate::memory::{OomError, Pool};
+use crate::protocol::{self, Control, Event, ExitCode, Line, MemSnapshot};
 
 use super::backend::{Backend, BackendError, CpuBackend};
 use super::checkpoint::{self, CheckpointError};
@@ -44,15 +44,15 @@ pub enum TrainError {
 }
 
 impl TrainError {
-    pub fn exit_code(&self) -> i32 {
+    pub fn exit_code(&self) -> ExitCode {
         match self {
-            TrainError::Config(_) | TrainError::Data(_) | TrainError::DeviceUnavailable { .. } => 2,
-            TrainError::Oom(_) => 3,
-            TrainError::Preempted { .. } => 4,
-            TrainError::Checkpoint(CheckpointError::Mismatch { .. }) => 2,
-            TrainError::Backend(BackendError::Unsupported { .. }) => 2,
-            TrainError::Checkpoint(_) | TrainError::Events(_) | TrainError::RankFailed { .. } => 1,
-            TrainError::Backend(_) => 1,
+            TrainError::Config(_) | TrainError::Data(_) | TrainError::DeviceUnavailable { .. } => ExitCode::Invalid,
+            TrainError::Oom(_) => ExitCode::OutOfMemory,
+            TrainError::Preempted { .. } => ExitCode::Preempted,
+            TrainError::Checkpoint(CheckpointError::Mismatch { .. }) => ExitCode::Invalid,
+            TrainError::Backend(BackendError::Unsupported { .. }) => ExitCode::Invalid,
+            TrainError::Checkpoint(_) | TrainError::Events(_) | TrainError::RankFailed { .. } => ExitCode::Internal,
+            TrainError::Backend(_) => ExitCode::Internal,
         }
     }
 }
@@ -92,25 +92,17 @@ impl Events {
         Events::new(Box::new(std::io::stdout()))
     }
 
-    pub fn emit(&mut self, event: &str, body: Value) -> std::io::Result<()> {
-        let mut obj = match body {
-            Value::Object(m) => m,
-            _ => serde_json::Map::new(),
-        };
-        obj.insert("event".into(), event.into());
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        obj.insert("t".into(), json!(t.as_secs_f64()));
-        let line = serde_json::to_string(&Value::Object(obj)).expect("json");
-        writeln!(self.out, "{line}")?;
+    /// Write one event, stamped with the current time, as a line.
+    pub fn emit(&mut self, event: Event) -> std::io::Result<()> {
+        writeln!(self.out, "{}", Line::now(event).to_json())?;
         self.out.flush()
     }
 }
 
+/// No control line received (the flag's value between requests).
 const CONTROL_NONE: u8 = 0;
-const CONTROL_CHECKPOINT_AND_EXIT: u8 = 1;
-const CONTROL_STOP: u8 = 2;
 
-/// Read `{"cmd": ...}` lines from stdin on a background thread into a flag.
+/// Read control lines from stdin on a background thread into a flag ([`Control::code`]).
 fn spawn_control_reader() -> Arc<AtomicU8> {
     let flag = Arc::new(AtomicU8::new(CONTROL_NONE));
     let f = flag.clone();
@@ -119,13 +111,9 @@ fn spawn_control_reader() -> Arc<AtomicU8> {
         .spawn(move || {
             for line in std::io::stdin().lock().lines() {
                 let Ok(line) = line else { break };
-                let cmd = serde_json::from_str::<Value>(&line)
-                    .ok()
-                    .and_then(|v| v.get("cmd").and_then(|c| c.as_str()).map(str::to_owned));
-                match cmd.as_deref() {
-                    Some("checkpoint_and_exit") => f.store(CONTROL_CHECKPOINT_AND_EXIT, Ordering::SeqCst),
-                    Some("stop") => f.store(CONTROL_STOP, Ordering::SeqCst),
-                    _ => tracing::warn!(line = line.trim(), "ignoring unknown control line"),
+                match Control::parse(&line) {
+                    Some(cmd) => f.store(cmd.code(), Ordering::SeqCst),
+                    None => tracing::warn!(line = line.trim(), "ignoring unknown control line"),
                 }
             }
         })
@@ -329,19 +317,16 @@ impl Run<'_> {
             "model allocated:\n{}",
             pool.memory_summary()
         );
-        events.emit(
-            "started",
-            json!({
-                "config": spec,
-                "world_size": spec.memory.world_size,
-                "device": device,
-                "capacity": stats.capacity,
-                "resumed_from_step": resumed,
-                "num_params": cfg.num_params(),
-                "grad_accum": hyper.grad_accum,
-                "unigram_entropy": data.unigram_entropy(),
-            }),
-        )?;
+        events.emit(Event::Started(protocol::Started {
+            config: serde_json::to_value(spec).expect("job spec serialises"),
+            world_size: spec.memory.world_size,
+            device,
+            capacity: stats.capacity,
+            resumed_from_step: resumed,
+            num_params: cfg.num_params(),
+            grad_accum: hyper.grad_accum,
+            unigram_entropy: data.unigram_entropy(),
+        }))?;
 
         let progress = progress_bar(hyper.steps, trainer.step);
         let eval_count = spec.train.eval_batches as usize * hyper.global_batch;
@@ -352,12 +337,10 @@ impl Run<'_> {
             // Rank 0 reads the control line; every rank acts on its decision together.
             let local = control.as_ref().map_or(CONTROL_NONE, |f| f.load(Ordering::SeqCst));
             let cmd = comm.as_ref().map_or(local as u64, |c| c.broadcast(local as u64)) as u8;
-            {
-                if cmd != CONTROL_NONE {
-                    let path = save(&trainer, opts, events)?;
-                    tracing::info!(step = trainer.step, stop = (cmd == CONTROL_STOP), "exiting on request");
-                    return Err(TrainError::Preempted { step: trainer.step, path });
-                }
+            if let Some(cmd) = Control::from_code(cmd) {
+                let path = save(&trainer, opts, events)?;
+                tracing::info!(step = trainer.step, ?cmd, "exiting on request");
+                return Err(TrainError::Preempted { step: trainer.step, path });
             }
             pool.reset_window_peaks();
             let step = match trainer.train_step(&mut |s, i, inp, tgt| data.train_sequence(s, i, inp, tgt)) {
@@ -367,33 +350,30 @@ impl Run<'_> {
             last_loss = step.loss;
             tokens_done += step.tokens_per_s * step.step_ms / 1e3;
             secs_done += step.step_ms / 1e3;
-            events.emit(
-            "step",
-            json!({
-                "step": step.step,
-                "loss": step.loss,
-                "lr": step.lr,
-                "grad_norm": step.grad_norm,
-                "tokens_per_s": step.tokens_per_s,
-                "step_ms": step.step_ms,
-                "mem": pool.stats().to_json(),
-                "precision": E::NAME,
-                "loss_scale": if trainer.skipped_steps > 0 || E::NAME == "fp16" { json!(step.loss_scale) } else { Value::Null },
-                "skipped": step.skipped,
-                "skipped_steps": trainer.skipped_steps,
-                "nvml": nvml.as_ref().and_then(|m| m.reading(spec.device.index)).map(|r| json!({
-                    "used_bytes": r.used_bytes,
-                    "total_bytes": r.total_bytes,
-                    "process_bytes": r.processes.iter().find(|p| p.0 == std::process::id()).map(|p| p.1),
-                })),
-                "swap": step.swap.map(|w| json!({
-                    "bytes_to_host": w.bytes_to_host,
-                    "bytes_to_device": w.bytes_to_device,
-                    "transfer_ms": w.transfer_ms,
-                    "fraction": w.transfer_ms / step.step_ms.max(1e-9),
-                })),
-            }),
-        )?;
+            events.emit(Event::Step(protocol::Step {
+                step: step.step,
+                loss: step.loss,
+                lr: step.lr,
+                grad_norm: step.grad_norm,
+                tokens_per_s: step.tokens_per_s,
+                step_ms: step.step_ms,
+                mem: MemSnapshot::window(&pool.stats()),
+                precision: E::NAME.into(),
+                loss_scale: (trainer.skipped_steps > 0 || E::NAME == "fp16").then_some(step.loss_scale),
+                skipped: step.skipped,
+                skipped_steps: trainer.skipped_steps,
+                nvml: nvml.as_ref().and_then(|m| m.reading(spec.device.index)).map(|r| protocol::NvmlReading {
+                    used_bytes: r.used_bytes,
+                    total_bytes: r.total_bytes,
+                    process_bytes: r.processes.iter().find(|p| p.0 == std::process::id()).map(|p| p.1),
+                }),
+                swap: step.swap.map(|w| protocol::Swap {
+                    bytes_to_host: w.bytes_to_host,
+                    bytes_to_device: w.bytes_to_device,
+                    transfer_ms: w.transfer_ms,
+                    fraction: w.transfer_ms / step.step_ms.max(1e-9),
+                }),
+            }))?;
             progress.set_position(step.step);
             progress.set_message(format!("loss {:.4}", step.loss));
 
@@ -406,7 +386,7 @@ impl Run<'_> {
                         Err(err) => return Err(report_failure(events, err, trainer.step)),
                     };
                 tracing::info!(step = trainer.step, val_loss = val, "eval");
-                events.emit("eval", json!({ "step": trainer.step, "val_loss": val }))?;
+                events.emit(Event::Eval(protocol::Eval { step: trainer.step, val_loss: val }))?;
             }
             if ckpt_every > 0 && trainer.step % ckpt_every == 0 && !last {
                 save(&trainer, opts, events)?;
@@ -420,17 +400,14 @@ impl Run<'_> {
         save(&trainer, opts, events)?;
         let stats = pool.stats();
         tracing::info!("finished:\n{}", pool.memory_summary());
-        events.emit(
-            "finished",
-            json!({
-                "step": trainer.step,
-                "final_loss": if last_loss.is_nan() { Value::Null } else { json!(last_loss) },
-                "peak_allocated": stats.peak_allocated,
-                "peak_reserved": stats.peak_reserved,
-                "mean_tokens_per_s": if secs_done > 0.0 { json!(tokens_done / secs_done) } else { Value::Null },
-                "mem": stats.lifetime_json(),
-            }),
-        )?;
+        events.emit(Event::Finished(protocol::Finished {
+            step: trainer.step,
+            final_loss: (!last_loss.is_nan()).then_some(last_loss),
+            peak_allocated: stats.peak_allocated,
+            peak_reserved: stats.peak_reserved,
+            mean_tokens_per_s: (secs_done > 0.0).then(|| tokens_done / secs_done),
+            mem: MemSnapshot::lifetime(&stats),
+        }))?;
         Ok(())
     }
 }
@@ -441,7 +418,7 @@ fn save<E: Elem, B: Backend>(
     events: &mut Events,
 ) -> Result<PathBuf, TrainError> {
     let path = trainer.save_checkpoint(&opts.run_dir)?;
-    events.emit("checkpoint", json!({ "step": trainer.step, "path": path }))?;
+    events.emit(Event::Checkpoint(protocol::CheckpointWritten { step: trainer.step, path: path.clone() }))?;
     Ok(path)
 }
 
@@ -456,16 +433,13 @@ fn report_failure(events: &mut Events, err: BackendError, step: u64) -> TrainErr
 /// Write the `oom` event (requested bytes, category, memory snapshot) and turn it into the error.
 fn report_oom(events: &mut Events, oom: OomError, step: u64) -> TrainError {
     tracing::error!("{oom}");
-    let _ = events.emit(
-        "oom",
-        json!({
-            "step": step,
-            "requested_bytes": oom.requested_bytes,
-            "category": oom.category,
-            "mem": oom.stats.lifetime_json(),
-            "message": oom.to_string(),
-        }),
-    );
+    let _ = events.emit(Event::Oom(protocol::Oom {
+        step,
+        requested_bytes: oom.requested_bytes,
+        category: oom.category.name().into(),
+        mem: MemSnapshot::lifetime(&oom.stats),
+        message: oom.to_string(),
+    }));
     TrainError::Oom(oom)
 }
 

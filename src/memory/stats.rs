@@ -115,51 +115,6 @@ impl MemStats {
         self.host_window_peak[i] = self.host_window_peak[i].max(bytes);
     }
 
-    /// The `mem` object of the trainer protocol. Per-category figures, `allocated` and `reserved`
-    /// are the high-water marks of the current window (one optimizer step), so a step's
-    /// activations are visible even though they are freed before the step ends.
-    pub fn to_json(&self) -> serde_json::Value {
-        let w = &self.window_peak;
-        serde_json::json!({
-            "params": w[0],
-            "grads": w[1],
-            "optimizer": w[2],
-            "activations": w[3],
-            "workspace": w[4],
-            "allocated": self.window_peak_allocated,
-            "reserved": self.window_peak_reserved,
-            "fragmentation": self.window_peak_reserved.saturating_sub(self.window_peak_allocated),
-            "capacity": self.capacity,
-            "peak_allocated": self.peak_allocated,
-            "peak_reserved": self.peak_reserved,
-            "host_params": self.host_window_peak[0],
-            "host_optimizer": self.host_window_peak[2],
-            "host_activations": self.host_window_peak[3],
-        })
-    }
-
-    /// Lifetime peaks as a `mem` object (used by `oom` and `finished`).
-    pub fn lifetime_json(&self) -> serde_json::Value {
-        let p = &self.peak;
-        let allocated = self.allocated();
-        serde_json::json!({
-            "params": p[0],
-            "grads": p[1],
-            "optimizer": p[2],
-            "activations": p[3],
-            "workspace": p[4],
-            "allocated": allocated,
-            "reserved": self.reserved,
-            "fragmentation": self.reserved.saturating_sub(allocated),
-            "capacity": self.capacity,
-            "peak_allocated": self.peak_allocated,
-            "peak_reserved": self.peak_reserved,
-            "host_params": self.host_peak[0],
-            "host_optimizer": self.host_peak[2],
-            "host_activations": self.host_peak[3],
-        })
-    }
-
     pub fn summary(&self, device: &str, segments: usize, free_blocks: usize) -> String {
         let mut s = String::new();
         let line = "|---------------------------------------------------------------|\n";

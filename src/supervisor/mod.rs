@@ -1,9 +1,12 @@
-//! The supervisor daemon: HTTP API, experiment database, job runner, monitor and policy ladder.
+//! The supervisor daemon: HTTP API, experiment database, job runner, monitor, ladder decision
+//! and policy files.
 //! It sees a trainer only through argv, the job file, stdin control lines, the exit status and
 //! JSON lines on stdout — never the engine's internals.
 
 pub mod db;
 pub mod http;
+pub mod ladder;
+pub mod monitor;
 pub mod policy;
 pub mod runner;
 

@@ -242,7 +242,7 @@ pub struct LadderPosition {
 }
 
 /// The outcome of asking for the next rung.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StepDown {
     pub rung_index: i64,
     pub rung_name: String,

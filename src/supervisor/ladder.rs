@@ -1,0 +1,503 @@
+//! The ladder decision: how an attempt ended ([`Outcome`], classified from its exit status by
+//! [`classify`]) and where the job stands ([`LadderState`]) give the next [`Action`] — finish,
+//! retry, step down to a rung, step back, or fail with the reason. Pure functions; the runner
+//! executes the actions and records their events.
+
+use crate::config::{serde_name, JobSpec};
+use crate::protocol::ExitCode;
+
+use super::monitor::{Notice, StopReason};
+use super::policy::{self, LadderPosition, Policy, StepDown, SwapAction};
+
+/// How one child process ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    Finished,
+    Oom {
+        category: String,
+        requested: i64,
+    },
+    /// Checkpointed and stopped by the monitor above the preempt threshold.
+    Preempted {
+        reason: String,
+    },
+    /// Checkpointed and stopped: offload transfers took more than the policy's `swap_bound`.
+    SwapBound {
+        reason: String,
+    },
+    /// Checkpointed and stopped because the daemon is shutting down.
+    Suspended,
+    Cancelled,
+    /// Exit 2: the configuration is unusable; retrying cannot help.
+    Invalid {
+        message: String,
+    },
+    Crashed {
+        message: String,
+    },
+}
+
+impl Outcome {
+    /// The attempt row's `outcome` column.
+    pub fn db_name(&self) -> &'static str {
+        match self {
+            Outcome::Finished => "finished",
+            Outcome::Oom { .. } => "oom",
+            Outcome::Preempted { .. } | Outcome::Suspended => "preempted",
+            Outcome::SwapBound { .. } => "swap_bound",
+            Outcome::Cancelled => "cancelled",
+            Outcome::Invalid { .. } | Outcome::Crashed { .. } => "crashed",
+        }
+    }
+}
+
+/// What the supervisor asked of a running attempt, besides the monitor's preemption.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Request {
+    Cancel,
+    Shutdown,
+}
+
+/// What the runner knows when a child has exited.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Exit {
+    /// The exit status's code (None: killed by a signal, described in `signal`).
+    pub code: Option<i32>,
+    pub signal: String,
+    pub requested: Option<Request>,
+    /// Why the monitor preempted it, if it did.
+    pub stopped_by_monitor: Option<StopReason>,
+    /// From the trainer's `oom` event: (category, requested bytes).
+    pub oom: (String, i64),
+    /// The last line of the attempt's log (the trainer's error message).
+    pub last_log_line: String,
+}
+
+/// The outcome of an exited attempt (docs/DESIGN.md "Exit codes").
+pub fn classify(exit: &Exit) -> Outcome {
+    let code = exit.code.map(|c| ExitCode::from_code(c).ok_or(c));
+    match (code, exit.requested) {
+        (Some(Ok(ExitCode::Finished)), _) => Outcome::Finished,
+        (Some(Ok(ExitCode::OutOfMemory)), _) => Outcome::Oom { category: exit.oom.0.clone(), requested: exit.oom.1 },
+        (Some(Ok(ExitCode::Preempted)), Some(Request::Cancel)) => Outcome::Cancelled,
+        (Some(Ok(ExitCode::Preempted)), Some(Request::Shutdown)) => Outcome::Suspended,
+        (Some(Ok(ExitCode::Preempted)), None) => match &exit.stopped_by_monitor {
+            Some(StopReason::SwapBound(reason)) => Outcome::SwapBound { reason: reason.clone() },
+            Some(StopReason::Pressure(reason)) => Outcome::Preempted { reason: reason.clone() },
+            None => Outcome::Preempted { reason: "trainer stopped itself after a checkpoint".into() },
+        },
+        (Some(Ok(ExitCode::Invalid)), _) => Outcome::Invalid { message: exit.last_log_line.clone() },
+        (Some(Ok(c)), _) => Outcome::Crashed { message: format!("exit code {}: {}", c.code(), exit.last_log_line) },
+        (Some(Err(c)), _) => Outcome::Crashed { message: format!("exit code {c}: {}", exit.last_log_line) },
+        (None, _) => Outcome::Crashed { message: format!("killed by a signal ({})", exit.signal) },
+    }
+}
+
+/// Where a job stands on its ladder between attempts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LadderState {
+    pub spec: JobSpec,
+    pub rung_name: String,
+    /// Index of the last rung applied (-1: none).
+    pub rung_index: i64,
+    /// Crashes in a row on this rung.
+    pub crashes: u32,
+    /// The configuration before the current rung was applied (swap_bound's step back).
+    pub before_rung: Option<JobSpec>,
+}
+
+impl LadderState {
+    /// A job as stored: its current configuration and rung.
+    pub fn new(spec: JobSpec, rung_name: String, rung_index: i64) -> LadderState {
+        LadderState { spec, rung_name, rung_index, crashes: 0, before_rung: None }
+    }
+}
+
+/// What to do after an attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// The job is done.
+    Finish,
+    /// Back to the queue (the daemon is shutting down); resumes from its checkpoint later.
+    Requeue,
+    /// Stopped on request.
+    Cancel,
+    /// Nothing more can help: the job fails with this reason (after recording `before`: the
+    /// rungs skipped on the way, a step back that found no rung).
+    Fail { reason: String, before: Vec<Notice> },
+    /// Run the same configuration again from the newest checkpoint.
+    Retry { crashes: u32, message: String },
+    /// Run the next rung's configuration (`from` is the configuration it applies to: the
+    /// current one, or the one before the current rung when stepping back).
+    StepDown { from: Box<JobSpec>, step_back: Option<String>, down: Box<StepDown> },
+}
+
+impl Action {
+    /// The job's status after this action ("running" for the ones that start another attempt).
+    pub fn job_status(&self) -> &'static str {
+        match self {
+            Action::Finish => "finished",
+            Action::Requeue => "queued",
+            Action::Cancel => "cancelled",
+            Action::Fail { .. } => "failed",
+            Action::Retry { .. } | Action::StepDown { .. } => "running",
+        }
+    }
+
+    /// The events this action records, in order, with the state it was decided in.
+    pub fn events(&self, state: &LadderState) -> Vec<Notice> {
+        match self {
+            Action::Finish => vec![("finished", format!("finished on rung {}", state.rung_name))],
+            Action::Requeue => vec![],
+            Action::Cancel => vec![("cancelled", "stopped after a checkpoint on request".into())],
+            Action::Fail { reason, before } => before.iter().cloned().chain([("failed", reason.clone())]).collect(),
+            Action::Retry { message, .. } => vec![("retry", message.clone())],
+            Action::StepDown { from, step_back, down } => {
+                let mut out: Vec<Notice> = step_back.iter().map(|m| ("swap_bound", m.clone())).collect();
+                out.extend(skip_events(&down.skipped));
+                out.push((
+                    "step_down",
+                    format!("stepping down to rung {} ({})", down.rung_name, describe_change(from, &down.spec)),
+                ));
+                out
+            }
+        }
+    }
+
+    /// The state the next attempt runs in (terminal actions leave it as it was).
+    pub fn next_state(&self, state: &LadderState) -> LadderState {
+        match self {
+            Action::Retry { crashes, .. } => LadderState { crashes: *crashes, ..state.clone() },
+            Action::StepDown { from, down, .. } => LadderState {
+                spec: down.spec.clone(),
+                rung_name: down.rung_name.clone(),
+                rung_index: down.rung_index,
+                crashes: 0,
+                before_rung: Some(JobSpec::clone(from)),
+            },
+            _ => state.clone(),
+        }
+    }
+}
+
+fn skip_events(skipped: &[(String, String)]) -> impl Iterator<Item = Notice> + '_ {
+    skipped.iter().map(|(name, why)| ("skip", format!("rung {name} skipped: {why}")))
+}
+
+/// The next action for a job on `policy` in `state` whose attempt ended with `outcome`.
+pub fn decide(policy: &Policy, state: &LadderState, outcome: &Outcome) -> Action {
+    let rung = &state.rung_name;
+    let fail = |reason: String| Action::Fail { reason, before: vec![] };
+    match outcome {
+        Outcome::Finished => Action::Finish,
+        Outcome::Suspended => Action::Requeue,
+        Outcome::Cancelled => Action::Cancel,
+        Outcome::Invalid { message } => fail(format!("trainer rejected the configuration: {message}")),
+        Outcome::Crashed { message } => {
+            let crashes = state.crashes + 1;
+            if crashes > policy.retries.crash {
+                return fail(format!("crashed {crashes} times on rung {rung}: {message}"));
+            }
+            Action::Retry {
+                crashes,
+                message: format!(
+                    "crash {crashes}/{} on rung {rung} ({message}); retrying from the newest checkpoint",
+                    policy.retries.crash
+                ),
+            }
+        }
+        Outcome::SwapBound { reason } => {
+            let action = policy.swap_bound.as_ref().map(|b| b.action);
+            match (action, &state.before_rung) {
+                (Some(SwapAction::StepBack), Some(prev)) => {
+                    let step_back = format!(
+                        "rung {rung} is swap-bound ({reason}); backing off to the configuration before it and \
+                         trying the rungs after it"
+                    );
+                    step_down(policy, state, prev, Some(step_back))
+                }
+                _ => fail(format!("rung {rung} is swap-bound ({reason}) and the policy does not step back")),
+            }
+        }
+        Outcome::Oom { .. } | Outcome::Preempted { .. } => step_down(policy, state, &state.spec, None),
+    }
+}
+
+/// The next applicable rung applied to `from`, or the failure naming the last rung.
+fn step_down(policy: &Policy, state: &LadderState, from: &JobSpec, step_back: Option<String>) -> Action {
+    match policy::step_down(policy, from, LadderPosition { rung_index: state.rung_index }) {
+        Ok(down) => Action::StepDown { from: Box::new(from.clone()), step_back, down: Box::new(down) },
+        Err(skipped) => Action::Fail {
+            reason: format!("no rung of policy {} is left to apply (last rung: {})", policy.name, state.rung_name),
+            before: step_back.map(|m| ("swap_bound", m)).into_iter().chain(skip_events(&skipped)).collect(),
+        },
+    }
+}
+
+/// "micro_batch 16 → 8 (grad_accum 1 → 2)" and the like: what a step-down changed.
+pub fn describe_change(before: &JobSpec, after: &JobSpec) -> String {
+    let mut parts = Vec::new();
+    if before.train.micro_batch != after.train.micro_batch {
+        parts.push(format!(
+            "micro_batch {} → {}, grad_accum {} → {}, global_batch {}",
+            before.train.micro_batch,
+            after.train.micro_batch,
+            before.grad_accum(),
+            after.grad_accum(),
+            after.train.global_batch
+        ));
+    }
+    let (b, a) = (&before.memory, &after.memory);
+    if b.precision != a.precision {
+        parts.push(format!("precision {} → {}", serde_name(&b.precision), serde_name(&a.precision)));
+    }
+    if b.checkpointing != a.checkpointing {
+        parts.push(format!("checkpointing {} → {}", serde_name(&b.checkpointing), serde_name(&a.checkpointing)));
+    }
+    if b.zero_stage != a.zero_stage {
+        parts.push(format!("zero_stage {} → {}", b.zero_stage, a.zero_stage));
+    }
+    if b.offload != a.offload {
+        parts.push(format!("offload {} → {}", serde_json::json!(b.offload), serde_json::json!(a.offload)));
+    }
+    parts.join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(micro: i64) -> JobSpec {
+        JobSpec::parse(&format!(
+            "name: t\nmodel: {{ n_layer: 1, n_head: 1, n_embd: 8, block_size: 8, vocab: bytes }}\n\
+             data: {{ path: x.txt }}\ntrain: {{ steps: 10, global_batch: 8, micro_batch: {micro} }}\n\
+             device: {{ kind: cpu, device_memory: 8MiB }}\n"
+        ))
+        .unwrap()
+    }
+
+    /// bf16, halve (repeating), a ZeRO rung (never applies at world 1), offload-optimizer.
+    fn policy(swap: &str, crash_retries: u32) -> Policy {
+        Policy::parse(&format!(
+            "name: p\nrungs:\n  - {{ name: bf16, set: {{ precision: bf16 }} }}\n  \
+             - {{ name: halve, set: {{ micro_batch: half }}, repeat: true }}\n  \
+             - {{ name: zero-2, set: {{ zero_stage: 2 }} }}\n  \
+             - {{ name: offload-optimizer, set: {{ offload: {{ optimizer: cpu }} }} }}\n\
+             {swap}retries: {{ crash: {crash_retries} }}\n"
+        ))
+        .unwrap()
+    }
+
+    const STEP_BACK: &str = "swap_bound: { transfer_fraction: 0.5, action: step_back }\n";
+    const SWAP_FAILS: &str = "swap_bound: { transfer_fraction: 0.5, action: fail }\n";
+
+    fn oom() -> Outcome {
+        Outcome::Oom { category: "activations".into(), requested: 1 << 20 }
+    }
+
+    /// The state after applying `rungs` steps down from the base configuration (micro_batch 8).
+    fn state_after(policy: &Policy, rungs: usize) -> LadderState {
+        let mut state = LadderState::new(spec(8), "base".into(), -1);
+        for _ in 0..rungs {
+            let action = decide(policy, &state, &oom());
+            assert!(matches!(action, Action::StepDown { .. }), "{action:?}");
+            state = action.next_state(&state);
+        }
+        state
+    }
+
+    /// What an action comes to, as the runner sees it.
+    #[derive(Debug, PartialEq)]
+    enum Want {
+        Finish,
+        Requeue,
+        Cancel,
+        Fail(&'static str),
+        Retry(u32),
+        /// Rung name, micro-batch and whether it stepped back.
+        Down(&'static str, i64, bool),
+    }
+
+    fn seen(action: &Action) -> Want {
+        match action {
+            Action::Finish => Want::Finish,
+            Action::Requeue => Want::Requeue,
+            Action::Cancel => Want::Cancel,
+            Action::Fail { reason, .. } => Want::Fail(Box::leak(reason.clone().into_boxed_str())),
+            Action::Retry { crashes, .. } => Want::Retry(*crashes),
+            Action::StepDown { step_back, down, .. } => Want::Down(
+                Box::leak(down.rung_name.clone().into_boxed_str()),
+                down.spec.train.micro_batch,
+                step_back.is_some(),
+            ),
+        }
+    }
+
+    #[test]
+    fn each_outcome_and_position_gives_the_expected_action() {
+        let crash = Outcome::Crashed { message: "exit code 1: boom".into() };
+        let preempt = Outcome::Preempted { reason: "device memory at 97%".into() };
+        let swap = Outcome::SwapBound { reason: "transfers took 80%".into() };
+        let invalid = Outcome::Invalid { message: "invalid job: train.lr".into() };
+        // (case, swap_bound, rungs applied, crashes so far, outcome, expected)
+        let cases: Vec<(&str, &str, usize, u32, Outcome, Want)> = vec![
+            ("finished", "", 0, 0, Outcome::Finished, Want::Finish),
+            ("suspended", "", 2, 0, Outcome::Suspended, Want::Requeue),
+            ("cancelled", "", 1, 0, Outcome::Cancelled, Want::Cancel),
+            ("oom at the base", "", 0, 0, oom(), Want::Down("bf16", 8, false)),
+            ("preempt at the base", "", 0, 0, preempt.clone(), Want::Down("bf16", 8, false)),
+            ("oom on bf16", "", 1, 0, oom(), Want::Down("halve", 4, false)),
+            ("a repeating rung repeats", "", 2, 0, oom(), Want::Down("halve", 2, false)),
+            ("and again", "", 3, 0, oom(), Want::Down("halve", 1, false)),
+            ("zero skipped at world 1", "", 4, 0, oom(), Want::Down("offload-optimizer", 1, false)),
+            (
+                "ladder exhausted",
+                "",
+                5,
+                0,
+                oom(),
+                Want::Fail("no rung of policy p is left to apply (last rung: offload-optimizer)"),
+            ),
+            ("first crash retries", "", 1, 0, crash.clone(), Want::Retry(1)),
+            ("second crash retries", "", 1, 1, crash.clone(), Want::Retry(2)),
+            (
+                "third crash fails",
+                "",
+                1,
+                2,
+                crash.clone(),
+                Want::Fail("crashed 3 times on rung bf16: exit code 1: boom"),
+            ),
+            (
+                "invalid never retries",
+                "",
+                0,
+                0,
+                invalid,
+                Want::Fail("trainer rejected the configuration: invalid job: train.lr"),
+            ),
+            (
+                "swap-bound on the last rung steps back, then fails",
+                STEP_BACK,
+                5,
+                0,
+                swap.clone(),
+                Want::Fail("no rung of policy p is left to apply (last rung: offload-optimizer)"),
+            ),
+            (
+                "swap-bound on a repeating rung re-applies it from before",
+                STEP_BACK,
+                2,
+                0,
+                swap.clone(),
+                Want::Down("halve", 4, true),
+            ),
+            (
+                "swap-bound with action fail",
+                SWAP_FAILS,
+                2,
+                0,
+                swap.clone(),
+                Want::Fail("rung halve is swap-bound (transfers took 80%) and the policy does not step back"),
+            ),
+            (
+                "swap-bound with no policy entry",
+                "",
+                2,
+                0,
+                swap.clone(),
+                Want::Fail("rung halve is swap-bound (transfers took 80%) and the policy does not step back"),
+            ),
+            (
+                "swap-bound before any rung",
+                STEP_BACK,
+                0,
+                0,
+                swap,
+                Want::Fail("rung base is swap-bound (transfers took 80%) and the policy does not step back"),
+            ),
+        ];
+        for (name, swap_bound, rungs, crashes, outcome, want) in cases {
+            let policy = policy(swap_bound, 2);
+            let state = LadderState { crashes, ..state_after(&policy, rungs) };
+            assert_eq!(seen(&decide(&policy, &state, &outcome)), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_step_down_records_skips_then_itself_and_resets_the_crash_count() {
+        let policy = policy("", 2);
+        let state = LadderState { crashes: 2, ..state_after(&policy, 4) };
+        assert_eq!(state.spec.train.micro_batch, 1);
+        let action = decide(&policy, &state, &oom());
+        let events = action.events(&state);
+        let kinds: Vec<_> = events.iter().map(|e| e.0).collect();
+        assert_eq!(kinds, ["skip", "skip", "step_down"], "{events:?}");
+        assert!(events[0].1.contains("rung halve skipped: micro_batch is already 1"), "{events:?}");
+        assert!(events[1].1.contains("rung zero-2 skipped: zero_stage 2 needs world_size > 1"), "{events:?}");
+        assert!(events[2].1.starts_with("stepping down to rung offload-optimizer (offload "), "{events:?}");
+        let next = action.next_state(&state);
+        assert_eq!((next.rung_index, next.crashes, next.before_rung.as_ref()), (3, 0, Some(&state.spec)));
+        assert_eq!(action.job_status(), "running");
+    }
+
+    #[test]
+    fn stepping_back_applies_the_next_rung_to_the_configuration_before_the_swap_bound_one() {
+        let policy = policy(STEP_BACK, 2);
+        let state = state_after(&policy, 5); // offload-optimizer on micro-batch 1
+        assert_eq!(state.rung_name, "offload-optimizer");
+        let two_rungs = Policy::parse(&format!(
+            "name: p\nrungs:\n  - {{ name: offload-optimizer, set: {{ offload: {{ optimizer: cpu }} }} }}\n  \
+             - {{ name: checkpointing, set: {{ checkpointing: full }} }}\n{STEP_BACK}"
+        ))
+        .unwrap();
+        let first = decide(&two_rungs, &LadderState::new(spec(8), "base".into(), -1), &oom());
+        let on_offload = first.next_state(&LadderState::new(spec(8), "base".into(), -1));
+        let back = decide(&two_rungs, &on_offload, &Outcome::SwapBound { reason: "80%".into() });
+        let Action::StepDown { from, step_back: Some(msg), down } = &back else { panic!("{back:?}") };
+        assert_eq!(**from, spec(8), "back to the configuration before the offload rung");
+        assert_eq!(down.rung_name, "checkpointing");
+        assert_eq!(down.spec.memory.offload.optimizer, crate::config::OffloadTarget::None, "offload undone");
+        assert!(msg.contains("backing off"), "{msg}");
+        assert_eq!(back.events(&on_offload)[0].0, "swap_bound");
+        // On the default-like policy the rung after offload-optimizer does not exist: fail, but
+        // still record that it stepped back.
+        let fail = decide(&policy, &state, &Outcome::SwapBound { reason: "80%".into() });
+        let kinds: Vec<_> = fail.events(&state).iter().map(|e| e.0).collect();
+        assert_eq!(kinds.first(), Some(&"swap_bound"), "{kinds:?}");
+        assert_eq!(kinds.last(), Some(&"failed"), "{kinds:?}");
+    }
+
+    #[test]
+    fn exit_statuses_classify_as_the_protocol_says() {
+        let exit = |code: Option<i32>, requested, monitor| Exit {
+            code,
+            signal: "signal: 9 (SIGKILL)".into(),
+            requested,
+            stopped_by_monitor: monitor,
+            oom: ("optimizer".into(), 4096),
+            last_log_line: "error: boom".into(),
+        };
+        let pressure = Some(StopReason::Pressure("at 97%".into()));
+        let swap = Some(StopReason::SwapBound("80%".into()));
+        let cases = [
+            (exit(Some(0), None, None), Outcome::Finished),
+            (exit(Some(3), None, None), Outcome::Oom { category: "optimizer".into(), requested: 4096 }),
+            (exit(Some(4), Some(Request::Cancel), pressure.clone()), Outcome::Cancelled),
+            (exit(Some(4), Some(Request::Shutdown), None), Outcome::Suspended),
+            (exit(Some(4), None, pressure), Outcome::Preempted { reason: "at 97%".into() }),
+            (exit(Some(4), None, swap), Outcome::SwapBound { reason: "80%".into() }),
+            (
+                exit(Some(4), None, None),
+                Outcome::Preempted { reason: "trainer stopped itself after a checkpoint".into() },
+            ),
+            (exit(Some(2), None, None), Outcome::Invalid { message: "error: boom".into() }),
+            (exit(Some(1), None, None), Outcome::Crashed { message: "exit code 1: error: boom".into() }),
+            (exit(Some(101), None, None), Outcome::Crashed { message: "exit code 101: error: boom".into() }),
+            (exit(None, None, None), Outcome::Crashed { message: "killed by a signal (signal: 9 (SIGKILL))".into() }),
+        ];
+        for (exit, want) in cases {
+            assert_eq!(classify(&exit), want, "{exit:?}");
+        }
+    }
+}

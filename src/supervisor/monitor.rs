@@ -1,0 +1,429 @@
+//! The monitor: reads one attempt's protocol events, keeps its samples and peaks, and decides
+//! when memory pressure (or offload traffic) has lasted long enough to preempt it. Pure: the
+//! runner feeds it events and executes what it asks for.
+
+use crate::protocol::{Event, Line};
+
+use super::db::{now, AttemptEnd, SampleRow};
+use super::ladder::Outcome;
+use super::policy::Policy;
+
+/// A supervisor event the monitor wants recorded: (DB event kind, message).
+pub type Notice = (&'static str, String);
+
+/// One attempt's view: samples not yet written, peaks, OOM details, and the threshold state.
+#[derive(Debug)]
+pub struct Monitor {
+    attempt: i64,
+    warn: f64,
+    preempt: f64,
+    sustain: u32,
+    /// Steps in a row at or above the preempt threshold.
+    above: u32,
+    warned: bool,
+    preempt_sent: bool,
+    preempt_reason: Option<String>,
+    /// Transfer fraction of step time that counts as swap-bound (from the policy), the run of
+    /// steps above it, and the reason once sustained.
+    swap_limit: Option<f64>,
+    swap_above: u32,
+    swap_reason: Option<String>,
+    samples: Vec<SampleRow>,
+    first_step: Option<i64>,
+    last_step: Option<i64>,
+    resumed_from: Option<i64>,
+    capacity: Option<i64>,
+    peaks: [Option<i64>; 7],
+    tokens_per_s: Vec<f64>,
+    mean_tokens_per_s: Option<f64>,
+    oom_category: Option<String>,
+    oom_requested: Option<i64>,
+    oom_message: Option<String>,
+}
+
+/// Why the monitor stopped an attempt, once it did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StopReason {
+    /// Memory above the preempt threshold for `sustain` steps.
+    Pressure(String),
+    /// Offload transfers above the policy's `swap_bound` for `sustain` steps.
+    SwapBound(String),
+}
+
+impl Monitor {
+    pub fn new(policy: &Policy, attempt: i64) -> Monitor {
+        let t = &policy.thresholds;
+        Monitor {
+            attempt,
+            warn: t.warn,
+            preempt: t.preempt,
+            sustain: t.sustain,
+            above: 0,
+            warned: false,
+            preempt_sent: false,
+            preempt_reason: None,
+            swap_limit: policy.swap_bound.as_ref().map(|b| b.transfer_fraction),
+            swap_above: 0,
+            swap_reason: None,
+            samples: Vec::new(),
+            first_step: None,
+            last_step: None,
+            resumed_from: None,
+            capacity: None,
+            peaks: [None; 7],
+            tokens_per_s: Vec::new(),
+            mean_tokens_per_s: None,
+            oom_category: None,
+            oom_requested: None,
+            oom_message: None,
+        }
+    }
+
+    /// Whether the attempt should be sent `checkpoint_and_exit` now (asked once).
+    pub fn wants_preempt(&self) -> bool {
+        (self.preempt_reason.is_some() || self.swap_reason.is_some()) && !self.preempt_sent
+    }
+
+    /// The runner sent the preempt request.
+    pub fn preempt_sent(&mut self) {
+        self.preempt_sent = true;
+    }
+
+    /// Why the monitor preempted the attempt (None: it did not ask).
+    pub fn stop_reason(&self) -> Option<StopReason> {
+        if !self.preempt_sent {
+            return None;
+        }
+        match (&self.swap_reason, &self.preempt_reason) {
+            (Some(r), _) => Some(StopReason::SwapBound(r.clone())),
+            (None, r) => Some(StopReason::Pressure(r.clone().unwrap_or_default())),
+        }
+    }
+
+    /// The samples gathered since the last call, to write.
+    pub fn take_samples(&mut self) -> Vec<SampleRow> {
+        std::mem::take(&mut self.samples)
+    }
+
+    pub fn pending_samples(&self) -> usize {
+        self.samples.len()
+    }
+
+    pub fn last_step(&self) -> Option<i64> {
+        self.last_step
+    }
+
+    /// What an OOM asked for: (category, requested bytes), from the trainer's `oom` event.
+    pub fn oom(&self) -> (String, i64) {
+        (self.oom_category.clone().unwrap_or_default(), self.oom_requested.unwrap_or(0))
+    }
+
+    fn bump_peaks(&mut self, figures: [usize; 7]) {
+        for (peak, v) in self.peaks.iter_mut().zip(figures) {
+            let v = v as i64;
+            *peak = Some(peak.map_or(v, |p| p.max(v)));
+        }
+    }
+
+    /// Take one protocol line; returns supervisor events to record.
+    pub fn observe(&mut self, line: &Line) -> Vec<Notice> {
+        let mut out = Vec::new();
+        let t = if line.t > 0.0 { line.t } else { now() };
+        match &line.event {
+            Event::Started(s) => {
+                self.resumed_from = s.resumed_from_step.map(|s| s as i64);
+                self.capacity = Some(s.capacity as i64);
+            }
+            Event::Step(ev) => {
+                let step = ev.step as i64;
+                self.first_step.get_or_insert(step);
+                self.last_step = Some(step);
+                let mem = &ev.mem;
+                self.bump_peaks(mem.peak_columns());
+                let finite = |x: f64| x.is_finite().then_some(x);
+                if let Some(tps) = finite(ev.tokens_per_s) {
+                    self.tokens_per_s.push(tps);
+                }
+                let g = |v: usize| Some(v as i64);
+                self.samples.push(SampleRow {
+                    attempt_id: self.attempt,
+                    step,
+                    t,
+                    loss: finite(ev.loss as f64),
+                    val_loss: None,
+                    tokens_per_s: finite(ev.tokens_per_s),
+                    step_ms: finite(ev.step_ms),
+                    params: g(mem.params),
+                    grads: g(mem.grads),
+                    optimizer: g(mem.optimizer),
+                    activations: g(mem.activations),
+                    workspace: g(mem.workspace),
+                    allocated: g(mem.allocated),
+                    reserved: g(mem.reserved),
+                    fragmentation: g(mem.fragmentation),
+                    capacity: g(mem.capacity),
+                });
+                let fraction = mem.reserved as f64 / mem.capacity.max(1) as f64;
+                if fraction >= self.warn && !self.warned {
+                    self.warned = true;
+                    out.push((
+                        "warn",
+                        format!(
+                            "step {step}: device memory at {:.1}% of capacity (warn threshold {:.0}%)",
+                            fraction * 100.0,
+                            self.warn * 100.0
+                        ),
+                    ));
+                }
+                if fraction >= self.preempt {
+                    self.above += 1;
+                } else {
+                    self.above = 0;
+                }
+                if let (Some(limit), Some(swap)) = (self.swap_limit, &ev.swap) {
+                    let frac = swap.fraction;
+                    self.swap_above = if frac >= limit { self.swap_above + 1 } else { 0 };
+                    if self.swap_above >= self.sustain && self.swap_reason.is_none() && self.preempt_reason.is_none() {
+                        let reason = format!(
+                            "transfers took {:.1}% of step time for {} steps in a row (swap_bound {:.1}%)",
+                            frac * 100.0,
+                            self.swap_above,
+                            limit * 100.0
+                        );
+                        out.push(("swap_bound", format!("step {step}: {reason}; checkpointing")));
+                        self.swap_reason = Some(reason);
+                    }
+                }
+                if self.above >= self.sustain && self.preempt_reason.is_none() && self.swap_reason.is_none() {
+                    let reason = format!(
+                        "device memory at {:.1}% of capacity for {} steps in a row (preempt threshold {:.0}%, sustain {})",
+                        fraction * 100.0,
+                        self.above,
+                        self.preempt * 100.0,
+                        self.sustain
+                    );
+                    out.push(("preempt", format!("step {step}: {reason}; checkpointing and stepping down")));
+                    self.preempt_reason = Some(reason);
+                }
+            }
+            Event::Eval(ev) => {
+                self.samples.push(SampleRow {
+                    attempt_id: self.attempt,
+                    step: ev.step as i64,
+                    t,
+                    val_loss: ev.val_loss.is_finite().then_some(ev.val_loss as f64),
+                    ..SampleRow::default()
+                });
+            }
+            Event::Oom(ev) => {
+                self.oom_category = Some(ev.category.clone());
+                self.oom_requested = Some(ev.requested_bytes as i64);
+                self.oom_message = Some(ev.message.clone());
+                // An OOM while allocating the model comes before `started`.
+                if self.capacity.is_none() {
+                    self.capacity = Some(ev.mem.capacity as i64);
+                }
+                self.bump_peaks(ev.mem.peak_columns());
+            }
+            Event::Finished(ev) => {
+                self.mean_tokens_per_s = ev.mean_tokens_per_s.filter(|v| v.is_finite());
+                self.bump_peaks(ev.mem.peak_columns());
+            }
+            Event::Checkpoint(_) | Event::Unknown => {}
+        }
+        out
+    }
+
+    /// The attempt row's closing figures for `outcome` and the child's exit `code`.
+    pub fn end(&self, outcome: &Outcome, code: Option<i32>) -> AttemptEnd {
+        let mean = self.mean_tokens_per_s.or_else(|| {
+            (!self.tokens_per_s.is_empty())
+                .then(|| self.tokens_per_s.iter().sum::<f64>() / self.tokens_per_s.len() as f64)
+        });
+        let message = match outcome {
+            Outcome::Oom { .. } => self.oom_message.clone(),
+            Outcome::Preempted { reason } | Outcome::SwapBound { reason } => Some(reason.clone()),
+            Outcome::Invalid { message } | Outcome::Crashed { message } => Some(message.clone()),
+            Outcome::Suspended => Some("supervisor shutting down".into()),
+            _ => None,
+        };
+        AttemptEnd {
+            outcome: outcome.db_name().into(),
+            exit_code: code.map(i64::from),
+            first_step: self.first_step,
+            last_step: self.last_step,
+            resumed_from_step: self.resumed_from,
+            capacity: self.capacity,
+            peaks: self.peaks,
+            mean_tokens_per_s: mean,
+            oom_category: self.oom_category.clone(),
+            oom_requested: self.oom_requested,
+            message,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{self, MemSnapshot, Swap};
+
+    fn policy(warn: f64, preempt: f64, sustain: u32, swap: Option<f64>) -> Policy {
+        let swap =
+            swap.map_or(String::new(), |f| format!("swap_bound: {{ transfer_fraction: {f}, action: step_back }}\n"));
+        Policy::parse(&format!(
+            "name: p\nthresholds: {{ warn: {warn}, preempt: {preempt}, sustain: {sustain} }}\n\
+             rungs: [{{ name: bf16, set: {{ precision: bf16 }} }}]\n{swap}"
+        ))
+        .unwrap()
+    }
+
+    /// A step event at `reserved` bytes of a 100-byte device, with a transfer `fraction`.
+    fn step(n: u64, reserved: usize, swap: Option<f64>) -> Line {
+        Line {
+            t: 10.0 + n as f64,
+            event: Event::Step(protocol::Step {
+                step: n,
+                loss: 2.0,
+                lr: 1e-3,
+                grad_norm: 1.0,
+                tokens_per_s: 100.0 * n as f64,
+                step_ms: 5.0,
+                mem: MemSnapshot {
+                    activations: n as usize,
+                    allocated: reserved,
+                    reserved,
+                    capacity: 100,
+                    ..Default::default()
+                },
+                precision: "fp32".into(),
+                loss_scale: None,
+                skipped: false,
+                skipped_steps: 0,
+                nvml: None,
+                swap: swap.map(|fraction| Swap { bytes_to_host: 1, bytes_to_device: 1, transfer_ms: 1.0, fraction }),
+            }),
+        }
+    }
+
+    /// Feed `reserved` figures (percent of capacity) one step each; the notice kinds per step.
+    fn run(m: &mut Monitor, reserved: &[usize], swap: Option<f64>) -> Vec<Vec<&'static str>> {
+        (0..reserved.len())
+            .map(|i| m.observe(&step(i as u64 + 1, reserved[i], swap)).into_iter().map(|(k, _)| k).collect())
+            .collect()
+    }
+
+    /// warn, preempt, sustain, reserved per step, notice kinds per step, wants preempt after.
+    type ThresholdCase = (f64, f64, u32, &'static [usize], &'static [&'static [&'static str]], bool);
+
+    #[test]
+    fn thresholds_warn_once_and_preempt_after_sustain_steps_in_a_row() {
+        let cases: &[ThresholdCase] = &[
+            (0.85, 0.95, 3, &[10, 50, 80], &[&[], &[], &[]], false),
+            (0.85, 0.95, 3, &[86, 90, 50], &[&["warn"], &[], &[]], false),
+            (0.85, 0.95, 3, &[95, 96, 97], &[&["warn"], &[], &["preempt"]], true),
+            // A dip below preempt restarts the run.
+            (0.85, 0.95, 3, &[95, 96, 90, 96, 97], &[&["warn"], &[], &[], &[], &[]], false),
+            (0.85, 0.95, 3, &[95, 96, 90, 96, 97, 99], &[&["warn"], &[], &[], &[], &[], &["preempt"]], true),
+            (0.5, 0.5, 1, &[50], &[&["warn", "preempt"]], true),
+            // Preempt is reported once, however long the pressure lasts.
+            (0.9, 0.9, 1, &[100, 100, 100], &[&["warn", "preempt"], &[], &[]], true),
+        ];
+        for (i, &(warn, preempt, sustain, reserved, kinds, wants)) in cases.iter().enumerate() {
+            let mut m = Monitor::new(&policy(warn, preempt, sustain, None), 1);
+            let got = run(&mut m, reserved, None);
+            let want: Vec<Vec<&str>> = kinds.iter().map(|k| k.to_vec()).collect();
+            assert_eq!(got, want, "case {i}");
+            assert_eq!(m.wants_preempt(), wants, "case {i}");
+            if wants {
+                m.preempt_sent();
+                assert!(!m.wants_preempt(), "asked once");
+                assert!(matches!(m.stop_reason(), Some(StopReason::Pressure(r)) if r.contains("preempt threshold")));
+            } else {
+                assert_eq!(m.stop_reason(), None, "case {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn sustained_transfer_time_is_swap_bound_and_wins_over_later_pressure() {
+        // (swap_bound, fractions per step, swap-bound after)
+        let cases: &[(Option<f64>, &[f64], bool)] = &[
+            (Some(0.5), &[0.6, 0.7, 0.8], true),
+            (Some(0.5), &[0.6, 0.4, 0.8], false),
+            (Some(0.5), &[0.5, 0.5, 0.5], true),
+            (None, &[0.9, 0.9, 0.9], false),
+        ];
+        for (i, &(limit, fractions, bound)) in cases.iter().enumerate() {
+            let mut m = Monitor::new(&policy(0.85, 0.95, 3, limit), 1);
+            let kinds: Vec<_> =
+                fractions.iter().enumerate().flat_map(|(s, &f)| m.observe(&step(s as u64 + 1, 10, Some(f)))).collect();
+            assert_eq!(kinds.iter().any(|(k, _)| *k == "swap_bound"), bound, "case {i}: {kinds:?}");
+            assert_eq!(m.wants_preempt(), bound, "case {i}");
+        }
+        // Once swap-bound, pressure does not also preempt: the reason stays the transfers.
+        let mut m = Monitor::new(&policy(0.85, 0.95, 2, Some(0.5)), 1);
+        for s in 1..=4 {
+            m.observe(&step(s, 99, Some(0.9)));
+        }
+        m.preempt_sent();
+        assert!(matches!(m.stop_reason(), Some(StopReason::SwapBound(r)) if r.contains("swap_bound 50.0%")));
+    }
+
+    #[test]
+    fn samples_peaks_and_the_attempt_end_come_from_the_events() {
+        let mut m = Monitor::new(&policy(0.85, 0.95, 3, None), 7);
+        m.observe(&Line {
+            t: 1.0,
+            event: Event::Started(protocol::Started {
+                config: serde_json::Value::Null,
+                world_size: 1,
+                device: "cpu:0".into(),
+                capacity: 100,
+                resumed_from_step: Some(4),
+                num_params: 1,
+                grad_accum: 1,
+                unigram_entropy: 1.0,
+            }),
+        });
+        run(&mut m, &[30, 60, 40], None);
+        m.observe(&Line { t: 20.0, event: Event::Eval(protocol::Eval { step: 3, val_loss: f32::NAN }) });
+        m.observe(&Line { t: 21.0, event: Event::Unknown });
+        let samples = m.take_samples();
+        assert_eq!(samples.len(), 4);
+        assert_eq!(samples.iter().map(|s| s.step).collect::<Vec<_>>(), [1, 2, 3, 3]);
+        assert_eq!(samples[1].reserved, Some(60));
+        assert_eq!(samples[3].val_loss, None, "a NaN validation loss is stored as NULL");
+        assert_eq!(m.pending_samples(), 0);
+        let end = m.end(&Outcome::Finished, Some(0));
+        assert_eq!(
+            (end.first_step, end.last_step, end.resumed_from_step, end.capacity),
+            (Some(1), Some(3), Some(4), Some(100))
+        );
+        assert_eq!(end.peaks[3], Some(3), "activations peak");
+        assert_eq!(end.peaks[6], Some(60), "reserved peak");
+        assert_eq!(end.mean_tokens_per_s, Some(200.0));
+        assert_eq!(end.outcome, "finished");
+    }
+
+    #[test]
+    fn an_oom_before_started_still_names_the_capacity() {
+        let mut m = Monitor::new(&policy(0.85, 0.95, 3, None), 1);
+        m.observe(&Line {
+            t: 1.0,
+            event: Event::Oom(protocol::Oom {
+                step: 0,
+                requested_bytes: 4096,
+                category: "optimizer".into(),
+                mem: MemSnapshot { params: 10, capacity: 64, ..Default::default() },
+                message: "out of device memory".into(),
+            }),
+        });
+        assert_eq!(m.oom(), ("optimizer".to_string(), 4096));
+        let end = m.end(&Outcome::Oom { category: "optimizer".into(), requested: 4096 }, Some(3));
+        assert_eq!(
+            (end.capacity, end.peaks[0], end.message.as_deref()),
+            (Some(64), Some(10), Some("out of device memory"))
+        );
+    }
+}
