@@ -5,7 +5,7 @@
 
 use super::client::UsageError;
 use super::GpuCheckArgs;
-use crate::engine::parity::ParityShape;
+use crate::engine::check::parity::ParityShape;
 
 pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
     if args.libraries {
@@ -25,8 +25,8 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
 
 /// The CUDA libraries, one line each: loaded (version and file), or why not.
 #[cfg(feature = "cuda")]
-fn print_libraries() -> Vec<crate::engine::cuda::LibraryStatus> {
-    let report = crate::engine::cuda::library_report();
+fn print_libraries() -> Vec<crate::engine::backend::cuda::LibraryStatus> {
+    let report = crate::engine::backend::cuda::library_report();
     for l in &report {
         let status = match (l.loaded, l.required) {
             (true, _) => "ok",
@@ -69,8 +69,8 @@ struct Check {
 
 #[cfg(feature = "cuda")]
 fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Result<()> {
+    use crate::engine::backend::cuda::CudaBackend;
     use crate::engine::backend::Backend;
-    use crate::engine::cuda::CudaBackend;
     use crate::memory::format_bytes;
 
     let index = args.index;
@@ -80,7 +80,7 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
     println!("seed: {seed}");
     drop(device);
     let open = |memory: Option<usize>| CudaBackend::new(index, memory).map_err(|e| anyhow::anyhow!("{e}"));
-    let gpt2 = crate::engine::bench::BenchCase {
+    let gpt2 = crate::engine::check::bench::BenchCase {
         label: "GPT-2 124M".into(),
         cfg: crate::engine::model::GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab: 50257 },
         batch: 16,
@@ -96,9 +96,9 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
 /// only says whether libnccl loads.
 #[cfg(feature = "cuda")]
 fn nccl_checks(index: u32, args: &GpuCheckArgs) -> anyhow::Result<Vec<Check>> {
+    use crate::engine::backend::cuda::{nccl, CudaBackend};
     use crate::engine::backend::CpuBackend;
-    use crate::engine::cuda::{nccl, CudaBackend};
-    use crate::engine::train_parity::{train_parity, TrainParityCase};
+    use crate::engine::check::train_parity::{train_parity, TrainParityCase};
     use crate::memory::Pool;
     use std::sync::Mutex;
 
@@ -128,7 +128,7 @@ fn nccl_checks(index: u32, args: &GpuCheckArgs) -> anyhow::Result<Vec<Check>> {
         let case = TrainParityCase::small_ranks(args.train_steps, stage);
         let reference = |_rank| Ok(CpuBackend::new(Pool::new("cpu", 64 << 30)));
         let report = train_parity::<half::bf16, _, _>(reference, candidate, &case, &tokens);
-        print!("{}", crate::engine::train_parity::table(std::slice::from_ref(&report)));
+        print!("{}", crate::engine::check::train_parity::table(std::slice::from_ref(&report)));
         let mut check = parity_check(&report);
         check.name = format!("{} on cuda:{}+{} ({version})", check.name, index, index + 1);
         checks.push(check);
@@ -144,12 +144,12 @@ fn checks<B: crate::engine::backend::Backend>(
     open: &dyn Fn(Option<usize>) -> anyhow::Result<B>,
     args: &GpuCheckArgs,
     shapes: &[ParityShape],
-    bench_case: &crate::engine::bench::BenchCase,
+    bench_case: &crate::engine::check::bench::BenchCase,
     seed: u64,
     driver_refusal: bool,
 ) -> anyhow::Result<Vec<Check>> {
     use crate::engine::backend::CpuBackend;
-    use crate::engine::{parity, train_parity};
+    use crate::engine::check::{parity, train_parity};
     use crate::memory::{format_bytes, Category, Pool};
 
     let device = open(None)?;
@@ -255,7 +255,7 @@ fn checks<B: crate::engine::backend::Backend>(
     // 5. The benchmark: resident, then with the weights in host memory (every segment comes
     // over the copy stream, one ahead of its use: the step-time ratio is the overlap's price).
     if args.bench_steps > 0 {
-        use crate::engine::bench::{self, Techniques};
+        use crate::engine::check::bench::{self, Techniques};
         let case = bench_case;
         let offloaded = Techniques { offload_params: true, ..Techniques::default() };
         let runs = [
@@ -305,7 +305,7 @@ fn corpus_tokens() -> Option<Vec<u32>> {
 
 /// One training-parity report as a summary line.
 #[cfg(any(feature = "cuda", test))]
-fn parity_check(r: &crate::engine::train_parity::TrainParityReport) -> Check {
+fn parity_check(r: &crate::engine::check::train_parity::TrainParityReport) -> Check {
     Check {
         name: format!("training parity {} {} ({} steps)", r.case, r.dtype, r.losses.len()),
         ok: r.passed(),
@@ -340,7 +340,7 @@ fn summary(checks: &[Check]) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::device_sim::DeviceSim;
+    use crate::engine::check::device_sim::DeviceSim;
 
     /// The whole harness on the simulated device (a tiny model in place of GPT-2 124M for the
     /// benchmark): every check runs to its verdict and passes, so a GPU session spends its
@@ -356,7 +356,7 @@ mod tests {
             libraries: false,
         };
         let open = |memory: Option<usize>| Ok(DeviceSim::new(memory.unwrap_or(4 << 30)));
-        let tiny = crate::engine::bench::preset("tiny").expect("the tiny preset").remove(0);
+        let tiny = crate::engine::check::bench::preset("tiny").expect("the tiny preset").remove(0);
         let checks = checks(&open, &args, &[ParityShape::ODD], &tiny, 7, false).unwrap();
         let names: Vec<&str> = checks.iter().map(|c| c.name.as_str()).collect();
         for c in &checks {

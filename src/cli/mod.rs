@@ -6,7 +6,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 use crate::config::{ConfigError, JobSpec};
-use crate::engine::{self, bench, ResumeMode, TrainError, TrainOptions};
+use crate::engine::check::bench;
+use crate::engine::{self, ResumeMode, TrainError, TrainOptions};
 use crate::protocol::ExitCode;
 
 mod client;
@@ -150,7 +151,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 fn train(args: TrainArgs) -> anyhow::Result<()> {
     let spec = JobSpec::load(&args.config)?;
     let opts = TrainOptions {
-        run_dir: args.run_dir.unwrap_or_else(|| engine::run::default_run_dir(&spec)),
+        run_dir: args.run_dir.unwrap_or_else(|| engine::train::job::default_run_dir(&spec)),
         resume: if args.fresh {
             ResumeMode::Fresh
         } else if args.resume {

@@ -13,12 +13,12 @@ use serde::Serialize;
 use crate::config::{Checkpointing, JobSpec, OffloadTarget, Precision};
 use crate::memory::{Category, LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT};
 
-use super::layers::Elem;
-use super::model::{
+use crate::engine::backend::layers::Elem;
+use crate::engine::model::{
     activation_width, backward_scratch_elems, backward_workspace_sizes, forward_scratch_elems, global_activation_sizes,
     kept_in, layer_activation_sizes, GptConfig,
 };
-use super::trainer::gpt_config;
+use crate::engine::train::trainer::gpt_config;
 
 /// Bytes the pool accounts for one request of `bytes` (its rounding).
 pub fn pool_bytes(bytes: usize) -> usize {
@@ -332,7 +332,7 @@ mod tests {
     use super::*;
     use crate::config::OffloadTarget;
     use crate::engine::rng::mix64;
-    use crate::engine::trainer::{Hyper, Trainer};
+    use crate::engine::train::trainer::{Hyper, Trainer};
     use crate::memory::{format_bytes, Pool};
 
     /// Measured peak of one optimizer step and one evaluation pass.

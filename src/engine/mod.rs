@@ -1,30 +1,20 @@
-//! The GPT training engine: CPU reference layers, model, optimizer, data, checkpoints and the
-//! `headroom train` loop. Knows nothing of HTTP, SQL or the supervisor.
+//! The GPT training engine. Knows nothing of HTTP, SQL or the supervisor.
+//!
+//! - `backend/`: the op set (`Backend`), its errors, views and shape contracts, the CPU
+//!   reference (`layers.rs`, `optim.rs`, `CpuBackend`), CUDA (`cuda/`) and the native
+//!   collectives it offers;
+//! - `model/`: GPT-2 sizes, parameter layout and the forward/backward passes;
+//! - `parallel/`: ranks' collectives, placement of weights and gradients, swap accounting;
+//! - `train/`: the trainer, the `headroom train` job loop, checkpoints, data;
+//! - `estimate.rs` (the memory model), `rng.rs`;
+//! - `check/`: parity, gradcheck, `DeviceSim`, benchmarks — verification, not the training path.
 
 pub mod backend;
-pub mod bench;
-pub mod checkpoint;
-pub mod collectives;
-pub mod comm;
-#[cfg(feature = "cuda")]
-pub mod cuda;
-pub mod data;
-#[cfg(test)]
-pub(crate) mod device_sim;
+pub mod check;
 pub mod estimate;
-pub mod layers;
 pub mod model;
-pub mod optim;
-pub mod parity;
-pub mod placement;
+pub mod parallel;
 pub mod rng;
-pub mod run;
-pub mod train_parity;
-pub mod trainer;
+pub mod train;
 
-#[cfg(test)]
-mod gradcheck;
-#[cfg(test)]
-mod ranks_tests;
-
-pub use run::{train, Events, ResumeMode, TrainError, TrainOptions};
+pub use train::job::{train, Events, ResumeMode, TrainError, TrainOptions};

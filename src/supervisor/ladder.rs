@@ -1,97 +1,12 @@
-//! The ladder decision: how an attempt ended ([`Outcome`], classified from its exit status by
-//! [`classify`]) and where the job stands ([`LadderState`]) give the next [`Action`] — finish,
-//! retry, step down to a rung, step back, or fail with the reason. Pure functions; the runner
-//! executes the actions and records their events.
+//! The ladder decision: how an attempt ended ([`Outcome`]) and where the job stands
+//! ([`LadderState`]) give the next [`Action`] — finish, retry, step down to a rung, step back,
+//! or fail with the reason. Pure functions; the runner executes the actions and records their
+//! events.
 
 use crate::config::{serde_name, JobSpec};
-use crate::protocol::ExitCode;
 
-use super::monitor::{Notice, StopReason};
+use super::outcome::{Notice, Outcome};
 use super::policy::{self, LadderPosition, Policy, StepDown, SwapAction};
-
-/// How one child process ended.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Outcome {
-    Finished,
-    Oom {
-        category: String,
-        requested: i64,
-    },
-    /// Checkpointed and stopped by the monitor above the preempt threshold.
-    Preempted {
-        reason: String,
-    },
-    /// Checkpointed and stopped: offload transfers took more than the policy's `swap_bound`.
-    SwapBound {
-        reason: String,
-    },
-    /// Checkpointed and stopped because the daemon is shutting down.
-    Suspended,
-    Cancelled,
-    /// Exit 2: the configuration is unusable; retrying cannot help.
-    Invalid {
-        message: String,
-    },
-    Crashed {
-        message: String,
-    },
-}
-
-impl Outcome {
-    /// The attempt row's `outcome` column.
-    pub fn db_name(&self) -> &'static str {
-        match self {
-            Outcome::Finished => "finished",
-            Outcome::Oom { .. } => "oom",
-            Outcome::Preempted { .. } | Outcome::Suspended => "preempted",
-            Outcome::SwapBound { .. } => "swap_bound",
-            Outcome::Cancelled => "cancelled",
-            Outcome::Invalid { .. } | Outcome::Crashed { .. } => "crashed",
-        }
-    }
-}
-
-/// What the supervisor asked of a running attempt, besides the monitor's preemption.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Request {
-    Cancel,
-    Shutdown,
-}
-
-/// What the runner knows when a child has exited.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Exit {
-    /// The exit status's code (None: killed by a signal, described in `signal`).
-    pub code: Option<i32>,
-    pub signal: String,
-    pub requested: Option<Request>,
-    /// Why the monitor preempted it, if it did.
-    pub stopped_by_monitor: Option<StopReason>,
-    /// From the trainer's `oom` event: (category, requested bytes).
-    pub oom: (String, i64),
-    /// The last line of the attempt's log (the trainer's error message).
-    pub last_log_line: String,
-}
-
-/// The outcome of an exited attempt (docs/DESIGN.md "Exit codes").
-pub fn classify(exit: &Exit) -> Outcome {
-    let code = exit.code.map(|c| ExitCode::from_code(c).ok_or(c));
-    match (code, exit.requested) {
-        (Some(Ok(ExitCode::Finished)), _) => Outcome::Finished,
-        (Some(Ok(ExitCode::OutOfMemory)), _) => Outcome::Oom { category: exit.oom.0.clone(), requested: exit.oom.1 },
-        (Some(Ok(ExitCode::Preempted)), Some(Request::Cancel)) => Outcome::Cancelled,
-        (Some(Ok(ExitCode::Preempted)), Some(Request::Shutdown)) => Outcome::Suspended,
-        (Some(Ok(ExitCode::Preempted)), None) => match &exit.stopped_by_monitor {
-            Some(StopReason::SwapBound(reason)) => Outcome::SwapBound { reason: reason.clone() },
-            Some(StopReason::Pressure(reason)) => Outcome::Preempted { reason: reason.clone() },
-            None => Outcome::Preempted { reason: "trainer stopped itself after a checkpoint".into() },
-        },
-        (Some(Ok(ExitCode::Invalid)), _) => Outcome::Invalid { message: exit.last_log_line.clone() },
-        (Some(Ok(c)), _) => Outcome::Crashed { message: format!("exit code {}: {}", c.code(), exit.last_log_line) },
-        (Some(Err(c)), _) => Outcome::Crashed { message: format!("exit code {c}: {}", exit.last_log_line) },
-        (None, _) => Outcome::Crashed { message: format!("killed by a signal ({})", exit.signal) },
-    }
-}
 
 /// Where a job stands on its ladder between attempts.
 #[derive(Debug, Clone, PartialEq)]
@@ -466,38 +381,5 @@ mod tests {
         let kinds: Vec<_> = fail.events(&state).iter().map(|e| e.0).collect();
         assert_eq!(kinds.first(), Some(&"swap_bound"), "{kinds:?}");
         assert_eq!(kinds.last(), Some(&"failed"), "{kinds:?}");
-    }
-
-    #[test]
-    fn exit_statuses_classify_as_the_protocol_says() {
-        let exit = |code: Option<i32>, requested, monitor| Exit {
-            code,
-            signal: "signal: 9 (SIGKILL)".into(),
-            requested,
-            stopped_by_monitor: monitor,
-            oom: ("optimizer".into(), 4096),
-            last_log_line: "error: boom".into(),
-        };
-        let pressure = Some(StopReason::Pressure("at 97%".into()));
-        let swap = Some(StopReason::SwapBound("80%".into()));
-        let cases = [
-            (exit(Some(0), None, None), Outcome::Finished),
-            (exit(Some(3), None, None), Outcome::Oom { category: "optimizer".into(), requested: 4096 }),
-            (exit(Some(4), Some(Request::Cancel), pressure.clone()), Outcome::Cancelled),
-            (exit(Some(4), Some(Request::Shutdown), None), Outcome::Suspended),
-            (exit(Some(4), None, pressure), Outcome::Preempted { reason: "at 97%".into() }),
-            (exit(Some(4), None, swap), Outcome::SwapBound { reason: "80%".into() }),
-            (
-                exit(Some(4), None, None),
-                Outcome::Preempted { reason: "trainer stopped itself after a checkpoint".into() },
-            ),
-            (exit(Some(2), None, None), Outcome::Invalid { message: "error: boom".into() }),
-            (exit(Some(1), None, None), Outcome::Crashed { message: "exit code 1: error: boom".into() }),
-            (exit(Some(101), None, None), Outcome::Crashed { message: "exit code 101: error: boom".into() }),
-            (exit(None, None, None), Outcome::Crashed { message: "killed by a signal (signal: 9 (SIGKILL))".into() }),
-        ];
-        for (exit, want) in cases {
-            assert_eq!(classify(&exit), want, "{exit:?}");
-        }
     }
 }

@@ -7,6 +7,7 @@ pub mod db;
 pub mod http;
 pub mod ladder;
 pub mod monitor;
+pub mod outcome;
 pub mod policy;
 pub mod runner;
 

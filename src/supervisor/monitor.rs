@@ -5,11 +5,8 @@
 use crate::protocol::{Event, Line};
 
 use super::db::{now, AttemptEnd, SampleRow};
-use super::ladder::Outcome;
+use super::outcome::{Notice, Outcome, StopReason};
 use super::policy::Policy;
-
-/// A supervisor event the monitor wants recorded: (DB event kind, message).
-pub type Notice = (&'static str, String);
 
 /// One attempt's view: samples not yet written, peaks, OOM details, and the threshold state.
 #[derive(Debug)]
@@ -39,15 +36,6 @@ pub struct Monitor {
     oom_category: Option<String>,
     oom_requested: Option<i64>,
     oom_message: Option<String>,
-}
-
-/// Why the monitor stopped an attempt, once it did.
-#[derive(Debug, Clone, PartialEq)]
-pub enum StopReason {
-    /// Memory above the preempt threshold for `sustain` steps.
-    Pressure(String),
-    /// Offload transfers above the policy's `swap_bound` for `sustain` steps.
-    SwapBound(String),
 }
 
 impl Monitor {

@@ -16,8 +16,9 @@ use crate::memory::format_bytes;
 use crate::protocol::{Control, Line};
 
 use super::db::Db;
-use super::ladder::{self, Action, Exit, LadderState, Outcome, Request};
+use super::ladder::{self, Action, LadderState};
 use super::monitor::Monitor;
+use super::outcome::{self, Exit, Outcome, Request};
 use super::policy::{self, Policy};
 
 #[derive(Debug, Clone)]
@@ -258,7 +259,7 @@ impl Supervisor {
         let status = child.wait().await?;
         self.flush(job, &mut monitor).await?;
         let code = status.code();
-        let outcome = ladder::classify(&Exit {
+        let outcome = outcome::classify(&Exit {
             code,
             signal: status.to_string(),
             requested,

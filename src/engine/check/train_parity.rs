@@ -7,12 +7,12 @@ use std::fmt::Write as _;
 
 use crate::config::{Checkpointing, OffloadTarget};
 
-use super::backend::Backend;
-use super::comm::{Comm, LocalComm};
-use super::layers::Elem;
-use super::model::GptConfig;
-use super::rng::mix64;
-use super::trainer::{Hyper, Trainer};
+use crate::engine::backend::layers::Elem;
+use crate::engine::backend::Backend;
+use crate::engine::model::GptConfig;
+use crate::engine::parallel::comm::{Comm, LocalComm};
+use crate::engine::rng::mix64;
+use crate::engine::train::trainer::{Hyper, Trainer};
 
 /// What to train: a model, the batch split, the number of optimizer steps and the memory
 /// techniques in effect.
@@ -318,7 +318,7 @@ impl OomDrillReport {
 
 /// Run the drill in fp32 on backends made by `open(capacity)`.
 pub fn oom_drill<B: Backend>(open: impl Fn(usize) -> Result<B, String>, tokens: &[u32]) -> OomDrillReport {
-    use super::estimate::{estimate_step, Knobs};
+    use crate::engine::estimate::{estimate_step, Knobs};
     let mut case = TrainParityCase::small(2);
     case.cfg.block_size = 128;
     (case.micro_batch, case.grad_accum) = (16, 1);
@@ -358,8 +358,8 @@ pub fn oom_drill<B: Backend>(open: impl Fn(usize) -> Result<B, String>, tokens: 
 mod tests {
     use super::*;
     use crate::engine::backend::CpuBackend;
-    use crate::engine::device_sim::{DeviceSim, SimCollectives};
-    use crate::engine::parity::tests::Faulty;
+    use crate::engine::check::device_sim::{DeviceSim, SimCollectives};
+    use crate::engine::check::parity::tests::Faulty;
     use crate::memory::Pool;
 
     fn tokens() -> Vec<u32> {

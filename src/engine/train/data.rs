@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use crate::config::Vocab;
 
-use super::rng::mix64;
+use crate::engine::rng::mix64;
 
 /// Magic and version of llm.c's token files (`dev/data/*.bin`).
 pub const TOKEN_FILE_MAGIC: i32 = 20240520;

@@ -16,20 +16,20 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::nvrtc::result as nvrtc;
 
 /// Shared helpers, spliced in front of every kernel family (NVRTC gets no include path).
-const COMMON: &str = include_str!("../../../kernels/common.cuh");
+const COMMON: &str = include_str!("../../../../kernels/common.cuh");
 
 /// Every kernel family: (name, source).
 pub const KERNELS: &[(&str, &str)] = &[
-    ("encoder", include_str!("../../../kernels/encoder.cu")),
-    ("layernorm", include_str!("../../../kernels/layernorm.cu")),
-    ("attention", include_str!("../../../kernels/attention.cu")),
-    ("gelu", include_str!("../../../kernels/gelu.cu")),
-    ("residual", include_str!("../../../kernels/residual.cu")),
-    ("classifier", include_str!("../../../kernels/classifier.cu")),
-    ("adamw", include_str!("../../../kernels/adamw.cu")),
-    ("norm", include_str!("../../../kernels/norm.cu")),
-    ("cast", include_str!("../../../kernels/cast.cu")),
-    ("int8", include_str!("../../../kernels/int8.cu")),
+    ("encoder", include_str!("../../../../kernels/encoder.cu")),
+    ("layernorm", include_str!("../../../../kernels/layernorm.cu")),
+    ("attention", include_str!("../../../../kernels/attention.cu")),
+    ("gelu", include_str!("../../../../kernels/gelu.cu")),
+    ("residual", include_str!("../../../../kernels/residual.cu")),
+    ("classifier", include_str!("../../../../kernels/classifier.cu")),
+    ("adamw", include_str!("../../../../kernels/adamw.cu")),
+    ("norm", include_str!("../../../../kernels/norm.cu")),
+    ("cast", include_str!("../../../../kernels/cast.cu")),
+    ("int8", include_str!("../../../../kernels/int8.cu")),
 ];
 
 #[derive(Debug, Clone, thiserror::Error)]

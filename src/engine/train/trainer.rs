@@ -8,14 +8,16 @@ use std::sync::Arc;
 use crate::config::{Checkpointing, JobSpec, OffloadTarget};
 use crate::memory::{Buffer, Category, Pool};
 
-use super::backend::{Backend, BackendError, BackendResult, CpuBackend, View, ViewMut};
-use super::checkpoint::{self, Checkpoint, CheckpointError, CheckpointHeader};
-use super::comm::{shard_range, Comm, LocalComm};
-use super::layers::{narrow, widen, Elem};
-use super::model::{self, alloc_elems, alloc_f32, GptConfig, TensorInfo};
-use super::optim::{clip_coefficient, lr_at, AdamW};
-use super::placement::{FullGrads, Gathered, GradSink, HostStaged, ParamSource, Resident, ShardedGrads};
-use super::rng::Rng;
+use crate::engine::backend::layers::{narrow, widen, Elem};
+use crate::engine::backend::optim::{clip_coefficient, lr_at, AdamW};
+use crate::engine::backend::{Backend, BackendError, BackendResult, CpuBackend, View, ViewMut};
+use crate::engine::model::{self, alloc_elems, alloc_f32, GptConfig, TensorInfo};
+use crate::engine::parallel::comm::{shard_range, Comm, LocalComm};
+use crate::engine::parallel::placement::{
+    FullGrads, Gathered, GradSink, HostStaged, ParamSource, Resident, ShardedGrads,
+};
+use crate::engine::rng::Rng;
+use crate::engine::train::checkpoint::{self, Checkpoint, CheckpointError, CheckpointHeader};
 
 /// Hyper-parameters of the loop, resolved from the job spec.
 #[derive(Debug, Clone)]
@@ -145,7 +147,7 @@ impl<E: Elem> ParamStore<E> {
     }
 }
 
-pub use super::model::SwapStats;
+pub use crate::engine::parallel::SwapStats;
 
 /// The weight source a pass reads through, for where the weights are kept.
 enum Source<'a, E, B: Backend> {
@@ -551,7 +553,14 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                 be.download(View::range(&self.grads, grads_at..grads_at + k), &mut staged)?;
                 widen::<E>(host_grads, &staged);
                 let mut transfer = t0.elapsed();
-                opt.update::<f32>(tensors, master, host_grads, grad_mult, m, v);
+                opt.update::<f32>(
+                    tensors.iter().map(|t| (t.offset..t.offset + t.len, t.decay)),
+                    master,
+                    host_grads,
+                    grad_mult,
+                    m,
+                    v,
+                );
                 let t1 = std::time::Instant::now();
                 // The updated compute weights go to the device, unless they live on the host
                 // too (offload.params): then the next pass stages them and counts that.

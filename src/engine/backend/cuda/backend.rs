@@ -27,10 +27,10 @@ use crate::memory::{Buffer, Category, Pool, SegmentSource};
 use super::{
     compile, cublas_present, driver_present, no_cublas, no_nvrtc, nvrtc_present, signatures, CudaError, Param, KERNELS,
 };
+use crate::engine::backend::collectives::DeviceCollectives;
+use crate::engine::backend::layers::Elem;
+use crate::engine::backend::optim::{AdamW, BETA1, BETA2, EPS};
 use crate::engine::backend::{shapes, Backend, BackendError, BackendResult, View, ViewMut};
-use crate::engine::collectives::DeviceCollectives;
-use crate::engine::layers::Elem;
-use crate::engine::optim::{AdamW, BETA1, BETA2, EPS};
 
 /// Threads per block of the elementwise kernels.
 const THREADS: u32 = 256;

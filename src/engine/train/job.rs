@@ -11,13 +11,13 @@ use crate::config::{ConfigError, DeviceKind, JobSpec, Precision};
 use crate::memory::{OomError, Pool};
 use crate::protocol::{self, Control, Event, ExitCode, Line, MemSnapshot};
 
-use super::backend::{Backend, BackendError, CpuBackend};
-use super::checkpoint::{self, CheckpointError};
-use super::comm::{Comm, LocalComm};
-use super::data::{load_tokens, DataError, Dataset};
-use super::layers::Elem;
-use super::model::GptConfig;
-use super::trainer::{gpt_config, Hyper, Trainer};
+use crate::engine::backend::layers::Elem;
+use crate::engine::backend::{Backend, BackendError, CpuBackend};
+use crate::engine::model::GptConfig;
+use crate::engine::parallel::comm::{Comm, LocalComm};
+use crate::engine::train::checkpoint::{self, CheckpointError};
+use crate::engine::train::data::{load_tokens, DataError, Dataset};
+use crate::engine::train::trainer::{gpt_config, Hyper, Trainer};
 
 /// Why `headroom train` did not finish, mapped to the protocol's exit codes.
 #[derive(Debug, thiserror::Error)]
@@ -168,8 +168,8 @@ pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result
 /// The CUDA devices of the job's ranks (rank r on `cuda:{index + r}`), with what they cannot
 /// run yet refused up front (exit 2, the field named) rather than at the first op.
 #[cfg(feature = "cuda")]
-fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<super::cuda::CudaBackend>, TrainError> {
-    use super::cuda::{CudaBackend, CudaError};
+fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<crate::engine::backend::cuda::CudaBackend>, TrainError> {
+    use crate::engine::backend::cuda::{CudaBackend, CudaError};
     let precision = match spec.memory.precision {
         Precision::Fp32 => <f32 as Elem>::NAME,
         Precision::Bf16 => <half::bf16 as Elem>::NAME,
@@ -214,7 +214,7 @@ fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<super::cuda::CudaBackend>, Trai
         if std::env::var("HEADROOM_NCCL").is_ok_and(|v| v == "0") {
             tracing::info!("HEADROOM_NCCL=0: the ranks' collectives are staged through host memory");
         } else {
-            match super::cuda::nccl::attach(&mut backends) {
+            match crate::engine::backend::cuda::nccl::attach(&mut backends) {
                 Ok(version) => tracing::info!("the ranks' collectives run on the GPUs ({version})"),
                 Err(e) => tracing::warn!("{e}; the ranks' collectives are staged through host memory"),
             }

@@ -4,12 +4,12 @@
 use crate::config::{Checkpointing, Precision};
 use crate::memory::{format_bytes, Category, MemStats, Pool};
 
-use super::estimate::{estimate_step, Knobs};
-use super::layers::Elem;
+use crate::engine::backend::layers::Elem;
+use crate::engine::estimate::{estimate_step, Knobs};
 
-use super::model::GptConfig;
-use super::rng::mix64;
-use super::trainer::{Hyper, Trainer};
+use crate::engine::model::GptConfig;
+use crate::engine::rng::mix64;
+use crate::engine::train::trainer::{Hyper, Trainer};
 
 #[derive(Debug, Clone)]
 pub struct BenchCase {
@@ -243,7 +243,10 @@ pub fn print_table(results: &[BenchResult]) -> String {
 /// The parallelism / offload table: each setting trains the same job for a few steps through
 /// the real `headroom train` path (in process, events captured) and reports rank 0's measured
 /// peak per category, host bytes and step time.
-pub fn parallel_table(data_path: &std::path::Path, steps: usize) -> Result<String, super::run::TrainError> {
+pub fn parallel_table(
+    data_path: &std::path::Path,
+    steps: usize,
+) -> Result<String, crate::engine::train::job::TrainError> {
     use std::sync::{Arc, Mutex};
     let settings: [(&str, &str); 17] = [
         ("1 rank", "world_size: 1"),
@@ -292,13 +295,17 @@ pub fn parallel_table(data_path: &std::path::Path, steps: usize) -> Result<Strin
             }
         }
         let dir = std::env::temp_dir().join(format!("headroom-bench-{}", std::process::id()));
-        let opts = super::run::TrainOptions {
+        let opts = crate::engine::train::job::TrainOptions {
             run_dir: dir.clone(),
-            resume: super::run::ResumeMode::Fresh,
+            resume: crate::engine::train::job::ResumeMode::Fresh,
             stop_after: None,
             listen_stdin: false,
         };
-        super::run::train(&spec, &opts, &mut super::run::Events::new(Box::new(Sink(buf.clone()))))?;
+        crate::engine::train::job::train(
+            &spec,
+            &opts,
+            &mut crate::engine::train::job::Events::new(Box::new(Sink(buf.clone()))),
+        )?;
         let _ = std::fs::remove_dir_all(&dir);
         let text = String::from_utf8(buf.lock().unwrap_or_else(|e| e.into_inner()).clone()).unwrap_or_default();
         let steps_ev: Vec<serde_json::Value> = text

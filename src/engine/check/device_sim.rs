@@ -16,11 +16,11 @@ use bytemuck::Pod;
 
 use crate::memory::Pool;
 
-use super::backend::{Backend, BackendResult, CpuBackend, View, ViewMut};
-use super::collectives::{DeviceCollectives, Dtype};
-use super::comm::{Comm, LocalComm};
-use super::layers::Elem;
-use super::optim::AdamW;
+use crate::engine::backend::collectives::{DeviceCollectives, Dtype};
+use crate::engine::backend::layers::Elem;
+use crate::engine::backend::optim::AdamW;
+use crate::engine::backend::{Backend, BackendResult, CpuBackend, View, ViewMut};
+use crate::engine::parallel::comm::{Comm, LocalComm};
 
 /// A copy ahead that has not landed: where to, and the bytes (taken when it was issued).
 pub(crate) struct PendingCopy {
@@ -398,9 +398,9 @@ impl Backend for DeviceSim {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::checkpoint;
-    use crate::engine::train_parity::{sequences, TrainParityCase};
-    use crate::engine::trainer::Trainer;
+    use crate::engine::check::train_parity::{sequences, TrainParityCase};
+    use crate::engine::train::checkpoint;
+    use crate::engine::train::trainer::Trainer;
     use crate::memory::Category;
 
     fn tokens() -> Vec<u32> {
@@ -476,7 +476,7 @@ mod tests {
         let mut out = [0f32; 4];
         sim.download(View::of(&b), &mut out).unwrap();
         let mut expect = [0f32; 4];
-        crate::engine::layers::gelu_forward::<f32>(&mut expect, &[1.0, -2.0, 3.0, 0.5]);
+        crate::engine::backend::layers::gelu_forward::<f32>(&mut expect, &[1.0, -2.0, 3.0, 0.5]);
         assert_eq!(out, expect);
         assert_eq!(sim.traffic(), (16, 16));
         assert_eq!(sim.pool().stats().current(Category::Activations), 512, "one pool, one account");

@@ -10,10 +10,10 @@ use half::bf16;
 
 use crate::memory::{Buffer, Category};
 
-use super::backend::{Backend, BackendResult, View, ViewMut};
-use super::layers::Elem;
-use super::optim::AdamW;
-use super::rng::Rng;
+use crate::engine::backend::layers::Elem;
+use crate::engine::backend::optim::AdamW;
+use crate::engine::backend::{Backend, BackendResult, View, ViewMut};
+use crate::engine::rng::Rng;
 
 /// Tensor sizes of one parity run (llm.c letters).
 #[derive(Debug, Clone, Copy)]

@@ -13,8 +13,8 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::CudaContext;
 
 use super::{libraries, CudaBackend, CudaError};
+use crate::engine::backend::collectives::{DeviceCollectives, Dtype};
 use crate::engine::backend::{BackendError, BackendResult};
-use crate::engine::collectives::{DeviceCollectives, Dtype};
 
 type Comm = *mut c_void;
 type Stream = *mut c_void;

@@ -8,10 +8,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Instant;
 
-use super::backend::{Backend, BackendResult, View, ViewMut};
-use super::collectives::{DeviceCollectives, Dtype};
-use super::layers::Elem;
-use super::model::SwapStats;
+use crate::engine::backend::collectives::{DeviceCollectives, Dtype};
+use crate::engine::backend::layers::Elem;
+use crate::engine::backend::{Backend, BackendResult, View, ViewMut};
+use crate::engine::parallel::SwapStats;
 
 /// What the training loop needs from a rank group.
 pub trait Comm: Send + Sync {
@@ -597,7 +597,7 @@ mod tests {
     /// all of rank 1's.
     #[test]
     fn a_native_reduce_scatter_that_runs_out_of_memory_fails_on_every_rank() {
-        use crate::engine::device_sim::{DeviceSim, SimCollectives};
+        use crate::engine::check::device_sim::{DeviceSim, SimCollectives};
         use crate::memory::Category;
         use std::sync::mpsc;
         const N: usize = 3 << 20; // parameters: 6 MiB shards of f32
@@ -693,7 +693,7 @@ mod tests {
     /// straddling shard boundaries.
     #[test]
     fn staged_and_native_collectives_on_a_device_match_the_host_ones() {
-        use crate::engine::device_sim::{DeviceSim, SimCollectives};
+        use crate::engine::check::device_sim::{DeviceSim, SimCollectives};
         use crate::memory::Category;
         #[derive(Clone, Copy, PartialEq)]
         enum Mode {

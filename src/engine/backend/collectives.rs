@@ -7,8 +7,8 @@
 //! NCCL contract); buffers are device addresses of the calling rank's pool, valid for ops
 //! issued after the call on that rank's stream.
 
-use super::backend::BackendResult;
-use super::layers::Elem;
+use crate::engine::backend::layers::Elem;
+use crate::engine::backend::BackendResult;
 
 /// The element type of a collective's buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -6,12 +6,12 @@ use crate::config::{Checkpointing, OffloadTarget, Precision};
 use crate::engine::backend::{Backend, BackendError, CpuBackend};
 use crate::memory::{Category, Pool};
 
-use super::comm::LocalComm;
-use super::estimate::{estimate_step, Estimate, Knobs};
-use super::layers::Elem;
-use super::model::GptConfig;
-use super::rng::mix64;
-use super::trainer::{Hyper, StepStats, Trainer};
+use crate::engine::backend::layers::Elem;
+use crate::engine::estimate::{estimate_step, Estimate, Knobs};
+use crate::engine::model::GptConfig;
+use crate::engine::parallel::comm::LocalComm;
+use crate::engine::rng::mix64;
+use crate::engine::train::trainer::{Hyper, StepStats, Trainer};
 
 const CFG: GptConfig = GptConfig { n_layer: 4, n_head: 4, n_embd: 64, block_size: 32, vocab: 128 };
 /// A model whose state dwarfs the pool's 2 MiB segment rounding, for capacity tests.
@@ -378,7 +378,7 @@ fn checkpoints_resume_under_another_stage_and_world_size() {
     // Steps 4..8 on four ranks at ZeRO-1, and on one rank, from that checkpoint.
     for setup in [Setup::ranks(4, 1), Setup::ranks(1, 0)] {
         let results = on_ranks::<f32, _>(setup, 8, BIG, |mut trainer, _| {
-            let (path, ckpt) = super::checkpoint::load_latest(dir.path(), |e| panic!("{e}")).unwrap();
+            let (path, ckpt) = crate::engine::train::checkpoint::load_latest(dir.path(), |e| panic!("{e}")).unwrap();
             trainer.restore(&path, ckpt).unwrap();
             assert_eq!(trainer.step, 4);
             let tail: Vec<f32> = (0..4).map(|_| trainer.train_step(&mut batch(CFG)).unwrap().loss).collect();
@@ -399,7 +399,7 @@ fn checkpoints_resume_under_another_stage_and_world_size() {
 /// with weights, optimizer state or activations kept on the host.
 #[test]
 fn ranks_on_a_device_stage_their_collectives_and_match_the_cpu_bit_for_bit() {
-    use super::device_sim::DeviceSim;
+    use crate::engine::check::device_sim::DeviceSim;
     let two = |stage| Setup::ranks(2, stage);
     let cases = [
         two(0),
@@ -432,7 +432,7 @@ fn ranks_on_a_device_stage_their_collectives_and_match_the_cpu_bit_for_bit() {
 /// resumed by a fresh group of device ranks continues exactly where ranks on the cpu are.
 #[test]
 fn device_ranks_checkpoint_and_resume_exactly() {
-    use super::device_sim::DeviceSim;
+    use crate::engine::check::device_sim::DeviceSim;
     let setup = Setup { offload_optimizer: true, ..Setup::ranks(2, 3) };
     let reference = train::<half::bf16>(setup, 4, BIG).unwrap().remove(0);
     let dir = tempfile::tempdir().unwrap();
@@ -446,7 +446,7 @@ fn device_ranks_checkpoint_and_resume_exactly() {
     .into_iter()
     .for_each(|r| r.unwrap());
     let resumed = on_backends::<half::bf16, _, _>(setup, 4, device, |mut trainer, _| {
-        let (path, ckpt) = super::checkpoint::load_latest(dir.path(), |e| panic!("{e}")).unwrap();
+        let (path, ckpt) = crate::engine::train::checkpoint::load_latest(dir.path(), |e| panic!("{e}")).unwrap();
         trainer.restore(&path, ckpt).unwrap();
         let tail: Vec<f32> = (0..2).map(|_| trainer.train_step(&mut batch(CFG)).unwrap().loss).collect();
         (tail, trainer.full_master_params().unwrap())

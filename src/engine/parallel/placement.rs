@@ -13,10 +13,10 @@ use std::thread::JoinHandle;
 
 use crate::memory::{Buffer, Category, OomError};
 
-use super::backend::{Backend, BackendError, BackendResult, View, ViewMut};
-use super::comm::LocalComm;
-use super::layers::Elem;
-use super::model::SwapStats;
+use crate::engine::backend::layers::Elem;
+use crate::engine::backend::{Backend, BackendError, BackendResult, View, ViewMut};
+use crate::engine::parallel::comm::LocalComm;
+use crate::engine::parallel::SwapStats;
 
 /// One segment's weights on the device: borrowed from resident weights, or staged into a
 /// transient workspace buffer (gathered from the ranks or copied from the host).

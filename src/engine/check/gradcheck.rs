@@ -1,14 +1,14 @@
 //! Gradient checks: every layer's backward and the whole model's against central finite
 //! differences of its forward.
 
-use super::backend::{Backend, CpuBackend, View, ViewMut};
-#[allow(unused_imports)]
-use super::layers::Elem;
-use super::layers::*;
-use super::model::{self, GptConfig};
-use super::placement::{FullGrads, Resident};
-use super::rng::Rng;
 use crate::config::{Checkpointing, OffloadTarget};
+#[allow(unused_imports)]
+use crate::engine::backend::layers::Elem;
+use crate::engine::backend::layers::*;
+use crate::engine::backend::{Backend, CpuBackend, View, ViewMut};
+use crate::engine::model::{self, GptConfig};
+use crate::engine::parallel::placement::{FullGrads, Resident};
+use crate::engine::rng::Rng;
 use crate::memory::{Category, Pool};
 
 /// What one model pass on the CPU backend measured.

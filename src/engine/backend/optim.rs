@@ -3,8 +3,9 @@
 
 use rayon::prelude::*;
 
+use std::ops::Range;
+
 use super::layers::Elem;
-use super::model::TensorInfo;
 
 pub const BETA1: f32 = 0.9;
 pub const BETA2: f32 = 0.95;
@@ -55,10 +56,11 @@ pub struct AdamW {
 
 impl AdamW {
     /// Update the fp32 `params` in place from `grads × grad_mult` (unscaling and clipping folded
-    /// in) with moments `m`, `v`, tensor by tensor so that only matrices are decayed.
+    /// in) with moments `m`, `v`, tensor by tensor — (element range, decayed) — so that only
+    /// matrices are decayed.
     pub fn update<E: Elem>(
         &self,
-        tensors: &[TensorInfo],
+        tensors: impl IntoIterator<Item = (Range<usize>, bool)>,
         params: &mut [f32],
         grads: &[E],
         grad_mult: f32,
@@ -67,9 +69,8 @@ impl AdamW {
     ) {
         let bc1 = 1.0 - BETA1.powi(self.t as i32);
         let bc2 = 1.0 - BETA2.powi(self.t as i32);
-        for info in tensors {
-            let r = info.offset..info.offset + info.len;
-            let wd = if info.decay { self.weight_decay } else { 0.0 };
+        for (r, decay) in tensors {
+            let wd = if decay { self.weight_decay } else { 0.0 };
             let lr = self.lr;
             params[r.clone()]
                 .par_chunks_mut(CHUNK)
@@ -116,9 +117,9 @@ mod tests {
 
     #[test]
     fn adamw_first_step_moves_by_lr_against_the_gradient() {
-        let tensors = vec![TensorInfo { name: "w".into(), offset: 0, len: 2, decay: false }];
+        let tensors = [(0..2, false)];
         let (mut p, g, mut m, mut v) = (vec![1.0f32, 1.0], vec![0.5f32, -2.0], vec![0.0; 2], vec![0.0; 2]);
-        AdamW { lr: 0.1, weight_decay: 0.0, t: 1 }.update(&tensors, &mut p, &g, 1.0, &mut m, &mut v);
+        AdamW { lr: 0.1, weight_decay: 0.0, t: 1 }.update(tensors, &mut p, &g, 1.0, &mut m, &mut v);
         // Bias-corrected first step: m̂/√v̂ = sign(g).
         assert!((p[0] - 0.9).abs() < 1e-5 && (p[1] - 1.1).abs() < 1e-5, "{p:?}");
     }

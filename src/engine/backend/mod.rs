@@ -1,0 +1,233 @@
+//! The `Backend` trait: the op set the engine's layers are written in, over pool buffers, with
+//! `CpuBackend` (the reference, over `layers.rs`) and, behind the `cuda` feature,
+//! `cuda::CudaBackend` (NVRTC kernels + cuBLAS). Ops take typed views into pool buffers, check
+//! shapes before touching memory, and return `Result`: an OOM of a scratch buffer is a value.
+//!
+//! Semantics are the CPU reference's (see `layers.rs`): backward ops *accumulate* into
+//! parameter gradients and *overwrite* activation gradients unless documented otherwise;
+//! statistics, softmax and losses are f32 whatever the storage type.
+
+pub mod collectives;
+mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+mod error;
+pub mod layers;
+pub mod optim;
+pub mod shapes;
+mod view;
+
+use bytemuck::Pod;
+
+use crate::memory::Pool;
+use optim::AdamW;
+
+pub use collectives::DeviceCollectives;
+pub use cpu::CpuBackend;
+pub use error::{check_shape, BackendError, BackendResult};
+pub use layers::Elem;
+pub use view::{View, ViewMut};
+
+/// The op set. Shapes follow llm.c: B batch, T time, C channels, NH heads, V vocabulary,
+/// N = B·T rows. A backend belongs to one rank and may be moved to that rank's thread.
+#[allow(clippy::too_many_arguments)]
+pub trait Backend: Send {
+    /// The device, e.g. `cpu` or `cuda:0`.
+    fn device(&self) -> String;
+    /// The pool every buffer of this backend comes from.
+    fn pool(&self) -> &Pool;
+    /// Wait for every op issued so far.
+    fn synchronize(&self) -> BackendResult;
+    /// Native collectives with the other ranks' devices (NCCL on cuda), when this rank's
+    /// group was opened with them; `None`: `LocalComm` stages device memory through the host.
+    fn collectives(&self) -> Option<&dyn DeviceCollectives> {
+        None
+    }
+
+    /// What `upload_ahead` hands back: the copy's completion, for `wait_copy`.
+    type Fence;
+
+    /// Copy host data to the device; done when it returns.
+    fn upload<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult;
+    /// Copy device data to the host; done when it returns.
+    fn download<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult;
+    fn zero<T: Pod>(&self, dst: ViewMut<T>) -> BackendResult;
+
+    /// Start copying host data to the device off the compute stream (offload prefetch), so the
+    /// transfer overlaps the ops issued meanwhile. `src` may be reused when this returns; `dst`
+    /// holds the data only for ops issued after `wait_copy(fence)`, which must come before
+    /// `dst`'s buffer is read, written or freed. A backend without a copy engine copies now.
+    fn upload_ahead<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult<Self::Fence>;
+    /// Order every op issued from now on after the copy behind `fence` (does not block the
+    /// host on a device with streams).
+    fn wait_copy(&self, fence: Self::Fence) -> BackendResult;
+    /// `wait_copy` on every fence, all of them even after an error (no copy may still be
+    /// landing once its memory is reused); the first error.
+    fn wait_copies(&self, fences: impl IntoIterator<Item = Self::Fence>) -> BackendResult
+    where
+        Self: Sized,
+    {
+        let mut first = Ok(());
+        for fence in fences {
+            let waited = self.wait_copy(fence);
+            first = first.and(waited);
+        }
+        first
+    }
+
+    /// out: (B,T,C) = wte[inp] + wpe[t]; inp: (B,T); wte: (V,C); wpe: (maxT,C).
+    fn encoder_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        inp: View<u32>,
+        wte: View<E>,
+        wpe: View<E>,
+        t: usize,
+        c: usize,
+    ) -> BackendResult;
+    /// dwte (V,C) += scatter of dout (B,T,C) by token; dwpe (maxT,C) += dout summed over B.
+    fn encoder_backward<E: Elem>(
+        &self,
+        dwte: ViewMut<E>,
+        dwpe: ViewMut<E>,
+        dout: View<E>,
+        inp: View<u32>,
+        t: usize,
+        c: usize,
+    ) -> BackendResult;
+
+    /// out: (N,C); mean, rstd: (N) f32; inp: (N,C); weight, bias: (C).
+    fn layernorm_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        mean: ViewMut<f32>,
+        rstd: ViewMut<f32>,
+        inp: View<E>,
+        weight: View<E>,
+        bias: View<E>,
+        c: usize,
+    ) -> BackendResult;
+    /// out: (N,C) from inp and the saved statistics (checkpointing's recompute).
+    fn layernorm_recompute<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        inp: View<E>,
+        weight: View<E>,
+        bias: View<E>,
+        mean: View<f32>,
+        rstd: View<f32>,
+        c: usize,
+    ) -> BackendResult;
+    /// dinp (N,C) += input gradient; dweight, dbias (C) += parameter gradients.
+    fn layernorm_backward<E: Elem>(
+        &self,
+        dinp: ViewMut<E>,
+        dweight: ViewMut<E>,
+        dbias: ViewMut<E>,
+        dout: View<E>,
+        inp: View<E>,
+        weight: View<E>,
+        mean: View<f32>,
+        rstd: View<f32>,
+        c: usize,
+    ) -> BackendResult;
+
+    /// out: (N,OC) = inp (N,C) · weightᵀ (weight: (OC,C)) + bias (OC).
+    fn matmul_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        inp: View<E>,
+        weight: View<E>,
+        bias: Option<View<E>>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> BackendResult;
+    /// dinp (N,C) = dout · weight [overwritten]; dweight (OC,C) += doutᵀ · inp; dbias (OC) += Σ dout.
+    fn matmul_backward<E: Elem>(
+        &self,
+        dinp: ViewMut<E>,
+        dweight: ViewMut<E>,
+        dbias: Option<ViewMut<E>>,
+        dout: View<E>,
+        inp: View<E>,
+        weight: View<E>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> BackendResult;
+
+    /// out: (B,T,C); att: (B,NH,T,T) causal softmax probabilities; qkv: (B,T,3C).
+    fn attention_forward<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        att: ViewMut<E>,
+        qkv: View<E>,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) -> BackendResult;
+    /// dqkv: (B,T,3C) [overwritten]; dout: (B,T,C); qkv, att as saved by forward.
+    fn attention_backward<E: Elem>(
+        &self,
+        dqkv: ViewMut<E>,
+        dout: View<E>,
+        qkv: View<E>,
+        att: View<E>,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) -> BackendResult;
+
+    /// out: (N) = gelu(inp)
+    fn gelu_forward<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult;
+    /// dinout: (N) dout on entry, gelu'(inp) · dout on return.
+    fn gelu_backward_inplace<E: Elem>(&self, dinout: ViewMut<E>, inp: View<E>) -> BackendResult;
+    /// out (N) += inp (N)
+    fn residual_forward_inplace<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult;
+
+    /// logits: (N,V) turned into probabilities in place; losses: (N) f32; targets: (N).
+    fn crossentropy_forward<E: Elem>(
+        &self,
+        logits: ViewMut<E>,
+        losses: ViewMut<f32>,
+        targets: View<u32>,
+        v: usize,
+    ) -> BackendResult;
+    /// probs: (N,V) turned into logit gradients (p - onehot) · dloss in place.
+    fn crossentropy_backward_inplace<E: Elem>(
+        &self,
+        probs: ViewMut<E>,
+        targets: View<u32>,
+        dloss: f32,
+        v: usize,
+    ) -> BackendResult;
+
+    /// One AdamW step of one tensor: fp32 `master` and moments updated from `grads × grad_mult`;
+    /// `params`, the compute copy in `E`, rewritten from the master (None: the master is it, f32).
+    fn adamw<E: Elem>(
+        &self,
+        master: ViewMut<f32>,
+        params: Option<ViewMut<E>>,
+        grads: View<E>,
+        m: ViewMut<f32>,
+        v: ViewMut<f32>,
+        step: &AdamW,
+        decay: bool,
+        grad_mult: f32,
+    ) -> BackendResult;
+    /// Σ x² in f64 (not NaN-safe: a NaN or inf gradient gives a non-finite sum, as on CPU).
+    fn sum_squares<E: Elem>(&self, x: View<E>) -> BackendResult<f64>;
+
+    /// dst (N) = src rounded to `E`.
+    fn narrow<E: Elem>(&self, dst: ViewMut<E>, src: View<f32>) -> BackendResult;
+    /// dst (N) = src widened to f32.
+    fn widen<E: Elem>(&self, dst: ViewMut<f32>, src: View<E>) -> BackendResult;
+
+    /// q: (N,C) int8, scales: (N) f32 from x: (N,C) (activation offload's transfer format).
+    fn pack_int8<E: Elem>(&self, q: ViewMut<i8>, scales: ViewMut<f32>, x: View<E>, c: usize) -> BackendResult;
+    /// x: (N,C) = q · scale of its row.
+    fn unpack_int8<E: Elem>(&self, x: ViewMut<E>, q: View<i8>, scales: View<f32>, c: usize) -> BackendResult;
+}

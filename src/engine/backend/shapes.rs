@@ -1,0 +1,217 @@
+//! Each op's shape contract, shared by every backend so a bad call is the same error everywhere.
+//! Lengths are in elements; functions that need N return it.
+//! Token ids below `v`, checked where the ids are in host memory (device ids come from an
+//! upload of host data that the trainer has checked).
+//! pack_int8 / unpack_int8: x (N,C), q (N,C), scales (N).
+#![allow(clippy::too_many_arguments)]
+
+use super::error::{check_shape, BackendError, BackendResult};
+use super::layers::Elem;
+use super::view::View;
+
+pub fn same(op: &'static str, what: &str, a: usize, b: usize) -> BackendResult {
+    check_shape(op, a == b, || format!("{what}: {a} elements, expected {b}"))
+}
+
+pub fn rows(op: &'static str, len: usize, c: usize) -> BackendResult<usize> {
+    check_shape(op, c > 0 && len.is_multiple_of(c), || format!("{len} elements are not whole rows of {c}"))?;
+    Ok(len / c)
+}
+
+fn tokens(op: &'static str, ids: View<u32>, v: usize) -> BackendResult {
+    if ids.host_visible() {
+        if let Some(bad) = ids.host().iter().find(|&&id| id as usize >= v) {
+            return Err(BackendError::Shape {
+                op,
+                detail: format!("token id {bad} is not below the vocabulary size {v}"),
+            });
+        }
+    }
+    Ok(())
+}
+
+pub fn encoder_forward(out: usize, inp: View<u32>, wte: usize, wpe: usize, t: usize, c: usize) -> BackendResult {
+    const OP: &str = "encoder_forward";
+    same(OP, "out (B,T,C)", out, inp.len() * c)?;
+    check_shape(OP, wpe >= t * c, || format!("wpe has {wpe} elements, T·C = {}", t * c))?;
+    tokens(OP, inp, wte / c.max(1))
+}
+
+pub fn encoder_backward(dwte: usize, dwpe: usize, dout: usize, inp: View<u32>, t: usize, c: usize) -> BackendResult {
+    const OP: &str = "encoder_backward";
+    same(OP, "dout (B,T,C)", dout, inp.len() * c)?;
+    check_shape(OP, dwpe >= t * c, || format!("dwpe has {dwpe} elements"))?;
+    tokens(OP, inp, dwte / c.max(1))
+}
+
+fn layernorm(op: &'static str, out: usize, inp: usize, weight: usize, bias: usize, c: usize) -> BackendResult<usize> {
+    let n = rows(op, inp, c)?;
+    same(op, "output (N,C)", out, inp)?;
+    same(op, "weight (C)", weight, c)?;
+    same(op, "bias (C)", bias, c)?;
+    Ok(n)
+}
+
+fn statistics(op: &'static str, mean: usize, rstd: usize, n: usize) -> BackendResult<usize> {
+    same(op, "mean", mean, n)?;
+    same(op, "rstd", rstd, n)?;
+    Ok(n)
+}
+
+pub fn layernorm_forward(
+    out: usize,
+    mean: usize,
+    rstd: usize,
+    inp: usize,
+    weight: usize,
+    bias: usize,
+    c: usize,
+) -> BackendResult<usize> {
+    const OP: &str = "layernorm_forward";
+    let n = layernorm(OP, out, inp, weight, bias, c)?;
+    statistics(OP, mean, rstd, n)
+}
+
+pub fn layernorm_recompute(
+    out: usize,
+    inp: usize,
+    weight: usize,
+    bias: usize,
+    mean: usize,
+    rstd: usize,
+    c: usize,
+) -> BackendResult<usize> {
+    const OP: &str = "layernorm_recompute";
+    let n = layernorm(OP, out, inp, weight, bias, c)?;
+    statistics(OP, mean, rstd, n)
+}
+
+pub fn layernorm_backward(
+    dinp: usize,
+    dweight: usize,
+    dbias: usize,
+    dout: usize,
+    inp: usize,
+    weight: usize,
+    mean: usize,
+    rstd: usize,
+    c: usize,
+) -> BackendResult<usize> {
+    const OP: &str = "layernorm_backward";
+    let n = layernorm(OP, dinp, inp, weight, dbias, c)?;
+    same(OP, "dout", dout, n * c)?;
+    same(OP, "dweight", dweight, c)?;
+    statistics(OP, mean, rstd, n)
+}
+
+fn matmul(
+    op: &'static str,
+    out: usize,
+    inp: usize,
+    weight: usize,
+    bias: Option<usize>,
+    n: usize,
+    c: usize,
+    oc: usize,
+) -> BackendResult {
+    same(op, "out (N,OC)", out, n * oc)?;
+    same(op, "inp (N,C)", inp, n * c)?;
+    same(op, "weight (OC,C)", weight, oc * c)?;
+    if let Some(b) = bias {
+        same(op, "bias (OC)", b, oc)?;
+    }
+    Ok(())
+}
+
+pub fn matmul_forward(
+    out: usize,
+    inp: usize,
+    weight: usize,
+    bias: Option<usize>,
+    n: usize,
+    c: usize,
+    oc: usize,
+) -> BackendResult {
+    matmul("matmul_forward", out, inp, weight, bias, n, c, oc)
+}
+
+pub fn matmul_backward(
+    dinp: usize,
+    dweight: usize,
+    dbias: Option<usize>,
+    dout: usize,
+    inp: usize,
+    weight: usize,
+    n: usize,
+    c: usize,
+    oc: usize,
+) -> BackendResult {
+    const OP: &str = "matmul_backward";
+    matmul(OP, dout, inp, weight, dbias, n, c, oc)?;
+    same(OP, "dinp (N,C)", dinp, n * c)?;
+    same(OP, "dweight (OC,C)", dweight, oc * c)
+}
+
+fn attention(op: &'static str, qkv: usize, att: usize, b: usize, t: usize, c: usize, nh: usize) -> BackendResult {
+    check_shape(op, nh > 0 && c.is_multiple_of(nh), || format!("C={c} is not a multiple of NH={nh}"))?;
+    same(op, "qkv (B,T,3C)", qkv, b * t * 3 * c)?;
+    same(op, "att (B,NH,T,T)", att, b * nh * t * t)
+}
+
+pub fn attention_forward(out: usize, att: usize, qkv: usize, b: usize, t: usize, c: usize, nh: usize) -> BackendResult {
+    const OP: &str = "attention_forward";
+    attention(OP, qkv, att, b, t, c, nh)?;
+    same(OP, "out (B,T,C)", out, b * t * c)
+}
+
+pub fn attention_backward(
+    dqkv: usize,
+    dout: usize,
+    qkv: usize,
+    att: usize,
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+) -> BackendResult {
+    const OP: &str = "attention_backward";
+    attention(OP, qkv, att, b, t, c, nh)?;
+    same(OP, "dqkv (B,T,3C)", dqkv, b * t * 3 * c)?;
+    same(OP, "dout (B,T,C)", dout, b * t * c)
+}
+
+pub fn crossentropy_forward(logits: usize, losses: usize, targets: View<u32>, v: usize) -> BackendResult<usize> {
+    const OP: &str = "crossentropy_forward";
+    let n = rows(OP, logits, v)?;
+    same(OP, "losses", losses, n)?;
+    same(OP, "targets", targets.len(), n)?;
+    tokens(OP, targets, v)?;
+    Ok(n)
+}
+
+pub fn crossentropy_backward(probs: usize, targets: View<u32>, v: usize) -> BackendResult<usize> {
+    const OP: &str = "crossentropy_backward";
+    let n = rows(OP, probs, v)?;
+    same(OP, "targets", targets.len(), n)?;
+    tokens(OP, targets, v)?;
+    Ok(n)
+}
+
+pub fn adamw<E: Elem>(n: usize, params: Option<usize>, grads: usize, m: usize, v: usize) -> BackendResult {
+    same("adamw", "grads", grads, n)?;
+    same("adamw", "m", m, n)?;
+    same("adamw", "v", v, n)?;
+    match params {
+        Some(p) => same("adamw", "params", p, n),
+        None => check_shape("adamw", E::is_f32(), || {
+            format!("{} weights need a compute copy besides the fp32 master", E::NAME)
+        }),
+    }
+}
+
+pub fn int8(op: &'static str, x: usize, q: usize, scales: usize, c: usize) -> BackendResult<usize> {
+    let n = rows(op, x, c)?;
+    same(op, "q", q, x)?;
+    same(op, "scales", scales, n)?;
+    Ok(n)
+}

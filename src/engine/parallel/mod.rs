@@ -1,0 +1,8 @@
+//! Data parallelism: ranks' collectives (`comm`), where weights and gradients are during a pass
+//! (`placement`), and the device↔host traffic they cause (`swap`).
+
+pub mod comm;
+pub mod placement;
+mod swap;
+
+pub use swap::SwapStats;
