@@ -1,4 +1,4 @@
-//! The job spec (DESIGN.md "Job spec"): serde types, parsing from YAML/JSON, and validation that
+//! The job spec (docs/DESIGN.md "Job spec"): serde types, parsing from YAML/JSON, and validation that
 //! names the offending field and its allowed range.
 
 use serde::{Deserialize, Serialize};
@@ -209,12 +209,51 @@ pub struct DeviceSpec {
     pub index: u32,
     /// Capacity of the device pool, e.g. "512MiB". Required on cpu, optional on cuda.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub device_memory: Option<String>,
+    pub device_memory: Option<Bytes>,
+}
+
+/// A byte size as written in a job ("512MiB", "1.5GiB", "300MB", "1048576"): parsed once when
+/// the job is read and written back as the user wrote it. A text that is not a size still reads
+/// (so `validate` can name the field in its error) and has no [`Bytes::bytes`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "String", into = "String")]
+pub struct Bytes {
+    text: String,
+    parsed: Result<usize, String>,
+}
+
+impl Bytes {
+    /// The size, for a valid one.
+    pub fn bytes(&self) -> Option<usize> {
+        self.parsed.as_ref().ok().copied()
+    }
+
+    /// Why the text is not a size.
+    pub fn error(&self) -> Option<&str> {
+        self.parsed.as_ref().err().map(String::as_str)
+    }
+}
+
+impl From<String> for Bytes {
+    fn from(text: String) -> Bytes {
+        let parsed = parse_bytes(&text);
+        Bytes { text, parsed }
+    }
+}
+
+impl From<Bytes> for String {
+    fn from(b: Bytes) -> String {
+        b.text
+    }
 }
 
 impl Default for DeviceSpec {
     fn default() -> Self {
-        DeviceSpec { kind: DeviceKind::Cpu, index: 0, device_memory: Some(DEFAULT_CPU_DEVICE_MEMORY.into()) }
+        DeviceSpec {
+            kind: DeviceKind::Cpu,
+            index: 0,
+            device_memory: Some(Bytes::from(DEFAULT_CPU_DEVICE_MEMORY.to_string())),
+        }
     }
 }
 
@@ -244,9 +283,25 @@ impl JobSpec {
         (self.train.global_batch / (self.train.micro_batch * self.memory.world_size)) as usize
     }
 
-    /// Device capacity in bytes (validated).
+    /// Device capacity in bytes (of a validated job: `device_memory` is a size).
     pub fn device_capacity(&self) -> Option<usize> {
-        self.device.device_memory.as_deref().map(|s| parse_bytes(s).expect("validated"))
+        self.device.device_memory.as_ref().and_then(Bytes::bytes)
+    }
+
+    /// The memory knobs of this configuration, in the engine's units.
+    pub fn knobs(&self) -> Knobs {
+        Knobs {
+            micro_batch: self.train.micro_batch as usize,
+            seq_len: self.model.block_size as usize,
+            grad_accum: self.grad_accum(),
+            checkpointing: self.memory.checkpointing,
+            precision: self.memory.precision,
+            offload_optimizer: self.memory.offload.optimizer != OffloadTarget::None,
+            offload_params: self.memory.offload.params != OffloadTarget::None,
+            offload_activations: self.memory.offload.activations,
+            world_size: self.memory.world_size as usize,
+            zero_stage: self.memory.zero_stage as usize,
+        }
     }
 
     /// Every check whose failure the user must see, with the field named.
@@ -314,8 +369,10 @@ impl JobSpec {
             ));
         }
         match &self.device.device_memory {
-            Some(s) => {
-                parse_bytes(s).map_err(|e| bad("device.device_memory", e))?;
+            Some(size) => {
+                if let Some(e) = size.error() {
+                    return Err(bad("device.device_memory", e));
+                }
             }
             None if self.device.kind == DeviceKind::Cpu => {
                 return Err(bad("device.device_memory", "is required for a cpu device (e.g. 512MiB)"))
@@ -329,6 +386,49 @@ impl JobSpec {
             return Err(bad("policy", format!("`{}` must match [A-Za-z0-9_-]{{1,64}}", self.policy)));
         }
         Ok(())
+    }
+}
+
+/// The memory knobs of one configuration — what the policy ladder turns — in the engine's units:
+/// what the trainer runs (inside its `Hyper`), what the estimator predicts the peak of. Derived
+/// from a job by [`JobSpec::knobs`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Knobs {
+    /// Sequences per forward/backward pass on each rank.
+    pub micro_batch: usize,
+    pub seq_len: usize,
+    /// Micro-batches per optimizer step on each rank.
+    pub grad_accum: usize,
+    pub checkpointing: Checkpointing,
+    /// Storage type of weights and activations (a trainer's is its type parameter `E`).
+    pub precision: Precision,
+    /// Optimizer state and master weights in host memory.
+    pub offload_optimizer: bool,
+    /// Compute weights in host memory, each segment copied to the device when used.
+    pub offload_params: bool,
+    /// Block inputs kept for backward in host memory (needs full checkpointing).
+    pub offload_activations: OffloadTarget,
+    /// Data-parallel ranks and the ZeRO stage (0: replicated, 1: sharded optimizer state,
+    /// 2: and gradients, 3: and weights), each rank holding 1/world of what is sharded.
+    pub world_size: usize,
+    pub zero_stage: usize,
+}
+
+impl Knobs {
+    /// fp32, no checkpointing, no offload, one rank.
+    pub fn plain(micro_batch: usize, seq_len: usize, grad_accum: usize) -> Knobs {
+        Knobs {
+            micro_batch,
+            seq_len,
+            grad_accum,
+            checkpointing: Checkpointing::None,
+            precision: Precision::Fp32,
+            offload_optimizer: false,
+            offload_params: false,
+            offload_activations: OffloadTarget::None,
+            world_size: 1,
+            zero_stage: 0,
+        }
     }
 }
 
@@ -403,6 +503,17 @@ policy: default
 
     fn err_of(edit: &str, with: &str) -> ConfigError {
         JobSpec::parse(&EXAMPLE.replace(edit, with)).unwrap_err()
+    }
+
+    #[test]
+    fn sizes_are_parsed_once_and_written_back_as_written() {
+        let spec = JobSpec::parse(&EXAMPLE.replace("512MiB", "1.5GiB")).unwrap();
+        assert_eq!(spec.device_capacity(), Some(3 << 29));
+        assert!(spec.to_yaml().contains("device_memory: 1.5GiB"), "{}", spec.to_yaml());
+        let back: JobSpec = serde_json::from_str(&serde_json::to_string(&spec).unwrap()).unwrap();
+        assert_eq!(back, spec);
+        let knobs = spec.knobs();
+        assert_eq!((knobs.micro_batch, knobs.grad_accum, knobs.seq_len), (32, 1, 128));
     }
 
     #[test]

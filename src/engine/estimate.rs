@@ -10,7 +10,7 @@
 
 use serde::Serialize;
 
-use crate::config::{Checkpointing, JobSpec, OffloadTarget, Precision};
+use crate::config::{JobSpec, Knobs, OffloadTarget, Precision};
 use crate::memory::{Category, LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT};
 
 use crate::engine::backend::layers::Elem;
@@ -91,41 +91,6 @@ impl Live {
     }
 }
 
-/// The memory knobs of one configuration, as the estimator needs them.
-#[derive(Debug, Clone, Copy)]
-pub struct Knobs {
-    pub micro_batch: usize,
-    pub seq_len: usize,
-    pub grad_accum: usize,
-    pub checkpointing: Checkpointing,
-    pub precision: Precision,
-    pub offload_optimizer: bool,
-    pub offload_params: bool,
-    pub offload_activations: bool,
-    /// Data-parallel ranks and ZeRO stage: each rank holds 1/world (padded to equal shards) of
-    /// the optimizer state from stage 1, of the gradients from stage 2, of the weights at 3.
-    pub world_size: usize,
-    pub zero_stage: usize,
-}
-
-impl Knobs {
-    /// fp32, no checkpointing, no offload.
-    pub fn plain(micro_batch: usize, seq_len: usize, grad_accum: usize) -> Knobs {
-        Knobs {
-            micro_batch,
-            seq_len,
-            grad_accum,
-            checkpointing: Checkpointing::None,
-            precision: Precision::Fp32,
-            offload_optimizer: false,
-            offload_params: false,
-            offload_activations: false,
-            world_size: 1,
-            zero_stage: 0,
-        }
-    }
-}
-
 /// Peak allocated bytes of one training step (plus evaluation) for this model and knobs.
 pub fn estimate_step(cfg: &GptConfig, k: &Knobs) -> Estimate {
     match k.precision {
@@ -136,8 +101,8 @@ pub fn estimate_step(cfg: &GptConfig, k: &Knobs) -> Estimate {
 }
 
 fn estimate_for<E: Elem>(cfg: &GptConfig, k: &Knobs) -> Estimate {
-    let Knobs { micro_batch, seq_len, grad_accum, checkpointing: mode, offload_optimizer, offload_activations, .. } =
-        *k;
+    let Knobs { micro_batch, seq_len, grad_accum, checkpointing: mode, offload_optimizer, .. } = *k;
+    let offload_activations = k.offload_activations != OffloadTarget::None;
     let n = cfg.num_params();
     let world = k.world_size.max(1);
     let stage = if world > 1 { k.zero_stage } else { 0 };
@@ -300,19 +265,7 @@ fn estimate_for<E: Elem>(cfg: &GptConfig, k: &Knobs) -> Estimate {
 }
 
 pub fn estimate_job(spec: &JobSpec) -> Estimate {
-    let knobs = Knobs {
-        micro_batch: spec.train.micro_batch as usize,
-        seq_len: spec.model.block_size as usize,
-        grad_accum: spec.grad_accum(),
-        checkpointing: spec.memory.checkpointing,
-        precision: spec.memory.precision,
-        offload_optimizer: spec.memory.offload.optimizer != OffloadTarget::None,
-        offload_params: spec.memory.offload.params != OffloadTarget::None,
-        offload_activations: spec.memory.offload.activations != OffloadTarget::None,
-        world_size: spec.memory.world_size as usize,
-        zero_stage: spec.memory.zero_stage as usize,
-    };
-    estimate_step(&gpt_config(spec), &knobs)
+    estimate_step(&gpt_config(spec), &spec.knobs())
 }
 
 /// Whether an estimate fits a capacity: "yes" (even the reserved allowance fits), "tight"
@@ -330,7 +283,7 @@ pub fn verdict(e: &Estimate, capacity: usize) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::OffloadTarget;
+    use crate::config::Checkpointing;
     use crate::engine::rng::mix64;
     use crate::engine::train::trainer::{Hyper, Trainer};
     use crate::memory::{format_bytes, Pool};
@@ -356,22 +309,25 @@ mod tests {
         offload_activations: OffloadTarget,
     ) -> (usize, [usize; 3]) {
         let hyper = Hyper {
+            knobs: Knobs {
+                micro_batch: micro,
+                grad_accum: global / micro,
+                seq_len: t,
+                checkpointing: mode,
+                offload_optimizer,
+                offload_params: false,
+                offload_activations,
+                world_size: 1,
+                zero_stage: 0,
+                precision: crate::config::Precision::Fp32,
+            },
             steps: 2,
             global_batch: global,
-            micro_batch: micro,
-            grad_accum: global / micro,
-            seq_len: t,
             lr: 1e-3,
             warmup_steps: 0,
             weight_decay: 0.1,
             grad_clip: 1.0,
             seed: 1,
-            checkpointing: mode,
-            offload_optimizer,
-            offload_params: false,
-            offload_activations,
-            world_size: 1,
-            zero_stage: 0,
         };
         let pool = Pool::new("cpu", 1 << 32);
         let mut trainer = Trainer::<E>::new(cfg, hyper, pool.clone()).unwrap();
@@ -420,7 +376,7 @@ mod tests {
                             precision,
                             offload_optimizer: false,
                             offload_params: false,
-                            offload_activations: false,
+                            offload_activations: OffloadTarget::None,
                             ..Knobs::plain(micro, t, 8 / micro)
                         },
                     );
@@ -462,7 +418,7 @@ mod tests {
                     precision,
                     offload_optimizer: oo,
                     offload_params: false,
-                    offload_activations: oa != OffloadTarget::None,
+                    offload_activations: oa,
                     ..Knobs::plain(micro, 32, 8 / micro)
                 };
                 let e = estimate_step(&cfg, &knobs);

@@ -1,4 +1,4 @@
-//! The HTTP API (DESIGN.md "HTTP API"): one AppState, a router per resource, one ApiError that
+//! The HTTP API (docs/DESIGN.md "HTTP API"): one AppState, a router per resource, one ApiError that
 //! logs internals and never leaks them, bearer-token auth on mutating routes.
 
 use std::convert::Infallible;

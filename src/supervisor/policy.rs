@@ -1,4 +1,4 @@
-//! Policy files (DESIGN.md "Policy file"): validated types, loading from policies/, and the
+//! Policy files (docs/DESIGN.md "Policy file"): validated types, loading from policies/, and the
 //! step-down logic that applies the next applicable rung on top of a job's configuration.
 
 use std::path::{Path, PathBuf};

@@ -4,8 +4,9 @@
 use crate::config::{Checkpointing, Precision};
 use crate::memory::{format_bytes, Category, MemStats, Pool};
 
+use crate::config::Knobs;
 use crate::engine::backend::layers::Elem;
-use crate::engine::estimate::{estimate_step, Knobs};
+use crate::engine::estimate::estimate_step;
 
 use crate::engine::model::GptConfig;
 use crate::engine::rng::mix64;
@@ -108,22 +109,25 @@ pub fn run_on<E: Elem, B: crate::engine::backend::Backend>(
 ) -> Result<(BenchResult, MemStats), crate::engine::backend::BackendError> {
     let Techniques { checkpointing, offload_params, offload_optimizer, offload_activations } = techniques;
     let hyper = Hyper {
+        knobs: Knobs {
+            micro_batch,
+            grad_accum: case.batch / micro_batch,
+            seq_len: case.seq,
+            checkpointing,
+            offload_optimizer,
+            offload_params,
+            offload_activations,
+            world_size: 1,
+            zero_stage: 0,
+            precision: crate::config::Precision::Fp32,
+        },
         steps: (warmup + steps) as u64,
         global_batch: case.batch,
-        micro_batch,
-        grad_accum: case.batch / micro_batch,
-        seq_len: case.seq,
         lr: 3e-4,
         warmup_steps: 0,
         weight_decay: 0.1,
         grad_clip: 1.0,
         seed: 1,
-        checkpointing,
-        offload_optimizer,
-        offload_params,
-        offload_activations,
-        world_size: 1,
-        zero_stage: 0,
     };
     let pool = backend.pool().clone();
     let mut trainer = Trainer::<E, B>::on_backend(case.cfg, hyper, backend, None)?;

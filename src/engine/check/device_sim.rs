@@ -22,6 +22,23 @@ use crate::engine::backend::optim::AdamW;
 use crate::engine::backend::{Backend, BackendResult, CpuBackend, View, ViewMut};
 use crate::engine::parallel::comm::{Comm, LocalComm};
 
+/// A view marked host-visible, for the CPU reference to run on (see `View::exposed`).
+pub(crate) trait Expose {
+    fn exposed(self) -> Self;
+}
+
+impl<T: Pod> Expose for View<'_, T> {
+    fn exposed(self) -> Self {
+        View::exposed(self)
+    }
+}
+
+impl<T: Pod> Expose for ViewMut<'_, T> {
+    fn exposed(self) -> Self {
+        ViewMut::exposed(self)
+    }
+}
+
 /// A copy ahead that has not landed: where to, and the bytes (taken when it was issued).
 pub(crate) struct PendingCopy {
     address: u64,
@@ -220,179 +237,11 @@ impl Backend for DeviceSim {
         fence.landed = true;
         Ok(())
     }
-    fn encoder_forward<E: Elem>(
-        &self,
-        out: ViewMut<E>,
-        inp: View<u32>,
-        wte: View<E>,
-        wpe: View<E>,
-        t: usize,
-        c: usize,
-    ) -> BackendResult {
-        self.cpu.encoder_forward(out.exposed(), inp.exposed(), wte.exposed(), wpe.exposed(), t, c)
-    }
-    fn encoder_backward<E: Elem>(
-        &self,
-        dwte: ViewMut<E>,
-        dwpe: ViewMut<E>,
-        dout: View<E>,
-        inp: View<u32>,
-        t: usize,
-        c: usize,
-    ) -> BackendResult {
-        self.cpu.encoder_backward(dwte.exposed(), dwpe.exposed(), dout.exposed(), inp.exposed(), t, c)
-    }
-    fn layernorm_forward<E: Elem>(
-        &self,
-        out: ViewMut<E>,
-        mean: ViewMut<f32>,
-        rstd: ViewMut<f32>,
-        inp: View<E>,
-        weight: View<E>,
-        bias: View<E>,
-        c: usize,
-    ) -> BackendResult {
-        let (out, mean, rstd) = (out.exposed(), mean.exposed(), rstd.exposed());
-        self.cpu.layernorm_forward(out, mean, rstd, inp.exposed(), weight.exposed(), bias.exposed(), c)
-    }
-    fn layernorm_recompute<E: Elem>(
-        &self,
-        out: ViewMut<E>,
-        inp: View<E>,
-        weight: View<E>,
-        bias: View<E>,
-        mean: View<f32>,
-        rstd: View<f32>,
-        c: usize,
-    ) -> BackendResult {
-        let (inp, weight, bias) = (inp.exposed(), weight.exposed(), bias.exposed());
-        self.cpu.layernorm_recompute(out.exposed(), inp, weight, bias, mean.exposed(), rstd.exposed(), c)
-    }
-    fn layernorm_backward<E: Elem>(
-        &self,
-        dinp: ViewMut<E>,
-        dweight: ViewMut<E>,
-        dbias: ViewMut<E>,
-        dout: View<E>,
-        inp: View<E>,
-        weight: View<E>,
-        mean: View<f32>,
-        rstd: View<f32>,
-        c: usize,
-    ) -> BackendResult {
-        let (dinp, dweight, dbias) = (dinp.exposed(), dweight.exposed(), dbias.exposed());
-        let (dout, inp, weight) = (dout.exposed(), inp.exposed(), weight.exposed());
-        self.cpu.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean.exposed(), rstd.exposed(), c)
-    }
-    fn matmul_forward<E: Elem>(
-        &self,
-        out: ViewMut<E>,
-        inp: View<E>,
-        weight: View<E>,
-        bias: Option<View<E>>,
-        n: usize,
-        c: usize,
-        oc: usize,
-    ) -> BackendResult {
-        let bias = bias.map(View::exposed);
-        self.cpu.matmul_forward(out.exposed(), inp.exposed(), weight.exposed(), bias, n, c, oc)
-    }
-    fn matmul_backward<E: Elem>(
-        &self,
-        dinp: ViewMut<E>,
-        dweight: ViewMut<E>,
-        dbias: Option<ViewMut<E>>,
-        dout: View<E>,
-        inp: View<E>,
-        weight: View<E>,
-        n: usize,
-        c: usize,
-        oc: usize,
-    ) -> BackendResult {
-        let (dinp, dweight, dbias) = (dinp.exposed(), dweight.exposed(), dbias.map(ViewMut::exposed));
-        self.cpu.matmul_backward(dinp, dweight, dbias, dout.exposed(), inp.exposed(), weight.exposed(), n, c, oc)
-    }
-    fn attention_forward<E: Elem>(
-        &self,
-        out: ViewMut<E>,
-        att: ViewMut<E>,
-        qkv: View<E>,
-        b: usize,
-        t: usize,
-        c: usize,
-        nh: usize,
-    ) -> BackendResult {
-        self.cpu.attention_forward(out.exposed(), att.exposed(), qkv.exposed(), b, t, c, nh)
-    }
-    fn attention_backward<E: Elem>(
-        &self,
-        dqkv: ViewMut<E>,
-        dout: View<E>,
-        qkv: View<E>,
-        att: View<E>,
-        b: usize,
-        t: usize,
-        c: usize,
-        nh: usize,
-    ) -> BackendResult {
-        self.cpu.attention_backward(dqkv.exposed(), dout.exposed(), qkv.exposed(), att.exposed(), b, t, c, nh)
-    }
-    fn gelu_forward<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult {
-        self.cpu.gelu_forward(out.exposed(), inp.exposed())
-    }
-    fn gelu_backward_inplace<E: Elem>(&self, dinout: ViewMut<E>, inp: View<E>) -> BackendResult {
-        self.cpu.gelu_backward_inplace(dinout.exposed(), inp.exposed())
-    }
-    fn residual_forward_inplace<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult {
-        self.cpu.residual_forward_inplace(out.exposed(), inp.exposed())
-    }
-    fn crossentropy_forward<E: Elem>(
-        &self,
-        logits: ViewMut<E>,
-        losses: ViewMut<f32>,
-        targets: View<u32>,
-        v: usize,
-    ) -> BackendResult {
-        self.cpu.crossentropy_forward(logits.exposed(), losses.exposed(), targets.exposed(), v)
-    }
-    fn crossentropy_backward_inplace<E: Elem>(
-        &self,
-        probs: ViewMut<E>,
-        targets: View<u32>,
-        dloss: f32,
-        v: usize,
-    ) -> BackendResult {
-        self.cpu.crossentropy_backward_inplace(probs.exposed(), targets.exposed(), dloss, v)
-    }
-    fn adamw<E: Elem>(
-        &self,
-        master: ViewMut<f32>,
-        params: Option<ViewMut<E>>,
-        grads: View<E>,
-        m: ViewMut<f32>,
-        v: ViewMut<f32>,
-        step: &AdamW,
-        decay: bool,
-        grad_mult: f32,
-    ) -> BackendResult {
-        let (master, params) = (master.exposed(), params.map(ViewMut::exposed));
-        self.cpu.adamw(master, params, grads.exposed(), m.exposed(), v.exposed(), step, decay, grad_mult)
-    }
-    fn sum_squares<E: Elem>(&self, x: View<E>) -> BackendResult<f64> {
-        self.cpu.sum_squares(x.exposed())
-    }
-    fn narrow<E: Elem>(&self, dst: ViewMut<E>, src: View<f32>) -> BackendResult {
-        self.cpu.narrow(dst.exposed(), src.exposed())
-    }
-    fn widen<E: Elem>(&self, dst: ViewMut<f32>, src: View<E>) -> BackendResult {
-        self.cpu.widen(dst.exposed(), src.exposed())
-    }
-    fn pack_int8<E: Elem>(&self, q: ViewMut<i8>, scales: ViewMut<f32>, x: View<E>, c: usize) -> BackendResult {
-        self.cpu.pack_int8(q.exposed(), scales.exposed(), x.exposed(), c)
-    }
-    fn unpack_int8<E: Elem>(&self, x: ViewMut<E>, q: View<i8>, scales: View<f32>, c: usize) -> BackendResult {
-        self.cpu.unpack_int8(x.exposed(), q.exposed(), scales.exposed(), c)
-    }
+    delegate_ops!(cpu, Expose::exposed;
+        encoder_forward, encoder_backward, layernorm_forward, layernorm_recompute, layernorm_backward,
+        matmul_forward, matmul_backward, attention_forward, attention_backward, gelu_forward,
+        gelu_backward_inplace, residual_forward_inplace, crossentropy_forward, crossentropy_backward_inplace,
+        adamw, sum_squares, narrow, widen, pack_int8, unpack_int8);
 }
 
 #[cfg(test)]

@@ -524,28 +524,6 @@ pub(crate) mod tests {
         fn zero<T: Pod>(&self, dst: ViewMut<T>) -> BackendResult {
             self.0.zero(dst)
         }
-        fn encoder_forward<E: Elem>(
-            &self,
-            out: ViewMut<E>,
-            inp: View<u32>,
-            wte: View<E>,
-            wpe: View<E>,
-            t: usize,
-            c: usize,
-        ) -> BackendResult {
-            self.0.encoder_forward(out, inp, wte, wpe, t, c)
-        }
-        fn encoder_backward<E: Elem>(
-            &self,
-            dwte: ViewMut<E>,
-            dwpe: ViewMut<E>,
-            dout: View<E>,
-            inp: View<u32>,
-            t: usize,
-            c: usize,
-        ) -> BackendResult {
-            self.0.encoder_backward(dwte, dwpe, dout, inp, t, c)
-        }
         fn layernorm_forward<E: Elem>(
             &self,
             out: ViewMut<E>,
@@ -559,83 +537,6 @@ pub(crate) mod tests {
             let mut elsewhere = self.pool().alloc(rstd.len() * 4, Category::Workspace)?;
             self.0.layernorm_forward(out, mean, ViewMut::of(&mut elsewhere), inp, weight, bias, c)
         }
-        fn layernorm_recompute<E: Elem>(
-            &self,
-            out: ViewMut<E>,
-            inp: View<E>,
-            weight: View<E>,
-            bias: View<E>,
-            mean: View<f32>,
-            rstd: View<f32>,
-            c: usize,
-        ) -> BackendResult {
-            self.0.layernorm_recompute(out, inp, weight, bias, mean, rstd, c)
-        }
-        fn layernorm_backward<E: Elem>(
-            &self,
-            dinp: ViewMut<E>,
-            dweight: ViewMut<E>,
-            dbias: ViewMut<E>,
-            dout: View<E>,
-            inp: View<E>,
-            weight: View<E>,
-            mean: View<f32>,
-            rstd: View<f32>,
-            c: usize,
-        ) -> BackendResult {
-            self.0.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, c)
-        }
-        fn matmul_forward<E: Elem>(
-            &self,
-            out: ViewMut<E>,
-            inp: View<E>,
-            weight: View<E>,
-            bias: Option<View<E>>,
-            n: usize,
-            c: usize,
-            oc: usize,
-        ) -> BackendResult {
-            self.0.matmul_forward(out, inp, weight, bias, n, c, oc)
-        }
-        fn matmul_backward<E: Elem>(
-            &self,
-            dinp: ViewMut<E>,
-            dweight: ViewMut<E>,
-            dbias: Option<ViewMut<E>>,
-            dout: View<E>,
-            inp: View<E>,
-            weight: View<E>,
-            n: usize,
-            c: usize,
-            oc: usize,
-        ) -> BackendResult {
-            self.0.matmul_backward(dinp, dweight, dbias, dout, inp, weight, n, c, oc)
-        }
-        fn attention_forward<E: Elem>(
-            &self,
-            out: ViewMut<E>,
-            att: ViewMut<E>,
-            qkv: View<E>,
-            b: usize,
-            t: usize,
-            c: usize,
-            nh: usize,
-        ) -> BackendResult {
-            self.0.attention_forward(out, att, qkv, b, t, c, nh)
-        }
-        fn attention_backward<E: Elem>(
-            &self,
-            dqkv: ViewMut<E>,
-            dout: View<E>,
-            qkv: View<E>,
-            att: View<E>,
-            b: usize,
-            t: usize,
-            c: usize,
-            nh: usize,
-        ) -> BackendResult {
-            self.0.attention_backward(dqkv, dout, qkv, att, b, t, c, nh)
-        }
         fn gelu_forward<E: Elem>(&self, mut out: ViewMut<E>, inp: View<E>) -> BackendResult {
             self.0.gelu_forward(out.reborrow(), inp)?;
             let o = out.host_mut();
@@ -643,58 +544,11 @@ pub(crate) mod tests {
             o[big] = E::from_f32(o[big].to_f32() * 1.05);
             Ok(())
         }
-        fn gelu_backward_inplace<E: Elem>(&self, dinout: ViewMut<E>, inp: View<E>) -> BackendResult {
-            self.0.gelu_backward_inplace(dinout, inp)
-        }
-        fn residual_forward_inplace<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult {
-            self.0.residual_forward_inplace(out, inp)
-        }
-        fn crossentropy_forward<E: Elem>(
-            &self,
-            logits: ViewMut<E>,
-            losses: ViewMut<f32>,
-            targets: View<u32>,
-            v: usize,
-        ) -> BackendResult {
-            self.0.crossentropy_forward(logits, losses, targets, v)
-        }
-        fn crossentropy_backward_inplace<E: Elem>(
-            &self,
-            probs: ViewMut<E>,
-            targets: View<u32>,
-            dloss: f32,
-            v: usize,
-        ) -> BackendResult {
-            self.0.crossentropy_backward_inplace(probs, targets, dloss, v)
-        }
-        fn adamw<E: Elem>(
-            &self,
-            master: ViewMut<f32>,
-            params: Option<ViewMut<E>>,
-            grads: View<E>,
-            m: ViewMut<f32>,
-            v: ViewMut<f32>,
-            step: &AdamW,
-            decay: bool,
-            grad_mult: f32,
-        ) -> BackendResult {
-            self.0.adamw(master, params, grads, m, v, step, decay, grad_mult)
-        }
-        fn sum_squares<E: Elem>(&self, x: View<E>) -> BackendResult<f64> {
-            self.0.sum_squares(x)
-        }
-        fn narrow<E: Elem>(&self, dst: ViewMut<E>, src: View<f32>) -> BackendResult {
-            self.0.narrow(dst, src)
-        }
-        fn widen<E: Elem>(&self, dst: ViewMut<f32>, src: View<E>) -> BackendResult {
-            self.0.widen(dst, src)
-        }
-        fn pack_int8<E: Elem>(&self, q: ViewMut<i8>, scales: ViewMut<f32>, x: View<E>, c: usize) -> BackendResult {
-            self.0.pack_int8(q, scales, x, c)
-        }
-        fn unpack_int8<E: Elem>(&self, x: ViewMut<E>, q: View<i8>, scales: View<f32>, c: usize) -> BackendResult {
-            self.0.unpack_int8(x, q, scales, c)
-        }
+        delegate_ops!(0, std::convert::identity;
+            encoder_forward, encoder_backward, layernorm_recompute, layernorm_backward, matmul_forward,
+            matmul_backward, attention_forward, attention_backward, gelu_backward_inplace,
+            residual_forward_inplace, crossentropy_forward, crossentropy_backward_inplace, adamw, sum_squares,
+            narrow, widen, pack_int8, unpack_int8);
     }
 
     #[test]

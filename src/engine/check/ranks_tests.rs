@@ -6,8 +6,9 @@ use crate::config::{Checkpointing, OffloadTarget, Precision};
 use crate::engine::backend::{Backend, BackendError, CpuBackend};
 use crate::memory::{Category, Pool};
 
+use crate::config::Knobs;
 use crate::engine::backend::layers::Elem;
-use crate::engine::estimate::{estimate_step, Estimate, Knobs};
+use crate::engine::estimate::{estimate_step, Estimate};
 use crate::engine::model::GptConfig;
 use crate::engine::parallel::comm::LocalComm;
 use crate::engine::rng::mix64;
@@ -48,22 +49,14 @@ impl Setup {
 
     fn hyper(&self, steps: u64) -> Hyper {
         Hyper {
+            knobs: self.knobs(Precision::Fp32),
             steps,
             global_batch: GLOBAL_BATCH,
-            micro_batch: self.micro_batch,
-            grad_accum: GLOBAL_BATCH / (self.micro_batch * self.world),
-            seq_len: self.cfg.block_size,
             lr: 3e-3,
             warmup_steps: 2,
             weight_decay: 0.1,
             grad_clip: 1.0,
             seed: 11,
-            checkpointing: self.checkpointing,
-            offload_optimizer: self.offload_optimizer,
-            offload_params: self.offload_params,
-            offload_activations: self.offload_activations,
-            world_size: self.world,
-            zero_stage: self.stage,
         }
     }
 
@@ -73,7 +66,7 @@ impl Setup {
             precision,
             offload_optimizer: self.offload_optimizer,
             offload_params: self.offload_params,
-            offload_activations: self.offload_activations != OffloadTarget::None,
+            offload_activations: self.offload_activations,
             world_size: self.world,
             zero_stage: self.stage,
             ..Knobs::plain(self.micro_batch, self.cfg.block_size, GLOBAL_BATCH / (self.micro_batch * self.world))

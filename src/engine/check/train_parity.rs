@@ -5,7 +5,7 @@
 
 use std::fmt::Write as _;
 
-use crate::config::{Checkpointing, OffloadTarget};
+use crate::config::{Checkpointing, Knobs, OffloadTarget};
 
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::Backend;
@@ -77,22 +77,22 @@ impl TrainParityCase {
 
     pub(crate) fn hyper(&self) -> Hyper {
         Hyper {
+            knobs: Knobs {
+                checkpointing: self.checkpointing,
+                offload_optimizer: self.offload_optimizer,
+                offload_params: self.offload_params,
+                offload_activations: self.offload_activations,
+                world_size: self.world,
+                zero_stage: self.zero_stage,
+                ..Knobs::plain(self.micro_batch, self.cfg.block_size, self.grad_accum)
+            },
             steps: self.steps as u64,
             global_batch: self.micro_batch * self.grad_accum * self.world,
-            micro_batch: self.micro_batch,
-            grad_accum: self.grad_accum,
-            seq_len: self.cfg.block_size,
             lr: 1e-3,
             warmup_steps: 2,
             weight_decay: 0.1,
             grad_clip: 1.0,
             seed: 1337,
-            checkpointing: self.checkpointing,
-            offload_optimizer: self.offload_optimizer,
-            offload_params: self.offload_params,
-            offload_activations: self.offload_activations,
-            world_size: self.world,
-            zero_stage: self.zero_stage,
         }
     }
 }
@@ -318,7 +318,8 @@ impl OomDrillReport {
 
 /// Run the drill in fp32 on backends made by `open(capacity)`.
 pub fn oom_drill<B: Backend>(open: impl Fn(usize) -> Result<B, String>, tokens: &[u32]) -> OomDrillReport {
-    use crate::engine::estimate::{estimate_step, Knobs};
+    use crate::config::Knobs;
+    use crate::engine::estimate::estimate_step;
     let mut case = TrainParityCase::small(2);
     case.cfg.block_size = 128;
     (case.micro_batch, case.grad_accum) = (16, 1);

@@ -142,7 +142,7 @@ pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result
     let hyper = Hyper::from_spec(spec);
 
     let tokens = load_tokens(&spec.data.path, spec.model.vocab, &opts.run_dir.join("tokens"))?;
-    let data = Dataset::new(tokens, spec.data.val_fraction, hyper.seq_len, hyper.seed)
+    let data = Dataset::new(tokens, spec.data.val_fraction, hyper.knobs.seq_len, hyper.seed)
         .map_err(|message| ConfigError { field: "data.path".into(), message })?;
 
     let control = if opts.listen_stdin { Some(spawn_control_reader()) } else { None };
@@ -313,7 +313,7 @@ impl Run<'_> {
         let stats = pool.stats();
         tracing::info!(
             params = cfg.num_params(),
-            grad_accum = hyper.grad_accum,
+            grad_accum = hyper.knobs.grad_accum,
             "model allocated:\n{}",
             pool.memory_summary()
         );
@@ -324,7 +324,7 @@ impl Run<'_> {
             capacity: stats.capacity,
             resumed_from_step: resumed,
             num_params: cfg.num_params(),
-            grad_accum: hyper.grad_accum,
+            grad_accum: hyper.knobs.grad_accum,
             unigram_entropy: data.unigram_entropy(),
         }))?;
 

@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::config::{Checkpointing, JobSpec, OffloadTarget};
+use crate::config::{JobSpec, Knobs, OffloadTarget};
 use crate::memory::{Buffer, Category, Pool};
 
 use crate::engine::backend::layers::{narrow, widen, Elem};
@@ -19,52 +19,31 @@ use crate::engine::parallel::placement::{
 use crate::engine::rng::Rng;
 use crate::engine::train::checkpoint::{self, Checkpoint, CheckpointError, CheckpointHeader};
 
-/// Hyper-parameters of the loop, resolved from the job spec.
+/// Hyper-parameters of the loop, resolved from the job spec: its memory knobs and the rest.
 #[derive(Debug, Clone)]
 pub struct Hyper {
+    pub knobs: Knobs,
     pub steps: u64,
     pub global_batch: usize,
-    pub micro_batch: usize,
-    pub grad_accum: usize,
-    pub seq_len: usize,
     pub lr: f64,
     pub warmup_steps: usize,
     pub weight_decay: f64,
     pub grad_clip: f64,
     pub seed: u64,
-    pub checkpointing: Checkpointing,
-    /// Optimizer state and master weights in host memory.
-    pub offload_optimizer: bool,
-    /// Compute weights in host memory, each segment copied to the device when used.
-    pub offload_params: bool,
-    /// Block outputs kept for backward in host memory (needs full checkpointing).
-    pub offload_activations: OffloadTarget,
-    /// Data-parallel ranks and the ZeRO stage (0: replicated, 1: sharded optimizer state,
-    /// 2: and gradients, 3: and weights).
-    pub world_size: usize,
-    pub zero_stage: usize,
 }
 
 impl Hyper {
     pub fn from_spec(spec: &JobSpec) -> Hyper {
         let t = &spec.train;
         Hyper {
+            knobs: spec.knobs(),
             steps: t.steps as u64,
             global_batch: t.global_batch as usize,
-            micro_batch: t.micro_batch as usize,
-            grad_accum: spec.grad_accum(),
-            seq_len: spec.model.block_size as usize,
             lr: t.lr,
             warmup_steps: t.warmup_steps as usize,
             weight_decay: t.weight_decay,
             grad_clip: t.grad_clip,
             seed: t.seed,
-            checkpointing: spec.memory.checkpointing,
-            offload_optimizer: spec.memory.offload.optimizer != OffloadTarget::None,
-            offload_params: spec.memory.offload.params != OffloadTarget::None,
-            offload_activations: spec.memory.offload.activations,
-            world_size: spec.memory.world_size as usize,
-            zero_stage: spec.memory.zero_stage as usize,
         }
     }
 }
@@ -219,13 +198,13 @@ impl<E: Elem> Trainer<E, CpuBackend> {
 
 impl<E: Elem, B: Backend> Trainer<E, B> {
     /// Allocate the state in `backend`'s pool and initialise the weights. A rank of a group
-    /// (`comm`) is sharded by `hyper.zero_stage`; every rank allocates equal (padded) shards, so
+    /// (`comm`) is sharded by `hyper.knobs.zero_stage`; every rank allocates equal (padded) shards, so
     /// all ranks make the same allocations and an OOM happens on all of them alike.
     pub fn on_backend(cfg: GptConfig, hyper: Hyper, backend: B, comm: Option<LocalComm>) -> BackendResult<Self> {
         let pool = backend.pool().clone();
         let n = cfg.num_params();
         let (rank, world) = comm.as_ref().map(|c| (c.rank(), c.world())).unwrap_or((0, 1));
-        let stage = if world > 1 { hyper.zero_stage } else { 0 };
+        let stage = if world > 1 { hyper.knobs.zero_stage } else { 0 };
         let shard = if stage >= 1 { shard_range(n, rank, world) } else { 0..n };
         let state_len = if stage >= 1 { n.div_ceil(world) } else { n };
         let k = shard.len();
@@ -237,7 +216,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         let kept = held(params_sharded, &shard, n);
         let mut compute = vec![E::default(); params_len];
         narrow::<E>(&mut compute[..kept.len()], &full[kept]);
-        let params = if hyper.offload_params {
+        let params = if hyper.knobs.offload_params {
             pool.set_host_bytes(Category::Params, params_len * E::BYTES);
             ParamStore::Host(Arc::new(compute))
         } else {
@@ -246,7 +225,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             ParamStore::Device(buf)
         };
         let grads = alloc_elems::<E>(&pool, if grads_sharded { state_len } else { n }, Category::Grads)?;
-        let opt = if hyper.offload_optimizer {
+        let opt = if hyper.knobs.offload_optimizer {
             pool.set_host_bytes(Category::Optimizer, 4 * 4 * state_len);
             let master = full[shard.clone()].to_vec();
             OptimizerState::Host { master, m: vec![0.0; k], v: vec![0.0; k], grads: vec![0.0; k] }
@@ -396,20 +375,20 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
     pub fn train_step(&mut self, batch: &mut BatchFn<'_>) -> BackendResult<StepStats> {
         let started = std::time::Instant::now();
         let h = self.hyper.clone();
-        let (b, t) = (h.micro_batch, h.seq_len);
+        let (b, t) = (h.knobs.micro_batch, h.knobs.seq_len);
         let be = &self.backend;
         be.zero::<E>(ViewMut::of(&mut self.grads))?;
         let scale = self.loss_scale as f32;
         let world = self.world();
-        let dloss = scale / (b * t * h.grad_accum * world) as f32;
+        let dloss = scale / (b * t * h.knobs.grad_accum * world) as f32;
         // This rank's slice of the global batch.
-        let first_seq = self.rank() * b * h.grad_accum;
+        let first_seq = self.rank() * b * h.knobs.grad_accum;
         let mut loss_sum = 0.0f64;
         let mut swap = SwapStats::default();
         let (mut inputs, mut targets) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
         {
             let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), be);
-            for micro in 0..h.grad_accum {
+            for micro in 0..h.knobs.grad_accum {
                 inputs.clear();
                 targets.clear();
                 for i in 0..b {
@@ -424,8 +403,8 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                     &targets,
                     b,
                     t,
-                    h.checkpointing,
-                    h.offload_activations,
+                    h.knobs.checkpointing,
+                    h.knobs.offload_activations,
                 )?;
                 loss_sum += acts.mean_loss() as f64;
                 let moved = match (&self.comm, self.grads_sharded) {
@@ -492,10 +471,11 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         self.step += 1;
         self.backend.synchronize()?;
         let secs = started.elapsed().as_secs_f64();
-        let offloading = h.offload_optimizer || h.offload_params || h.offload_activations != OffloadTarget::None;
+        let offloading =
+            h.knobs.offload_optimizer || h.knobs.offload_params || h.knobs.offload_activations != OffloadTarget::None;
         Ok(StepStats {
             step: self.step,
-            loss: (loss_sum / h.grad_accum as f64) as f32,
+            loss: (loss_sum / h.knobs.grad_accum as f64) as f32,
             lr,
             grad_norm,
             step_ms: secs * 1e3,
@@ -589,7 +569,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
     /// Mean loss over `count` sequences given by `batch(index)`, in micro-batches. With sharded
     /// weights every rank must call it alike (the weights are gathered as it goes).
     pub fn evaluate(&self, count: usize, batch: &mut EvalBatchFn<'_>) -> BackendResult<f32> {
-        let (b, t) = (self.hyper.micro_batch, self.hyper.seq_len);
+        let (b, t) = (self.hyper.knobs.micro_batch, self.hyper.knobs.seq_len);
         let be = &self.backend;
         let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), be);
         let mut total = 0.0f64;
@@ -741,27 +721,31 @@ fn source_of<'a, E: Elem, B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Checkpointing;
     use crate::engine::rng::mix64;
 
     fn tiny() -> (GptConfig, Hyper) {
         let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 16, block_size: 8, vocab: 32 };
         let hyper = Hyper {
+            knobs: Knobs {
+                micro_batch: 2,
+                grad_accum: 2,
+                seq_len: 8,
+                checkpointing: Checkpointing::None,
+                offload_optimizer: false,
+                offload_params: false,
+                offload_activations: OffloadTarget::None,
+                world_size: 1,
+                zero_stage: 0,
+                precision: crate::config::Precision::Fp32,
+            },
             steps: 10,
             global_batch: 4,
-            micro_batch: 2,
-            grad_accum: 2,
-            seq_len: 8,
             lr: 1e-3,
             warmup_steps: 0,
             weight_decay: 0.1,
             grad_clip: 1.0,
             seed: 3,
-            checkpointing: Checkpointing::None,
-            offload_optimizer: false,
-            offload_params: false,
-            offload_activations: OffloadTarget::None,
-            world_size: 1,
-            zero_stage: 0,
         };
         (cfg, hyper)
     }
