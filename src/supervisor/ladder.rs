@@ -181,15 +181,7 @@ pub fn describe_change(before: &JobSpec, after: &JobSpec) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn spec(micro: i64) -> JobSpec {
-        JobSpec::parse(&format!(
-            "name: t\nmodel: {{ n_layer: 1, n_head: 1, n_embd: 8, block_size: 8, vocab: bytes }}\n\
-             data: {{ path: x.txt }}\ntrain: {{ steps: 10, global_batch: 8, micro_batch: {micro} }}\n\
-             device: {{ kind: cpu, device_memory: 8MiB }}\n"
-        ))
-        .unwrap()
-    }
+    use crate::supervisor::policy::tests::spec;
 
     /// bf16, halve (repeating), a ZeRO rung (never applies at world 1), offload-optimizer.
     fn policy(swap: &str, crash_retries: u32) -> Policy {

@@ -324,10 +324,11 @@ pub fn step_down(policy: &Policy, spec: &JobSpec, from: LadderPosition) -> Resul
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn spec(micro: i64) -> JobSpec {
+    /// A one-layer job on an 8 MiB cpu device: global batch 8 at `micro` per pass.
+    pub(crate) fn spec(micro: i64) -> JobSpec {
         JobSpec::parse(&format!(
             "name: t\nmodel: {{ n_layer: 1, n_head: 1, n_embd: 8, block_size: 8, vocab: bytes }}\n\
              data: {{ path: x.txt }}\ntrain: {{ steps: 10, global_batch: 8, micro_batch: {micro} }}\n\
