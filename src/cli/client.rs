@@ -1,6 +1,5 @@
-//! `headroom serve` and the HTTP client subcommands (`submit`, `jobs`, `show`).
+//! The HTTP client subcommands of a running daemon (`submit`, `jobs`, `show`).
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -8,39 +7,11 @@ use anyhow::Context;
 use serde_json::Value;
 
 use crate::memory::format_bytes;
-use crate::supervisor::{self, ServeConfig};
 
 /// A usage problem the user can fix (exit 2): unreadable file, server-side 4xx.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct UsageError(pub String);
-
-#[derive(Debug, clap::Args)]
-pub struct ServeArgs {
-    #[arg(long, default_value = "127.0.0.1:7878")]
-    pub addr: SocketAddr,
-    /// SQLite experiment database (created if missing).
-    #[arg(long, default_value = "headroom.db")]
-    pub db: PathBuf,
-    /// Directory of policy files.
-    #[arg(long, default_value = "policies")]
-    pub policies: PathBuf,
-    /// Directory for run directories (checkpoints, attempt configs and logs).
-    #[arg(long, default_value = "runs")]
-    pub runs: PathBuf,
-    /// Directories job data may come from (repeatable).
-    #[arg(long = "data-dir", default_value = "data")]
-    pub data_dirs: Vec<PathBuf>,
-    /// Bearer token required on mutating routes.
-    #[arg(long, env = "HEADROOM_TOKEN", hide_env_values = true)]
-    pub token: Option<String>,
-    /// Jobs run at once.
-    #[arg(long, default_value_t = 1)]
-    pub slots: usize,
-    /// Submit the shipped demo job (data/demo-job.yaml) on start: it OOMs, steps down, finishes.
-    #[arg(long)]
-    pub demo: bool,
-}
 
 #[derive(Debug, clap::Args)]
 pub struct ServerArgs {
@@ -79,53 +50,14 @@ pub struct ShowArgs {
     pub server: ServerArgs,
 }
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+pub(super) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
 }
 
-pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    runtime()?.block_on(async move {
-        let cfg = ServeConfig {
-            addr: args.addr,
-            db_path: args.db,
-            policies_dir: args.policies,
-            runs_dir: args.runs,
-            data_dirs: args.data_dirs,
-            token: args.token.clone(),
-            slots: args.slots,
-            trainer_exe: std::env::current_exe()?,
-        };
-        let server = supervisor::start(cfg).await?;
-        let url = format!("http://{}", server.addr);
-        eprintln!("headroom: serving {url}/ (experiment history), API under {url}/api");
-        if args.demo {
-            let job = std::fs::read_to_string("data/demo-job.yaml").context("reading data/demo-job.yaml")?;
-            let api = Api { base: url.clone(), token: args.token.clone(), http: reqwest::Client::new() };
-            let id = api.post("/api/jobs", job).await?["id"].clone();
-            eprintln!("headroom: demo job {id} submitted: follow it at {url}/ or `headroom show {id}`");
-        }
-        shutdown_signal().await;
-        eprintln!("headroom: shutting down; running jobs checkpoint and resume on next start");
-        server.shutdown().await
-    })
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
-        tokio::select! { _ = ctrl_c => {}, _ = term.recv() => {} }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-}
-
-struct Api {
-    base: String,
-    token: Option<String>,
-    http: reqwest::Client,
+pub(super) struct Api {
+    pub(super) base: String,
+    pub(super) token: Option<String>,
+    pub(super) http: reqwest::Client,
 }
 
 impl Api {
@@ -160,7 +92,7 @@ impl Api {
         Self::handle(resp).await
     }
 
-    async fn post(&self, path: &str, body: String) -> anyhow::Result<Value> {
+    pub(super) async fn post(&self, path: &str, body: String) -> anyhow::Result<Value> {
         let mut req = self.http.post(format!("{}{path}", self.base)).body(body);
         if let Some(t) = &self.token {
             req = req.bearer_auth(t);

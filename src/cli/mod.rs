@@ -12,6 +12,7 @@ use crate::protocol::ExitCode;
 
 mod client;
 mod gpu_check;
+mod serve;
 
 #[derive(Debug, Parser)]
 #[command(name = "headroom", version, about = "Adaptive training-job supervisor and GPT training engine")]
@@ -29,7 +30,7 @@ pub enum Command {
     /// Predict peak device memory per category for a job (and each rung of a policy).
     Estimate(EstimateArgs),
     /// Run the supervisor daemon: HTTP API, job runner, experiment database, web page.
-    Serve(client::ServeArgs),
+    Serve(serve::ServeArgs),
     /// Submit a job file to a running daemon.
     Submit(client::SubmitArgs),
     /// List jobs of a running daemon.
@@ -140,7 +141,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Train(args) => train(args),
         Command::Bench(args) => run_bench(args),
         Command::Estimate(args) => estimate(args),
-        Command::Serve(args) => client::serve(args),
+        Command::Serve(args) => serve::serve(args),
         Command::Submit(args) => client::submit(args),
         Command::Jobs(args) => client::jobs(args),
         Command::Show(args) => client::show(args),
