@@ -94,8 +94,10 @@ pub fn classify(exit: &Exit) -> Outcome {
             None => Outcome::Preempted { reason: "trainer stopped itself after a checkpoint".into() },
         },
         (Some(Ok(ExitCode::Invalid)), _) => Outcome::Invalid { message: exit.last_log_line.clone() },
-        (Some(Ok(c)), _) => Outcome::Crashed { message: format!("exit code {}: {}", c.code(), exit.last_log_line) },
-        (Some(Err(c)), _) => Outcome::Crashed { message: format!("exit code {c}: {}", exit.last_log_line) },
+        // Internal (1), or a code the protocol does not define: the same crash, the raw code named.
+        (Some(_), _) => {
+            Outcome::Crashed { message: format!("exit code {}: {}", exit.code.unwrap_or_default(), exit.last_log_line) }
+        }
         (None, _) => Outcome::Crashed { message: format!("killed by a signal ({})", exit.signal) },
     }
 }
