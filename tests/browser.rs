@@ -9,7 +9,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use headroom::supervisor::{self, ServeConfig};
+use headroom::supervisor::{self, RunnerConfig, ServeConfig};
 
 const XSS_NAME: &str = "<img src=x onerror=alert(1)>";
 
@@ -31,12 +31,14 @@ async fn history_page_in_headless_chromium() {
     let server = supervisor::start(ServeConfig {
         addr: "127.0.0.1:0".parse().unwrap(),
         db_path: dir.path().join("headroom.db"),
-        policies_dir: root.join("policies"),
-        runs_dir: dir.path().join("runs"),
         data_dirs: vec![root.join("data")],
         token: None,
-        slots: 1,
-        trainer_exe: common::bin(),
+        runner: RunnerConfig {
+            policies_dir: root.join("policies"),
+            runs_dir: dir.path().join("runs"),
+            trainer_exe: common::bin(),
+            slots: 1,
+        },
     })
     .await
     .unwrap();
@@ -60,7 +62,7 @@ async fn history_page_in_headless_chromium() {
     }
     // Rows the API would refuse (the name validator forbids markup) go straight into the DB, as a
     // corrupted or older database could hold them; plus 1,000 jobs for the load-time check.
-    let db = &server.supervisor.db;
+    let db = &server.runner.db;
     let xss = db.create_job(XSS_NAME, "default", "{}", "{}", 10, Some(1 << 20)).await.unwrap();
     db.set_job_status(xss, "failed", Some(XSS_NAME)).await.unwrap();
     db.event(xss, None, "failed", XSS_NAME).await.unwrap();

@@ -5,7 +5,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use headroom::supervisor::{self, RunningServer, ServeConfig};
+use headroom::supervisor::{self, RunnerConfig, RunningServer, ServeConfig};
 use serde_json::Value;
 
 struct Harness {
@@ -30,12 +30,14 @@ impl Harness {
         supervisor::start(ServeConfig {
             addr: "127.0.0.1:0".parse().unwrap(),
             db_path: self.dir.path().join("headroom.db"),
-            policies_dir: self.policies.clone(),
-            runs_dir: self.dir.path().join("runs"),
             data_dirs: vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("data")],
             token: token.map(str::to_owned),
-            slots: 1,
-            trainer_exe: common::bin(),
+            runner: RunnerConfig {
+                policies_dir: self.policies.clone(),
+                runs_dir: self.dir.path().join("runs"),
+                trainer_exe: common::bin(),
+                slots: 1,
+            },
         })
         .await
         .unwrap()

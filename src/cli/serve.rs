@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 
 use super::client::{runtime, Api};
-use crate::supervisor::{self, ServeConfig};
+use crate::supervisor::{self, RunnerConfig, ServeConfig};
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
@@ -40,12 +40,14 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         let cfg = ServeConfig {
             addr: args.addr,
             db_path: args.db,
-            policies_dir: args.policies,
-            runs_dir: args.runs,
             data_dirs: args.data_dirs,
             token: args.token.clone(),
-            slots: args.slots,
-            trainer_exe: std::env::current_exe()?,
+            runner: RunnerConfig {
+                policies_dir: args.policies,
+                runs_dir: args.runs,
+                trainer_exe: std::env::current_exe()?,
+                slots: args.slots,
+            },
         };
         let server = supervisor::start(cfg).await?;
         let url = format!("http://{}", server.addr);

@@ -22,7 +22,7 @@ use crate::config::JobSpec;
 
 use super::db::{Db, JobFilter, JobSort};
 use super::policy::{self, Policy, PolicyError};
-use super::runner::Supervisor;
+use super::runner::Runner;
 
 /// Largest request body accepted (job specs and policies are small).
 pub const MAX_BODY: usize = 256 * 1024;
@@ -30,7 +30,7 @@ pub const MAX_BODY: usize = 256 * 1024;
 #[derive(Clone)]
 pub struct AppState {
     pub db: Db,
-    pub supervisor: Arc<Supervisor>,
+    pub runner: Arc<Runner>,
     pub token: Option<String>,
     /// Directories a job's `data.path` must lie in (canonicalised).
     pub data_dirs: Vec<PathBuf>,
@@ -175,7 +175,7 @@ async fn submit_job(
     let body = body?;
     let text = std::str::from_utf8(&body).map_err(|_| ApiError::BadRequest("body is not UTF-8".into()))?;
     let mut spec = JobSpec::parse(text).map_err(|e| ApiError::BadRequest(e.to_string()))?;
-    match policy::load(&state.supervisor.cfg.policies_dir, &spec.policy) {
+    match policy::load(&state.runner.cfg.policies_dir, &spec.policy) {
         Ok(_) => {}
         Err(PolicyError::NotFound(n)) => return Err(ApiError::BadRequest(format!("policy: `{n}` does not exist"))),
         Err(e) => return Err(ApiError::BadRequest(format!("policy: {e}"))),
@@ -185,7 +185,7 @@ async fn submit_job(
     let capacity = spec.device_capacity().map(|c| c as i64);
     let id = state.db.create_job(&spec.name, &spec.policy, text, &current, spec.train.steps, capacity).await?;
     state.db.event(id, None, "submitted", &format!("job {} submitted with policy {}", spec.name, spec.policy)).await?;
-    state.supervisor.enqueue(id);
+    state.runner.enqueue(id);
     Ok((StatusCode::CREATED, Json(json!({ "id": id }))))
 }
 
@@ -247,7 +247,7 @@ async fn get_job(State(state): State<AppState>, UrlPath(id): UrlPath<String>) ->
 
 async fn cancel_job(State(state): State<AppState>, UrlPath(id): UrlPath<String>) -> ApiResult<impl IntoResponse> {
     let job = existing_job(&state, &id).await?;
-    let accepted = state.supervisor.cancel(job.core.id).await?;
+    let accepted = state.runner.cancel(job.core.id).await?;
     if !accepted {
         return Err(ApiError::Rejected {
             status: StatusCode::CONFLICT,
@@ -321,7 +321,7 @@ async fn job_events(
 }
 
 async fn list_policies(State(state): State<AppState>) -> ApiResult<impl IntoResponse> {
-    let dir = &state.supervisor.cfg.policies_dir;
+    let dir = &state.runner.cfg.policies_dir;
     let mut out = Vec::new();
     for name in policy::list(dir) {
         match policy::load(dir, &name) {
@@ -337,7 +337,7 @@ async fn list_policies(State(state): State<AppState>) -> ApiResult<impl IntoResp
 }
 
 async fn get_policy(State(state): State<AppState>, UrlPath(name): UrlPath<String>) -> ApiResult<impl IntoResponse> {
-    match policy::load(&state.supervisor.cfg.policies_dir, &name) {
+    match policy::load(&state.runner.cfg.policies_dir, &name) {
         Ok((p, yaml)) => Ok(Json(json!({ "name": p.name, "yaml": yaml, "policy": p }))),
         Err(PolicyError::NotFound(n)) => Err(ApiError::NotFound(format!("policy `{n}` does not exist"))),
         Err(e @ PolicyError::Invalid { .. }) => Err(ApiError::BadRequest(e.to_string())),
@@ -359,7 +359,7 @@ async fn put_policy(
     if p.name != name {
         return Err(ApiError::BadRequest(format!("name: `{}` does not match the URL's `{name}`", p.name)));
     }
-    let dir = &state.supervisor.cfg.policies_dir;
+    let dir = &state.runner.cfg.policies_dir;
     let path = dir.join(format!("{name}.yaml"));
     let tmp = dir.join(format!(".{name}.yaml.tmp"));
     std::fs::write(&tmp, text).and_then(|_| std::fs::rename(&tmp, &path)).map_err(anyhow::Error::from)?;

@@ -18,24 +18,23 @@ use std::sync::Arc;
 use anyhow::Context;
 
 pub use db::Db;
-pub use runner::{Supervisor, SupervisorConfig};
+pub use runner::{Runner, RunnerConfig};
 
+/// What `headroom serve` starts: the HTTP side (address, database, token, readable data
+/// folders) and the job runner's own configuration.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
     pub addr: SocketAddr,
     pub db_path: PathBuf,
-    pub policies_dir: PathBuf,
-    pub runs_dir: PathBuf,
     pub data_dirs: Vec<PathBuf>,
     pub token: Option<String>,
-    pub slots: usize,
-    pub trainer_exe: PathBuf,
+    pub runner: RunnerConfig,
 }
 
 /// A started daemon: its address, and handles to stop it.
 pub struct RunningServer {
     pub addr: SocketAddr,
-    pub supervisor: Arc<Supervisor>,
+    pub runner: Arc<Runner>,
     stop: tokio::sync::oneshot::Sender<()>,
     server: tokio::task::JoinHandle<std::io::Result<()>>,
 }
@@ -44,7 +43,7 @@ impl RunningServer {
     /// Graceful shutdown: stop accepting, checkpoint and stop running children.
     pub async fn shutdown(self) -> anyhow::Result<()> {
         let _ = self.stop.send(());
-        self.supervisor.shutdown().await;
+        self.runner.shutdown().await;
         self.server.await??;
         Ok(())
     }
@@ -57,21 +56,12 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     for d in &cfg.data_dirs {
         data_dirs.push(std::fs::canonicalize(d).with_context(|| format!("--data-dir {}", d.display()))?);
     }
-    if !cfg.policies_dir.is_dir() {
-        anyhow::bail!("--policies {} is not a directory", cfg.policies_dir.display());
+    if !cfg.runner.policies_dir.is_dir() {
+        anyhow::bail!("--policies {} is not a directory", cfg.runner.policies_dir.display());
     }
-    let supervisor = Supervisor::start(
-        db.clone(),
-        SupervisorConfig {
-            policies_dir: cfg.policies_dir.clone(),
-            runs_dir: cfg.runs_dir.clone(),
-            trainer_exe: cfg.trainer_exe.clone(),
-            slots: cfg.slots,
-        },
-    )
-    .await?;
+    let runner = Runner::start(db.clone(), cfg.runner.clone()).await?;
     let gpus = Arc::new(crate::gpu::GpuMonitor::init());
-    let state = http::AppState { db, supervisor: supervisor.clone(), token: cfg.token.clone(), data_dirs, gpus };
+    let state = http::AppState { db, runner: runner.clone(), token: cfg.token.clone(), data_dirs, gpus };
     let listener = tokio::net::TcpListener::bind(cfg.addr).await.with_context(|| format!("binding {}", cfg.addr))?;
     let addr = listener.local_addr()?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -84,5 +74,5 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
             .await
     });
     tracing::info!(%addr, "headroom serving");
-    Ok(RunningServer { addr, supervisor, stop, server })
+    Ok(RunningServer { addr, runner, stop, server })
 }

@@ -259,15 +259,16 @@ pub fn apply_rung(rung: &Rung, spec: &JobSpec) -> Result<JobSpec, String> {
         next.memory.precision = p;
     }
     if let Some(mb) = &set.micro_batch {
-        let cur = spec.train.micro_batch;
+        let knobs = spec.knobs();
         let target = match mb {
             MicroBatchSet::Keyword(MicroBatchKeyword::Half) => {
-                if cur <= 1 {
+                if knobs.micro_batch <= 1 {
                     return Err("micro_batch is already 1".into());
                 }
-                // The largest divisor of global/world below or at half keeps global_batch exact.
-                let per_rank = spec.train.global_batch / spec.memory.world_size;
-                (1..=cur / 2).rev().find(|d| per_rank % d == 0).unwrap_or(1)
+                // The largest divisor of the sequences per rank and step at or below half keeps
+                // global_batch exact (grad_accum grows to match).
+                let per_rank = knobs.micro_batch * knobs.grad_accum;
+                (1..=knobs.micro_batch / 2).rev().find(|d| per_rank.is_multiple_of(*d)).unwrap_or(1) as i64
             }
             MicroBatchSet::Value(v) => *v,
         };

@@ -22,7 +22,7 @@ use super::outcome::{self, Exit, Outcome, Request};
 use super::policy::{self, Policy};
 
 #[derive(Debug, Clone)]
-pub struct SupervisorConfig {
+pub struct RunnerConfig {
     pub policies_dir: PathBuf,
     pub runs_dir: PathBuf,
     /// The trainer executable (the current `headroom` binary).
@@ -32,22 +32,22 @@ pub struct SupervisorConfig {
 }
 
 /// The daemon's job runner, shared by the HTTP handlers.
-pub struct Supervisor {
+pub struct Runner {
     pub db: Db,
-    pub cfg: SupervisorConfig,
+    pub cfg: RunnerConfig,
     queue: mpsc::UnboundedSender<i64>,
     running: Mutex<HashMap<i64, mpsc::UnboundedSender<Request>>>,
     shutdown: watch::Sender<bool>,
     workers: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
-impl Supervisor {
+impl Runner {
     /// Start `cfg.slots` workers and requeue jobs a previous daemon left unfinished.
-    pub async fn start(db: Db, cfg: SupervisorConfig) -> anyhow::Result<Arc<Supervisor>> {
+    pub async fn start(db: Db, cfg: RunnerConfig) -> anyhow::Result<Arc<Runner>> {
         std::fs::create_dir_all(&cfg.runs_dir)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let (shutdown, _) = watch::channel(false);
-        let sup = Arc::new(Supervisor {
+        let runner = Arc::new(Runner {
             db,
             cfg,
             queue: tx,
@@ -56,10 +56,10 @@ impl Supervisor {
             workers: Mutex::new(Vec::new()),
         });
         let rx = Arc::new(Mutex::new(rx));
-        for slot in 0..sup.cfg.slots.max(1) {
-            let (sup2, rx) = (sup.clone(), rx.clone());
+        for slot in 0..runner.cfg.slots.max(1) {
+            let (shared, rx) = (runner.clone(), rx.clone());
             let handle = tokio::spawn(async move {
-                let mut stop = sup2.shutdown.subscribe();
+                let mut stop = shared.shutdown.subscribe();
                 loop {
                     let next = tokio::select! {
                         job = async { rx.lock().await.recv().await } => job,
@@ -67,24 +67,25 @@ impl Supervisor {
                     };
                     let Some(job) = next else { break };
                     tracing::info!(job, slot, "running job");
-                    if let Err(e) = sup2.run_job(job).await {
+                    if let Err(e) = shared.run_job(job).await {
                         tracing::error!(job, "job runner failed: {e:#}");
-                        let _ = sup2.db.set_job_status(job, "failed", Some("internal supervisor error")).await;
-                        let _ = sup2.db.event(job, None, "failed", "internal supervisor error").await;
+                        let _ = shared.db.set_job_status(job, "failed", Some("internal supervisor error")).await;
+                        let _ = shared.db.event(job, None, "failed", "internal supervisor error").await;
                     }
                 }
             });
-            sup.workers.lock().await.push(handle);
+            runner.workers.lock().await.push(handle);
         }
-        for job in sup.db.unfinished_jobs().await? {
-            sup.db.close_dangling_attempts(job).await?;
-            sup.db.set_job_status(job, "queued", None).await?;
-            sup.db
+        for job in runner.db.unfinished_jobs().await? {
+            runner.db.close_dangling_attempts(job).await?;
+            runner.db.set_job_status(job, "queued", None).await?;
+            runner
+                .db
                 .event(job, None, "resumed", "supervisor started: job requeued, resuming from its newest checkpoint")
                 .await?;
-            sup.enqueue(job);
+            runner.enqueue(job);
         }
-        Ok(sup)
+        Ok(runner)
     }
 
     pub fn enqueue(&self, job: i64) {

@@ -521,6 +521,118 @@ fn layer_forward<E: Elem, B: Backend>(
     be.residual_forward_inplace::<E>(ViewMut::of(&mut a.residual3), View::of(&a.residual2))
 }
 
+/// One transformer block backward, the mirror of `layer_forward`. x: (B,T,C) block input;
+/// `ws.dres` holds d(block output) on entry and d(block input) on return; the block's
+/// parameter gradients are accumulated into `g`.
+#[allow(clippy::too_many_arguments)]
+fn layer_backward<E: Elem, B: Backend>(
+    be: &B,
+    p: LayerTensors<View<E>>,
+    g: LayerTensors<ViewMut<E>>,
+    a: &LayerActs,
+    x: View<E>,
+    ws: &mut BackwardWorkspace,
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+) -> BackendResult {
+    let bt = b * t;
+    let BackwardWorkspace { dres, dsmall, dfch, dqkv } = ws;
+    // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
+    // dfch: (B,T,4C) = d fch_gelu, then d fch
+    be.matmul_backward(
+        ViewMut::of(dfch),
+        g.fcprojw,
+        Some(g.fcprojb),
+        View::of(dres),
+        View::of(&a.fch_gelu),
+        p.fcprojw,
+        bt,
+        4 * c,
+        c,
+    )?;
+    be.gelu_backward_inplace::<E>(ViewMut::of(dfch), View::of(&a.fch))?;
+    // dsmall: (B,T,C) = d ln2
+    be.matmul_backward(ViewMut::of(dsmall), g.fcw, Some(g.fcb), View::of(dfch), View::of(&a.ln2), p.fcw, bt, c, 4 * c)?;
+    // dres: (B,T,C) += d residual2 through ln2
+    be.layernorm_backward(
+        ViewMut::of(dres),
+        g.ln2w,
+        g.ln2b,
+        View::of(dsmall),
+        View::of(&a.residual2),
+        p.ln2w,
+        View::of(&a.ln2_mean),
+        View::of(&a.ln2_rstd),
+        c,
+    )?;
+    // Attention: residual2 = x + attproj(attention(qkv(ln1(x))))
+    // dsmall: (B,T,C) = d atty
+    be.matmul_backward(
+        ViewMut::of(dsmall),
+        g.attprojw,
+        Some(g.attprojb),
+        View::of(dres),
+        View::of(&a.atty),
+        p.attprojw,
+        bt,
+        c,
+        c,
+    )?;
+    // dqkv: (B,T,3C)
+    be.attention_backward::<E>(ViewMut::of(dqkv), View::of(dsmall), View::of(&a.qkv), View::of(&a.att), b, t, c, nh)?;
+    // dsmall: (B,T,C) = d ln1
+    be.matmul_backward(
+        ViewMut::of(dsmall),
+        g.qkvw,
+        Some(g.qkvb),
+        View::of(dqkv),
+        View::of(&a.ln1),
+        p.qkvw,
+        bt,
+        c,
+        3 * c,
+    )?;
+    // dres: (B,T,C) += d x through ln1: the gradient of the block input, the next block's dout.
+    be.layernorm_backward(
+        ViewMut::of(dres),
+        g.ln1w,
+        g.ln1b,
+        View::of(dsmall),
+        x,
+        p.ln1w,
+        View::of(&a.ln1_mean),
+        View::of(&a.ln1_rstd),
+        c,
+    )
+}
+
+/// The backward pass's gradient buffers, sized from `backward_workspace_sizes` and reused
+/// by every block.
+struct BackwardWorkspace {
+    /// (B,T,C): d(residual stream), the running gradient of the current block's output.
+    dres: Buffer,
+    /// (B,T,C): d(ln output) or d(attention output), one at a time.
+    dsmall: Buffer,
+    /// (B,T,4C): d(fc output).
+    dfch: Buffer,
+    /// (B,T,3C): d(qkv).
+    dqkv: Buffer,
+}
+
+impl BackwardWorkspace {
+    fn alloc<E: Elem>(cfg: &GptConfig, pool: &Pool, b: usize, t: usize) -> Result<Self, OomError> {
+        let ws = backward_workspace_sizes(cfg, b, t);
+        Ok(BackwardWorkspace {
+            dres: alloc_elems::<E>(pool, ws[0].1, Category::Workspace)?,
+            dsmall: alloc_elems::<E>(pool, ws[1].1, Category::Workspace)?,
+            dfch: alloc_elems::<E>(pool, ws[2].1, Category::Workspace)?,
+            dqkv: alloc_elems::<E>(pool, ws[3].1, Category::Workspace)?,
+        })
+    }
+}
+
 /// Backward pass: consumes the activations (freeing each block's as soon as it is done) and
 /// accumulates parameter gradients into `grads`. `dloss` is d(objective)/d(loss at one position),
 /// e.g. 1 / (B·T·grad_accum) for a mean over the global batch (times the loss scale for fp16).
@@ -536,11 +648,7 @@ pub fn backward<E: Elem, B: Backend>(
     let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab);
     let (b, t) = (acts.b, acts.t);
     let bt = b * t;
-    let ws = backward_workspace_sizes(cfg, b, t);
-    let mut dres = alloc_elems::<E>(pool, ws[0].1, Category::Workspace)?;
-    let mut dsmall = alloc_elems::<E>(pool, ws[1].1, Category::Workspace)?;
-    let mut dfch = alloc_elems::<E>(pool, ws[2].1, Category::Workspace)?;
-    let mut dqkv = alloc_elems::<E>(pool, ws[3].1, Category::Workspace)?;
+    let mut ws = BackwardWorkspace::alloc::<E>(cfg, pool, b, t)?;
 
     // Head: loss -> logits -> lnf.
     let mut logits = acts.logits.take().expect("forward fills logits");
@@ -548,8 +656,9 @@ pub fn backward<E: Elem, B: Backend>(
     {
         let wte = params.fetch(cfg.wte_range(), Some(cfg.lnf_range()))?;
         let gwte = grads.open(cfg.wte_range())?;
+        // dsmall: (B,T,C) = d lnf
         be.matmul_backward(
-            ViewMut::of(&mut dsmall),
+            ViewMut::of(&mut ws.dsmall),
             gwte,
             None,
             View::of(&logits),
@@ -562,16 +671,17 @@ pub fn backward<E: Elem, B: Backend>(
         grads.close(cfg.wte_range())?;
     }
     drop(logits);
-    be.zero::<E>(ViewMut::of(&mut dres))?;
+    be.zero::<E>(ViewMut::of(&mut ws.dres))?;
     {
         let last = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(View::of(&acts.encoded));
         let w = params.fetch(cfg.lnf_range(), cfg.n_layer.checked_sub(1).map(|l| cfg.layer_range(l)))?;
         let (glnfw, glnfb) = grads.open(cfg.lnf_range())?.split_at(c);
+        // dres: (B,T,C) = d(last block output) through lnf
         be.layernorm_backward(
-            ViewMut::of(&mut dres),
+            ViewMut::of(&mut ws.dres),
             glnfw,
             glnfb,
-            View::of(&dsmall),
+            View::of(&ws.dsmall),
             last,
             w.view().slice(0..c),
             View::of(&acts.lnf_mean),
@@ -581,18 +691,48 @@ pub fn backward<E: Elem, B: Backend>(
         grads.close(cfg.lnf_range())?;
     }
 
-    // The next block input coming back: by a copy worker thread into a host-visible pool, or
-    // through the backend's copy stream into a device pool.
-    let mut prefetch: Option<std::thread::JoinHandle<(Buffer, f64)>> = None;
-    let mut inbound = InboundSlot { be, pending: None };
+    let mut copies = BlockInputCopies { prefetch: None, inbound: InboundSlot { be, pending: None } };
     for l in (0..cfg.n_layer).rev() {
         let kept = acts.layers.pop().expect("one KeptLayer per layer");
-        // This block's input (the previous block's output) must be on the device: prefetched
-        // during the previous iteration, or restored now.
+        copies.restore_block_input::<E>(&mut acts, c)?;
+        let x = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(View::of(&acts.encoded));
+        let w = params.fetch(cfg.layer_range(l), l.checked_sub(1).map(|l| cfg.layer_range(l)))?;
+        let pl = cfg.layer_view(w.view());
+        let a = recompute::<E, B>(be, cfg, &pl, kept, x, b, t)?;
+        let gl = cfg.layer_view_mut(grads.open(cfg.layer_range(l))?);
+        layer_backward(be, pl, gl, &a, x, &mut ws, b, t, c, nh)?;
+        drop(a);
+        grads.close(cfg.layer_range(l))?;
+    }
+    let (gwte, gwpe) = grads.open(cfg.embed_range())?.split_at(v * c);
+    be.encoder_backward(gwte, gwpe, View::of(&ws.dres), View::of(&acts.inputs), t, c)?;
+    grads.close(cfg.embed_range())?;
+    if acts.offload != OffloadTarget::None {
+        pool.set_host_bytes(Category::Activations, 0);
+    }
+    Ok(acts.swap)
+}
+
+/// The block inputs coming back during backward when activations are offloaded: by a copy
+/// worker thread into a host-visible pool, or through the backend's copy stream into a device
+/// pool.
+struct BlockInputCopies<'b, B: Backend> {
+    prefetch: Option<std::thread::JoinHandle<(Buffer, f64)>>,
+    inbound: InboundSlot<'b, B>,
+}
+
+impl<B: Backend> BlockInputCopies<'_, B> {
+    /// Before the backward of the block whose `KeptLayer` was just popped: make its input (the
+    /// previous block's output, now last in `acts.layers`) resident on the device — landed from
+    /// the prefetch started one block earlier, or copied now — and start bringing back the input
+    /// of the block after it, overlapping this block's backward.
+    fn restore_block_input<E: Elem>(&mut self, acts: &mut Activations, c: usize) -> BackendResult {
+        let be = self.inbound.be;
+        let pool = be.pool();
         if let Some(slot) = acts.layers.last_mut() {
             match slot {
                 KeptLayer::InFlight => {
-                    let buf = match prefetch.take() {
+                    let buf = match self.prefetch.take() {
                         Some(worker) => {
                             let (buf, ms) = worker.join().expect("copy worker");
                             acts.swap.transfer_ms += ms;
@@ -600,7 +740,7 @@ pub fn backward<E: Elem, B: Backend>(
                         }
                         None => {
                             let t0 = std::time::Instant::now();
-                            let buf = inbound.pending.take().expect("a copy is in flight").land::<E, B>(be, c)?;
+                            let buf = self.inbound.pending.take().expect("a copy is in flight").land::<E, B>(be, c)?;
                             acts.swap.transfer_ms += t0.elapsed().as_secs_f64() * 1e3;
                             buf
                         }
@@ -617,7 +757,6 @@ pub fn backward<E: Elem, B: Backend>(
                 _ => {}
             }
         }
-        // Start bringing back the input of the block after this one, overlapping this backward.
         let n = acts.layers.len();
         if n >= 2 && matches!(acts.layers[n - 2], KeptLayer::Host(_)) {
             let KeptLayer::Host(h) = std::mem::replace(&mut acts.layers[n - 2], KeptLayer::InFlight) else {
@@ -626,119 +765,20 @@ pub fn backward<E: Elem, B: Backend>(
             acts.swap.bytes_to_device += h.host_bytes();
             if pool.host_visible() {
                 let mut buf = pool.alloc(h.device_bytes(), Category::Activations)?;
-                prefetch = Some(std::thread::spawn(move || {
+                self.prefetch = Some(std::thread::spawn(move || {
                     let t0 = std::time::Instant::now();
                     h.fill_host::<E>(&mut buf, c);
                     (buf, t0.elapsed().as_secs_f64() * 1e3)
                 }));
             } else {
                 let t0 = std::time::Instant::now();
-                inbound.pending = Some(h.send_ahead(be)?);
+                self.inbound.pending = Some(h.send_ahead(be)?);
                 acts.swap.transfer_ms += t0.elapsed().as_secs_f64() * 1e3;
             }
         }
         if acts.offload != OffloadTarget::None {
             pool.set_host_bytes(Category::Activations, host_activation_bytes(&acts.layers));
         }
-        let x = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(View::of(&acts.encoded));
-        let w = params.fetch(cfg.layer_range(l), l.checked_sub(1).map(|l| cfg.layer_range(l)))?;
-        let pl = &cfg.layer_view(w.view());
-        let a = recompute::<E, B>(be, cfg, pl, kept, x, b, t)?;
-        let gl = cfg.layer_view_mut(grads.open(cfg.layer_range(l))?);
-        // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
-        // dfch: (B,T,4C)
-        be.matmul_backward(
-            ViewMut::of(&mut dfch),
-            gl.fcprojw,
-            Some(gl.fcprojb),
-            View::of(&dres),
-            View::of(&a.fch_gelu),
-            pl.fcprojw,
-            bt,
-            4 * c,
-            c,
-        )?;
-        be.gelu_backward_inplace::<E>(ViewMut::of(&mut dfch), View::of(&a.fch))?;
-        // dsmall: (B,T,C) = d ln2
-        be.matmul_backward(
-            ViewMut::of(&mut dsmall),
-            gl.fcw,
-            Some(gl.fcb),
-            View::of(&dfch),
-            View::of(&a.ln2),
-            pl.fcw,
-            bt,
-            c,
-            4 * c,
-        )?;
-        // dres += d residual2 through ln2
-        be.layernorm_backward(
-            ViewMut::of(&mut dres),
-            gl.ln2w,
-            gl.ln2b,
-            View::of(&dsmall),
-            View::of(&a.residual2),
-            pl.ln2w,
-            View::of(&a.ln2_mean),
-            View::of(&a.ln2_rstd),
-            c,
-        )?;
-        // Attention: residual2 = x + attproj(attention(qkv(ln1(x))))
-        // dsmall: (B,T,C) = d atty
-        be.matmul_backward(
-            ViewMut::of(&mut dsmall),
-            gl.attprojw,
-            Some(gl.attprojb),
-            View::of(&dres),
-            View::of(&a.atty),
-            pl.attprojw,
-            bt,
-            c,
-            c,
-        )?;
-        // dqkv: (B,T,3C)
-        be.attention_backward::<E>(
-            ViewMut::of(&mut dqkv),
-            View::of(&dsmall),
-            View::of(&a.qkv),
-            View::of(&a.att),
-            b,
-            t,
-            c,
-            nh,
-        )?;
-        // dsmall: (B,T,C) = d ln1
-        be.matmul_backward(
-            ViewMut::of(&mut dsmall),
-            gl.qkvw,
-            Some(gl.qkvb),
-            View::of(&dqkv),
-            View::of(&a.ln1),
-            pl.qkvw,
-            bt,
-            c,
-            3 * c,
-        )?;
-        // dres += d x through ln1: the gradient of the block input, the next block's dout.
-        be.layernorm_backward(
-            ViewMut::of(&mut dres),
-            gl.ln1w,
-            gl.ln1b,
-            View::of(&dsmall),
-            x,
-            pl.ln1w,
-            View::of(&a.ln1_mean),
-            View::of(&a.ln1_rstd),
-            c,
-        )?;
-        drop(a);
-        grads.close(cfg.layer_range(l))?;
+        Ok(())
     }
-    let (gwte, gwpe) = grads.open(cfg.embed_range())?.split_at(v * c);
-    be.encoder_backward(gwte, gwpe, View::of(&dres), View::of(&acts.inputs), t, c)?;
-    grads.close(cfg.embed_range())?;
-    if acts.offload != OffloadTarget::None {
-        pool.set_host_bytes(Category::Activations, 0);
-    }
-    Ok(acts.swap)
 }
