@@ -263,6 +263,7 @@ pub const DEFAULT_CPU_DEVICE_MEMORY: &str = "512MiB";
 impl JobSpec {
     /// Parse YAML (a superset of JSON, so JSON bodies work too) and validate.
     pub fn parse(text: &str) -> Result<JobSpec, ConfigError> {
+        check_yaml_nesting(text).map_err(|message| bad("job", message))?;
         let spec: JobSpec = serde_yaml::from_str(text).map_err(|e| yaml_error(&e))?;
         spec.validate()?;
         Ok(spec)
@@ -446,6 +447,45 @@ fn range(field: &str, value: i64, lo: i64, hi: i64) -> Result<(), ConfigError> {
 
 /// Turn a serde_yaml error into a field-naming message. serde_yaml reports the path as
 /// `train.steps: invalid type...` or `unknown field `foo`, expected one of ...` at a location.
+/// Deepest nesting of YAML/JSON collections a job or policy file may have (theirs is 3).
+pub const MAX_YAML_NESTING: usize = 32;
+
+/// Refuse text nested deeper than [`MAX_YAML_NESTING`] before any parser sees it: the YAML
+/// parser's time grows with the square of the depth (100,000 `[` take 38 s), so a 200 KB body
+/// could stall the daemon. Counts flow brackets outside quotes and comments, and block
+/// indentation (at most two columns a level).
+pub fn check_yaml_nesting(text: &str) -> Result<(), String> {
+    let too_deep = |what: &str, line: usize| {
+        Err(format!("line {line}: {what} nested deeper than {MAX_YAML_NESTING} levels (a job or policy needs 3)"))
+    };
+    let mut depth = 0usize;
+    let (mut single, mut double) = (false, false);
+    for (n, line) in text.lines().enumerate() {
+        let indent = line.len() - line.trim_start_matches(' ').len();
+        if !single && !double && depth == 0 && indent > 2 * MAX_YAML_NESTING {
+            return too_deep("indentation", n + 1);
+        }
+        let mut prev = ' ';
+        for ch in line.chars() {
+            match ch {
+                '\'' if !double => single = !single,
+                '"' if !single && prev != '\\' => double = !double,
+                '#' if !single && !double && prev.is_whitespace() => break,
+                '[' | '{' if !single && !double => {
+                    depth += 1;
+                    if depth > MAX_YAML_NESTING {
+                        return too_deep("collections", n + 1);
+                    }
+                }
+                ']' | '}' if !single && !double => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+            prev = ch;
+        }
+    }
+    Ok(())
+}
+
 fn yaml_error(e: &serde_yaml::Error) -> ConfigError {
     let text = e.to_string();
     // serde_yaml prefixes nested errors with the dotted path followed by ": ".
@@ -463,6 +503,22 @@ fn yaml_error(e: &serde_yaml::Error) -> ConfigError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn deep_nesting_is_refused_before_parsing_and_quickly() {
+        let start = std::time::Instant::now();
+        let bomb = format!("a: {}{}", "[".repeat(100_000), "]".repeat(100_000));
+        let e = JobSpec::parse(&bomb).unwrap_err();
+        assert!(e.to_string().contains("nested deeper than 32"), "{e}");
+        let indented: String = (0..100).map(|i| format!("{}k{i}:\n", " ".repeat(2 * i))).collect();
+        assert!(check_yaml_nesting(&indented).unwrap_err().contains("indentation"));
+        assert!(start.elapsed() < std::time::Duration::from_secs(1), "{:?}", start.elapsed());
+        // Brackets in quotes and comments do not count; ordinary jobs pass.
+        let quoted = format!("name: '{}' # {}\n", "[".repeat(100), "{".repeat(100));
+        check_yaml_nesting(&quoted).unwrap();
+        check_yaml_nesting(EXAMPLE).unwrap();
+        JobSpec::parse(EXAMPLE).unwrap();
+    }
 
     pub(crate) const EXAMPLE: &str = r#"
 name: shakespeare-small

@@ -1,6 +1,6 @@
 //! The trainer↔supervisor protocol as Rust types, used by both sides (docs/DESIGN.md "Trainer
 //! protocol"): the JSON-line [`Event`]s `headroom train` writes on stdout, the [`Control`] lines
-//! it reads on stdin, and its [`ExitCode`]s.
+//! it reads on stdin, its [`ExitCode`]s, and the run directory's [`RunIdentity`] and lock file.
 //!
 //! The engine writes events only through [`Line`]; the supervisor parses them only through
 //! [`Line::parse`]. A newer trainer may add fields (ignored) or event kinds ([`Event::Unknown`]);
@@ -295,6 +295,38 @@ impl ExitCode {
     /// The protocol's meaning of a child's exit status (`None`: a code it does not define).
     pub fn from_code(code: i32) -> Option<ExitCode> {
         ExitCode::ALL.into_iter().find(|c| c.code() == code)
+    }
+}
+
+/// The run directory's identity file: which run it belongs to.
+pub const RUN_IDENTITY_FILE: &str = "run.json";
+/// The run directory's lock file: held (an exclusive `flock`) by the one trainer using the
+/// directory, released by the kernel when that process ends however it ends; it holds the
+/// holder's pid as text.
+pub const RUN_LOCK_FILE: &str = ".lock";
+
+/// `run.json`: a run directory belongs to one run. `owner` names who made it (the supervisor
+/// writes `<database id>/job-<id>`; a hand-run `headroom train` none unless `--run-owner`);
+/// `lineage` changes on every `--fresh` start, and every checkpoint carries the lineage that
+/// wrote it, so retention and resume never mix two runs' checkpoints.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunIdentity {
+    pub format: u32,
+    pub owner: Option<String>,
+    pub lineage: String,
+    /// n_layer, n_head, n_embd, block_size, vocab of the run's model.
+    pub model: [u64; 5],
+}
+
+impl RunIdentity {
+    /// The identity in `run_dir`, `Ok(None)` when it has none yet.
+    pub fn read(run_dir: &std::path::Path) -> Result<Option<RunIdentity>, String> {
+        let path = run_dir.join(RUN_IDENTITY_FILE);
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| format!("{}: {e}", path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(format!("{}: {e}", path.display())),
+        }
     }
 }
 

@@ -9,6 +9,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use headroom::supervisor::db::NewJob;
 use headroom::supervisor::{self, RunnerConfig, ServeConfig};
 
 const XSS_NAME: &str = "<img src=x onerror=alert(1)>";
@@ -33,6 +34,7 @@ async fn history_page_in_headless_chromium() {
         db_path: dir.path().join("headroom.db"),
         data_dirs: vec![root.join("data")],
         token: None,
+        max_device_memory: None,
         runner: RunnerConfig {
             policies_dir: root.join("policies"),
             runs_dir: dir.path().join("runs"),
@@ -63,7 +65,17 @@ async fn history_page_in_headless_chromium() {
     // Rows the API would refuse (the name validator forbids markup) go straight into the DB, as a
     // corrupted or older database could hold them; plus 1,000 jobs for the load-time check.
     let db = &server.runner.db;
-    let xss = db.create_job(XSS_NAME, "default", "{}", "{}", 10, Some(1 << 20)).await.unwrap();
+    let xss = db
+        .create_job(&NewJob {
+            name: XSS_NAME,
+            policy: "default",
+            spec_yaml: "{}",
+            current_spec: "{}",
+            steps: 10,
+            capacity: Some(1 << 20),
+        })
+        .await
+        .unwrap();
     db.set_job_status(xss, "failed", Some(XSS_NAME)).await.unwrap();
     db.event(xss, None, "failed", XSS_NAME).await.unwrap();
     let mut tx = db.pool.begin().await.unwrap();

@@ -32,6 +32,7 @@ impl Harness {
             db_path: self.dir.path().join("headroom.db"),
             data_dirs: vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("data")],
             token: token.map(str::to_owned),
+            max_device_memory: None,
             runner: RunnerConfig {
                 policies_dir: self.policies.clone(),
                 runs_dir: self.dir.path().join("runs"),

@@ -408,3 +408,105 @@ fn gpu_check_without_a_driver_or_with_a_bad_flag_exits_2_with_the_reason() {
         assert!(stderr.contains("cuda devices cannot be used here: libcuda"), "{stderr}");
     }
 }
+
+fn ckpt_names(run: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(run)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("ckpt-"))
+        .collect();
+    names.sort();
+    names
+}
+
+fn tiny_steps_job(steps: u64, every: u64) -> String {
+    job_yaml("lineage", steps, 4, 4, "32MiB")
+        .replace(
+            "n_layer: 2, n_head: 4, n_embd: 64, block_size: 64",
+            "n_layer: 1, n_head: 2, n_embd: 16, block_size: 16",
+        )
+        .replace("checkpoint_every: 50", &format!("checkpoint_every: {every}"))
+}
+
+#[test]
+fn fresh_starts_a_new_run_that_keeps_its_own_checkpoints_and_resumes_from_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let job = write_job(dir.path(), &tiny_steps_job(100, 10));
+    assert_eq!(train(&job, &run, &[]).status.code(), Some(0));
+    assert_eq!(ckpt_names(&run), ["ckpt-00000090.bin", "ckpt-00000100.bin"]);
+
+    // --fresh in the same directory: the old run's checkpoints move aside; the new run's are
+    // kept (not pruned for having lower step numbers) and the one it names exists.
+    let out = train(&job, &run, &["--fresh", "--stop-after", "30"]);
+    assert_eq!(out.status.code(), Some(4), "{}", String::from_utf8_lossy(&out.stderr));
+    let named = of_kind(&events(&out), "checkpoint").last().unwrap()["path"].as_str().unwrap().to_string();
+    assert!(std::path::Path::new(&named).is_file(), "the checkpoint it names exists: {named}");
+    assert_eq!(ckpt_names(&run), ["ckpt-00000020.bin", "ckpt-00000030.bin"]);
+    let superseded: Vec<_> = std::fs::read_dir(run.join("superseded")).unwrap().flatten().collect();
+    assert_eq!(superseded.len(), 1);
+    assert_eq!(ckpt_names(&superseded[0].path()), ["ckpt-00000090.bin", "ckpt-00000100.bin"]);
+    // The next run resumes the new run at 30, not the old one at 100.
+    let out = train(&job, &run, &[]);
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(of_kind(&events(&out), "started")[0]["resumed_from_step"], 30);
+}
+
+#[test]
+fn corrupt_newest_checkpoints_are_moved_aside_and_progress_is_kept_after() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let job = write_job(dir.path(), &tiny_steps_job(40, 10));
+    assert_eq!(train(&job, &run, &["--stop-after", "30"]).status.code(), Some(4));
+    for name in ckpt_names(&run) {
+        let path = run.join(name);
+        let mut raw = std::fs::read(&path).unwrap();
+        let mid = raw.len() / 2;
+        raw[mid] ^= 0xff;
+        std::fs::write(&path, raw).unwrap();
+    }
+    // Both corrupt: training restarts at 0, the corrupt files go to corrupt/, and the new
+    // checkpoints are kept.
+    let out = train(&job, &run, &["--stop-after", "10"]);
+    assert_eq!(out.status.code(), Some(4), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(of_kind(&events(&out), "started")[0]["resumed_from_step"], serde_json::Value::Null);
+    assert_eq!(ckpt_names(&run), ["ckpt-00000010.bin"]);
+    assert_eq!(ckpt_names(&run.join("corrupt")).len(), 2);
+    let out = train(&job, &run, &[]);
+    assert_eq!(of_kind(&events(&out), "started")[0]["resumed_from_step"], 10);
+}
+
+#[test]
+fn a_run_directory_in_use_or_of_another_run_is_refused_with_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let job = write_job(dir.path(), &tiny_steps_job(100_000, 1000));
+    let mut first = Command::new(bin())
+        .args(["train", "--config"])
+        .arg(&job)
+        .arg("--run-dir")
+        .arg(&run)
+        .env("HEADROOM_LOG", "warn")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until it has started (its first line), then a second trainer on the same directory.
+    let mut lines = BufReader::new(first.stdout.take().unwrap()).lines();
+    lines.next().unwrap().unwrap();
+    let out = train(&job, &run, &[]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("in use by another trainer") && err.contains(&first.id().to_string()), "{err}");
+    first.kill().unwrap();
+    first.wait().unwrap();
+    // Owned by someone else, or another model: refused, naming what it holds.
+    let out = train(&job, &run, &["--run-owner", "db/job-7"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("belongs to a run with no owner"));
+    let other_model = write_job(dir.path(), &tiny_steps_job(10, 10).replace("n_layer: 1", "n_layer: 2"));
+    let out = train(&other_model, &run, &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("another model"));
+}

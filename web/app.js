@@ -381,7 +381,8 @@ function submitPage() {
   const submit = async () => {
     out.className = '';
     out.textContent = 'submitting…';
-    const headers = token.value ? { Authorization: `Bearer ${token.value}` } : {};
+    const headers = { 'Content-Type': 'application/yaml' };
+    if (token.value) headers.Authorization = `Bearer ${token.value}`;
     try {
       const r = await api('/api/jobs', { method: 'POST', body: text.value, headers });
       location.hash = `#/job/${r.body.id}`;

@@ -76,9 +76,14 @@ pub struct TrainArgs {
     /// Require resuming from a checkpoint in the run directory (by default resume if one exists).
     #[arg(long, conflicts_with = "fresh")]
     pub resume: bool,
-    /// Ignore checkpoints in the run directory and start from step 0.
+    /// Start a new run from step 0: checkpoints already in the run directory are moved to
+    /// its superseded/ folder (never resumed, never deleted).
     #[arg(long)]
     pub fresh: bool,
+    /// Who the run directory belongs to (recorded in its run.json on first use; a directory
+    /// recorded for another owner is refused). The supervisor passes <database id>/job-<id>.
+    #[arg(long)]
+    pub run_owner: Option<String>,
     /// Checkpoint and exit with code 4 after this many optimizer steps.
     #[arg(long)]
     pub stop_after: Option<u64>,
@@ -153,6 +158,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     let spec = JobSpec::load(&args.config)?;
     let opts = TrainOptions {
         run_dir: args.run_dir.unwrap_or_else(|| engine::train::job::default_run_dir(&spec)),
+        owner: args.run_owner,
         resume: if args.fresh {
             ResumeMode::Fresh
         } else if args.resume {

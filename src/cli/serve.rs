@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use super::client::{runtime, Api};
+use super::client::{runtime, Api, UsageError};
 use crate::supervisor::{self, RunnerConfig, ServeConfig};
 
 #[derive(Debug, clap::Args)]
@@ -24,9 +24,17 @@ pub struct ServeArgs {
     /// Directories job data may come from (repeatable).
     #[arg(long = "data-dir", default_value = "data")]
     pub data_dirs: Vec<PathBuf>,
-    /// Bearer token required on mutating routes.
-    #[arg(long, env = "HEADROOM_TOKEN", hide_env_values = true)]
+    /// Bearer token required on mutating routes (prefer HEADROOM_TOKEN or --token-file: a
+    /// flag's value is visible to every user in `ps`).
+    #[arg(long, env = "HEADROOM_TOKEN", hide_env_values = true, conflicts_with = "token_file")]
     pub token: Option<String>,
+    /// File holding the bearer token (its first line).
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
+    /// Refuse jobs whose device.device_memory is above this size (e.g. 64GiB); jobs larger
+    /// than the machine's memory are refused regardless.
+    #[arg(long, value_parser = parse_size)]
+    pub max_device_memory: Option<u64>,
     /// Jobs run at once.
     #[arg(long, default_value_t = 1)]
     pub slots: usize,
@@ -35,13 +43,30 @@ pub struct ServeArgs {
     pub demo: bool,
 }
 
+fn parse_size(text: &str) -> Result<u64, String> {
+    crate::memory::parse_bytes(text).map(|b| b as u64)
+}
+
+/// The token from --token / HEADROOM_TOKEN, or the first line of --token-file.
+fn read_token(args: &ServeArgs) -> anyhow::Result<Option<String>> {
+    let Some(path) = &args.token_file else { return Ok(args.token.clone()) };
+    let text = std::fs::read_to_string(path).with_context(|| format!("--token-file {}", path.display()))?;
+    let token = text.lines().next().unwrap_or("").trim().to_string();
+    if token.is_empty() {
+        anyhow::bail!("--token-file {}: the file is empty", path.display());
+    }
+    Ok(Some(token))
+}
+
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let token = read_token(&args)?;
     runtime()?.block_on(async move {
         let cfg = ServeConfig {
             addr: args.addr,
             db_path: args.db,
             data_dirs: args.data_dirs,
-            token: args.token.clone(),
+            token: token.clone(),
+            max_device_memory: args.max_device_memory,
             runner: RunnerConfig {
                 policies_dir: args.policies,
                 runs_dir: args.runs,
@@ -49,12 +74,14 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 slots: args.slots,
             },
         };
-        let server = supervisor::start(cfg).await?;
+        // A daemon that cannot start as configured (database in use or unwritable, address
+        // taken, a path missing) exits 2, having changed nothing.
+        let server = supervisor::start(cfg).await.map_err(|e| UsageError(format!("{e:#}")))?;
         let url = format!("http://{}", server.addr);
         eprintln!("headroom: serving {url}/ (experiment history), API under {url}/api");
         if args.demo {
             let job = std::fs::read_to_string("data/demo-job.yaml").context("reading data/demo-job.yaml")?;
-            let api = Api { base: url.clone(), token: args.token.clone(), http: reqwest::Client::new() };
+            let api = Api { base: url.clone(), token: token.clone(), http: reqwest::Client::new() };
             let id = api.post("/api/jobs", job).await?["id"].clone();
             eprintln!("headroom: demo job {id} submitted: follow it at {url}/ or `headroom show {id}`");
         }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path as UrlPath, Query, Request, State};
+use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, FromRequest, Path as UrlPath, Query, Request, State};
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -20,7 +20,8 @@ use serde_json::json;
 
 use crate::config::JobSpec;
 
-use super::db::{Db, JobFilter, JobSort};
+use super::admission::{self, Machine};
+use super::db::{self, Db, JobFilter, JobSort, NewJob};
 use super::policy::{self, Policy, PolicyError};
 use super::runner::Runner;
 
@@ -36,7 +37,21 @@ pub struct AppState {
     pub data_dirs: Vec<PathBuf>,
     /// NVML readings when a GPU driver is present.
     pub gpus: Arc<crate::gpu::GpuMonitor>,
+    /// Turns true when the daemon shuts down: open event streams end.
+    pub shutdown: tokio::sync::watch::Receiver<bool>,
+    /// What a submitted job is checked against (admission control).
+    pub machine: Arc<Machine>,
 }
+
+/// How long a client may take to send a whole request body (a body that trickles in is cut
+/// off with 408 rather than holding a connection and a task).
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long parsing and checking a submitted document may take.
+const PARSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Media types a job or policy body may be sent as (or none). Form and plain-text bodies are
+/// refused: they are what a cross-site page can post without the browser asking first.
+const BODY_TYPES: [&str; 5] =
+    ["application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "application/json"];
 
 /// Every error a handler returns. Internal details are logged, not sent.
 #[derive(Debug, thiserror::Error)]
@@ -49,13 +64,26 @@ pub enum ApiError {
     Unauthorized,
     #[error("{message}")]
     Rejected { status: StatusCode, message: String },
+    /// The database stayed locked (by another process) for longer than a request waits.
+    #[error("the experiment database is busy; retry shortly")]
+    Busy,
     #[error(transparent)]
     Internal(#[from] anyhow::Error),
 }
 
 impl From<sqlx::Error> for ApiError {
     fn from(e: sqlx::Error) -> Self {
+        if db::is_transient(&e) {
+            tracing::warn!("database busy past the request's patience: {e}");
+            return ApiError::Busy;
+        }
         ApiError::Internal(e.into())
+    }
+}
+
+impl From<QueryRejection> for ApiError {
+    fn from(r: QueryRejection) -> Self {
+        ApiError::BadRequest(format!("query string: {}", r.body_text()))
     }
 }
 
@@ -78,6 +106,10 @@ impl IntoResponse for ApiError {
             ApiError::NotFound(m) => (StatusCode::NOT_FOUND, m.clone()),
             ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, self.to_string()),
             ApiError::Rejected { status, message } => (*status, message.clone()),
+            ApiError::Busy => {
+                let body = Json(json!({ "error": self.to_string() }));
+                return (StatusCode::SERVICE_UNAVAILABLE, [(header::RETRY_AFTER, "5")], body).into_response();
+            }
             ApiError::Internal(e) => {
                 tracing::error!("internal error: {e:#}");
                 (StatusCode::INTERNAL_SERVER_ERROR, "internal error".to_string())
@@ -97,8 +129,18 @@ pub fn router(state: AppState) -> Router {
         .route("/api/gpus", get(gpus))
         .route("/metrics", get(metrics))
         .merge(web_router())
-        .layer(middleware::from_fn_with_state(state.clone(), require_token))
+        .fallback(|| async { ApiError::NotFound("no such route".into()) })
+        .method_not_allowed_fallback(|req: Request| async move {
+            ApiError::Rejected {
+                status: StatusCode::METHOD_NOT_ALLOWED,
+                message: format!("method {} is not allowed on {}", req.method(), req.uri().path()),
+            }
+        })
+        .layer(middleware::from_fn_with_state(state.clone(), guard_mutations))
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        // A declared length over the limit is refused before any body is read; a body that
+        // trickles in is cut off (408) rather than holding a connection for ever.
+        .layer(middleware::from_fn(refuse_declared_oversize))
         .layer(tower_http::trace::TraceLayer::new_for_http())
         .with_state(state)
 }
@@ -135,20 +177,91 @@ fn policies_router() -> Router<AppState> {
         .route("/api/policies/{name}", get(get_policy).put(put_policy))
 }
 
-/// Mutating routes need `Authorization: Bearer TOKEN` when a token is configured.
-async fn require_token(State(state): State<AppState>, req: Request, next: Next) -> Response {
+/// Mutating routes: refused when a browser sends them from another origin (the `Origin`
+/// header's host is not the `Host` this daemon was reached at), when the body's media type is
+/// not YAML or JSON, and without `Authorization: Bearer TOKEN` when a token is configured.
+async fn guard_mutations(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let mutating = matches!(*req.method(), Method::POST | Method::PUT | Method::DELETE | Method::PATCH);
-    if let (true, Some(token)) = (mutating, &state.token) {
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(token.as_str()) {
+    if !mutating {
+        return next.run(req).await;
+    }
+    let headers = req.headers();
+    let text = |name| headers.get(name).and_then(|v: &header::HeaderValue| v.to_str().ok());
+    if let Some(origin) = text(header::ORIGIN) {
+        let origin_host = origin.split_once("://").map_or(origin, |(_, rest)| rest).trim_end_matches('/');
+        if Some(origin_host) != text(header::HOST) {
+            return ApiError::Rejected {
+                status: StatusCode::FORBIDDEN,
+                message: format!("cross-origin request refused (Origin {origin})"),
+            }
+            .into_response();
+        }
+    }
+    if let Some(token) = &state.token {
+        let given = text(header::AUTHORIZATION).and_then(|v| v.strip_prefix("Bearer "));
+        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.as_bytes())) {
             return ApiError::Unauthorized.into_response();
         }
     }
+    if let Some(ct) = text(header::CONTENT_TYPE) {
+        let media = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+        if !BODY_TYPES.contains(&media.as_str()) {
+            return ApiError::Rejected {
+                status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                message: format!("Content-Type {ct} is not accepted: send YAML or JSON ({})", BODY_TYPES.join(", ")),
+            }
+            .into_response();
+        }
+    }
     next.run(req).await
+}
+
+/// A request body read whole within [`BODY_TIMEOUT`] and [`MAX_BODY`].
+struct BoundedBody(Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for BoundedBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        match tokio::time::timeout(BODY_TIMEOUT, Bytes::from_request(req, state)).await {
+            Ok(body) => Ok(BoundedBody(body?)),
+            Err(_) => Err(ApiError::Rejected {
+                status: StatusCode::REQUEST_TIMEOUT,
+                message: format!("request body not received within {} s", BODY_TIMEOUT.as_secs()),
+            }),
+        }
+    }
+}
+
+/// 413 at once for a `Content-Length` above [`MAX_BODY`], before reading (or waiting for) it.
+async fn refuse_declared_oversize(req: Request, next: Next) -> Response {
+    let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return ApiError::Rejected {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!("request body larger than {MAX_BODY} bytes"),
+        }
+        .into_response();
+    }
+    next.run(req).await
+}
+
+/// Equal bytes, in time that depends only on the lengths (a token compared byte by byte
+/// would leak how much of a guess was right).
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Run a parse of user input off the async workers, bounded in time.
+async fn parse_off_runtime<T: Send + 'static>(
+    what: &str,
+    parse: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> ApiResult<T> {
+    match tokio::time::timeout(PARSE_TIMEOUT, tokio::task::spawn_blocking(parse)).await {
+        Ok(Ok(result)) => result.map_err(ApiError::BadRequest),
+        Ok(Err(join)) => Err(ApiError::Internal(anyhow::anyhow!("parsing {what}: {join}"))),
+        Err(_) => Err(ApiError::BadRequest(format!("{what}: took longer than {} s to parse", PARSE_TIMEOUT.as_secs()))),
+    }
 }
 
 /// Resolve `data.path` and require it to lie inside one of the allowed data directories.
@@ -168,13 +281,16 @@ pub fn check_data_path(path: &Path, allowed: &[PathBuf]) -> Result<PathBuf, Stri
     Ok(canonical)
 }
 
-async fn submit_job(
-    State(state): State<AppState>,
-    body: Result<Bytes, BytesRejection>,
-) -> ApiResult<impl IntoResponse> {
-    let body = body?;
-    let text = std::str::from_utf8(&body).map_err(|_| ApiError::BadRequest("body is not UTF-8".into()))?;
-    let mut spec = JobSpec::parse(text).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+async fn submit_job(State(state): State<AppState>, BoundedBody(body): BoundedBody) -> ApiResult<impl IntoResponse> {
+    let text = String::from_utf8(body.to_vec()).map_err(|_| ApiError::BadRequest("body is not UTF-8".into()))?;
+    let machine = state.machine.clone();
+    let (mut spec, text) = parse_off_runtime("job", move || {
+        let spec = JobSpec::parse(&text).map_err(|e| e.to_string())?;
+        admission::admit(&spec, &machine)?;
+        Ok((spec, text))
+    })
+    .await?;
+    let text = text.as_str();
     match policy::load(&state.runner.cfg.policies_dir, &spec.policy) {
         Ok(_) => {}
         Err(PolicyError::NotFound(n)) => return Err(ApiError::BadRequest(format!("policy: `{n}` does not exist"))),
@@ -183,8 +299,15 @@ async fn submit_job(
     spec.data.path = check_data_path(&spec.data.path, &state.data_dirs).map_err(ApiError::BadRequest)?;
     let current = serde_json::to_string(&spec).map_err(anyhow::Error::from)?;
     let capacity = spec.device_capacity().map(|c| c as i64);
-    let id = state.db.create_job(&spec.name, &spec.policy, text, &current, spec.train.steps, capacity).await?;
-    state.db.event(id, None, "submitted", &format!("job {} submitted with policy {}", spec.name, spec.policy)).await?;
+    let new = NewJob {
+        name: &spec.name,
+        policy: &spec.policy,
+        spec_yaml: text,
+        current_spec: &current,
+        steps: spec.train.steps,
+        capacity,
+    };
+    let id = state.db.create_job(&new).await?;
     state.runner.enqueue(id);
     Ok((StatusCode::CREATED, Json(json!({ "id": id }))))
 }
@@ -201,7 +324,11 @@ struct ListQuery {
 }
 
 /// A page of jobs; the total matching the filter is in the `X-Total-Count` header.
-async fn list_jobs(State(state): State<AppState>, Query(q): Query<ListQuery>) -> ApiResult<impl IntoResponse> {
+async fn list_jobs(
+    State(state): State<AppState>,
+    q: Result<Query<ListQuery>, QueryRejection>,
+) -> ApiResult<impl IntoResponse> {
+    let Query(q) = q?;
     let limit = q.limit.unwrap_or(100);
     if !(1..=1000).contains(&limit) {
         return Err(ApiError::BadRequest(format!("limit: {limit} must be in [1, 1000]")));
@@ -277,9 +404,10 @@ struct EventsQuery {
 async fn job_events(
     State(state): State<AppState>,
     UrlPath(id): UrlPath<String>,
-    Query(q): Query<EventsQuery>,
+    q: Result<Query<EventsQuery>, QueryRejection>,
     headers: HeaderMap,
 ) -> ApiResult<Response> {
+    let Query(q) = q?;
     let job = existing_job(&state, &id).await?;
     let after = q.after.unwrap_or(0);
     let wants_stream =
@@ -289,31 +417,38 @@ async fn job_events(
     }
     let db = state.db.clone();
     let job_id = job.core.id;
-    let stream = futures::stream::unfold((db, after, false), move |(db, last, done)| async move {
-        if done {
-            return None;
-        }
-        loop {
-            let events = db.events(job_id, last).await.unwrap_or_default();
-            if !events.is_empty() {
-                let new_last = events.last().map(|e| e.id).unwrap_or(last);
-                let items: Vec<Result<Event, Infallible>> = events
-                    .iter()
-                    .map(|e| {
-                        Ok(Event::default().id(e.id.to_string()).event(e.kind.clone()).json_data(e).expect("json"))
-                    })
-                    .collect();
-                return Some((futures::stream::iter(items), (db, new_last, false)));
+    let shutdown = state.shutdown.clone();
+    let stream = futures::stream::unfold((db, after, false), move |(db, last, done)| {
+        let mut shutdown = shutdown.clone();
+        async move {
+            if done || *shutdown.borrow() {
+                return None;
             }
-            let terminal = matches!(
-                db.job(job_id).await.ok().flatten().map(|j| j.core.status).as_deref(),
-                Some("finished" | "failed" | "cancelled") | None
-            );
-            if terminal {
-                let end = vec![Ok(Event::default().event("end").data("{}"))];
-                return Some((futures::stream::iter(end), (db, last, true)));
+            loop {
+                let events = db.events(job_id, last).await.unwrap_or_default();
+                if !events.is_empty() {
+                    let new_last = events.last().map(|e| e.id).unwrap_or(last);
+                    let items: Vec<Result<Event, Infallible>> = events
+                        .iter()
+                        .map(|e| {
+                            Ok(Event::default().id(e.id.to_string()).event(e.kind.clone()).json_data(e).expect("json"))
+                        })
+                        .collect();
+                    return Some((futures::stream::iter(items), (db, new_last, false)));
+                }
+                let terminal = matches!(
+                    db.job(job_id).await.ok().flatten().map(|j| j.core.status).as_deref(),
+                    Some("finished" | "failed" | "cancelled") | None
+                );
+                if terminal {
+                    let end = vec![Ok(Event::default().event("end").data("{}"))];
+                    return Some((futures::stream::iter(end), (db, last, true)));
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+                    _ = shutdown.wait_for(|s| *s) => return None,
+                }
             }
-            tokio::time::sleep(Duration::from_millis(250)).await;
         }
     });
     let flat = futures::StreamExt::flatten(stream);
@@ -348,14 +483,15 @@ async fn get_policy(State(state): State<AppState>, UrlPath(name): UrlPath<String
 async fn put_policy(
     State(state): State<AppState>,
     UrlPath(name): UrlPath<String>,
-    body: Result<Bytes, BytesRejection>,
+    BoundedBody(body): BoundedBody,
 ) -> ApiResult<impl IntoResponse> {
-    let body = body?;
     if !policy::valid_name(&name) {
         return Err(ApiError::BadRequest(format!("policy name `{name}` must match [A-Za-z0-9_-]{{1,64}}")));
     }
-    let text = std::str::from_utf8(&body).map_err(|_| ApiError::BadRequest("body is not UTF-8".into()))?;
-    let p = Policy::parse(text).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    let text = String::from_utf8(body.to_vec()).map_err(|_| ApiError::BadRequest("body is not UTF-8".into()))?;
+    let (p, text) =
+        parse_off_runtime("policy", move || Policy::parse(&text).map(|p| (p, text)).map_err(|e| e.to_string())).await?;
+    let text = text.as_str();
     if p.name != name {
         return Err(ApiError::BadRequest(format!("name: `{}` does not match the URL's `{name}`", p.name)));
     }

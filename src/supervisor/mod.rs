@@ -3,17 +3,21 @@
 //! It sees a trainer only through argv, the job file, stdin control lines, the exit status and
 //! JSON lines on stdout — never the engine's internals.
 
+pub mod admission;
 pub mod db;
 pub mod http;
 pub mod ladder;
 pub mod monitor;
 pub mod outcome;
 pub mod policy;
+pub mod run_dirs;
 pub mod runner;
 
+use std::io::{Read, Write};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 
@@ -28,6 +32,9 @@ pub struct ServeConfig {
     pub db_path: PathBuf,
     pub data_dirs: Vec<PathBuf>,
     pub token: Option<String>,
+    /// The largest `device_memory` a job may ask for (admission control), beyond what the
+    /// machine has.
+    pub max_device_memory: Option<u64>,
     pub runner: RunnerConfig,
 }
 
@@ -35,23 +42,81 @@ pub struct ServeConfig {
 pub struct RunningServer {
     pub addr: SocketAddr,
     pub runner: Arc<Runner>,
-    stop: tokio::sync::oneshot::Sender<()>,
+    stop: tokio::sync::watch::Sender<bool>,
     server: tokio::task::JoinHandle<std::io::Result<()>>,
+    /// Held while the daemon runs: one daemon per database.
+    _db_lock: Option<std::fs::File>,
 }
 
+/// How long shutdown waits for open connections (event streams end at once; this bounds a
+/// client that stops reading).
+const CONNECTIONS_GRACE: Duration = Duration::from_secs(3);
+
 impl RunningServer {
-    /// Graceful shutdown: stop accepting, checkpoint and stop running children.
+    /// Graceful shutdown: stop accepting, end event streams, checkpoint and stop running
+    /// children.
     pub async fn shutdown(self) -> anyhow::Result<()> {
-        let _ = self.stop.send(());
+        let _ = self.stop.send(true);
         self.runner.shutdown().await;
-        self.server.await??;
+        let mut server = self.server;
+        match tokio::time::timeout(CONNECTIONS_GRACE, &mut server).await {
+            Ok(joined) => joined??,
+            Err(_) => {
+                tracing::warn!("connections still open after {} s: closing them", CONNECTIONS_GRACE.as_secs());
+                server.abort();
+            }
+        }
         Ok(())
     }
 }
 
-/// Open the DB, start the runner (requeueing unfinished jobs), bind and serve in the background.
+/// Take the database's daemon lock (`<db>.lock`, an exclusive flock holding our pid): a second
+/// daemon on the same database refuses to start before it reads or changes anything.
+fn lock_database(db_path: &Path) -> anyhow::Result<Option<std::fs::File>> {
+    if db_path.as_os_str() == ":memory:" {
+        return Ok(None);
+    }
+    let mut name = db_path.as_os_str().to_owned();
+    name.push(".lock");
+    let path = PathBuf::from(name);
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("--db {}: cannot create the lock file {}", db_path.display(), path.display()))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            anyhow::bail!(
+                "--db {}: another headroom serve (pid {}) is using this database; stop it first or use another --db",
+                db_path.display(),
+                holder.trim()
+            );
+        }
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(e).with_context(|| format!("locking {}", path.display()));
+        }
+    }
+    file.set_len(0)?;
+    write!(file, "{}", std::process::id())?;
+    Ok(Some(file))
+}
+
+/// Lock and open the DB (checking it can be written), bind, then start the runner (requeueing
+/// unfinished jobs) and serve in the background. Nothing is recovered before the lock is held
+/// and the address bound: a daemon that cannot start changes nothing.
 pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
-    let db = Db::open(&cfg.db_path).await.with_context(|| format!("opening database {}", cfg.db_path.display()))?;
+    let db_lock = lock_database(&cfg.db_path)?;
+    let db = Db::open(&cfg.db_path)
+        .await
+        .with_context(|| format!("--db {}: cannot open the database", cfg.db_path.display()))?;
+    db.record_start()
+        .await
+        .with_context(|| format!("--db {}: the database cannot be written", cfg.db_path.display()))?;
     let mut data_dirs = Vec::new();
     for d in &cfg.data_dirs {
         data_dirs.push(std::fs::canonicalize(d).with_context(|| format!("--data-dir {}", d.display()))?);
@@ -59,20 +124,30 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     if !cfg.runner.policies_dir.is_dir() {
         anyhow::bail!("--policies {} is not a directory", cfg.runner.policies_dir.display());
     }
-    let runner = Runner::start(db.clone(), cfg.runner.clone()).await?;
-    let gpus = Arc::new(crate::gpu::GpuMonitor::init());
-    let state = http::AppState { db, runner: runner.clone(), token: cfg.token.clone(), data_dirs, gpus };
     let listener = tokio::net::TcpListener::bind(cfg.addr).await.with_context(|| format!("binding {}", cfg.addr))?;
     let addr = listener.local_addr()?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let runner = Runner::start(db.clone(), cfg.runner.clone()).await?;
+    let gpus = Arc::new(crate::gpu::GpuMonitor::init());
+    let machine = Arc::new(admission::Machine::detect(&gpus, cfg.max_device_memory));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let state = http::AppState {
+        db,
+        runner: runner.clone(),
+        token: cfg.token.clone(),
+        data_dirs,
+        gpus,
+        shutdown: stopped.clone(),
+        machine,
+    };
     let app = http::router(state);
     let server = tokio::spawn(async move {
+        let mut stopped = stopped;
         axum::serve(listener, app)
             .with_graceful_shutdown(async move {
-                let _ = stopped.await;
+                let _ = stopped.wait_for(|s| *s).await;
             })
             .await
     });
     tracing::info!(%addr, "headroom serving");
-    Ok(RunningServer { addr, runner, stop, server })
+    Ok(RunningServer { addr, runner, stop, server, _db_lock: db_lock })
 }

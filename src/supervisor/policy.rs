@@ -144,6 +144,7 @@ pub fn valid_name(name: &str) -> bool {
 
 impl Policy {
     pub fn parse(text: &str) -> Result<Policy, PolicyError> {
+        crate::config::check_yaml_nesting(text).map_err(|m| invalid("policy", m))?;
         let p: Policy = serde_yaml::from_str(text).map_err(|e| invalid("policy", e.to_string()))?;
         p.validate()?;
         Ok(p)

@@ -8,6 +8,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::{mpsc, watch, Mutex};
 
@@ -15,11 +16,12 @@ use crate::config::{serde_name, JobSpec};
 use crate::memory::format_bytes;
 use crate::protocol::{Control, Line};
 
-use super::db::Db;
+use super::db::{AttemptEnd, Db, RUNNER_PATIENCE};
 use super::ladder::{self, Action, LadderState};
 use super::monitor::Monitor;
 use super::outcome::{self, Exit, Outcome, Request};
 use super::policy::{self, Policy};
+use super::run_dirs;
 
 #[derive(Debug, Clone)]
 pub struct RunnerConfig {
@@ -35,6 +37,8 @@ pub struct RunnerConfig {
 pub struct Runner {
     pub db: Db,
     pub cfg: RunnerConfig,
+    /// The database's identity: run directories are owned by `<db_id>/job-<id>`.
+    db_id: String,
     queue: mpsc::UnboundedSender<i64>,
     running: Mutex<HashMap<i64, mpsc::UnboundedSender<Request>>>,
     shutdown: watch::Sender<bool>,
@@ -44,12 +48,15 @@ pub struct Runner {
 impl Runner {
     /// Start `cfg.slots` workers and requeue jobs a previous daemon left unfinished.
     pub async fn start(db: Db, cfg: RunnerConfig) -> anyhow::Result<Arc<Runner>> {
-        std::fs::create_dir_all(&cfg.runs_dir)?;
+        std::fs::create_dir_all(&cfg.runs_dir)
+            .with_context(|| format!("--runs {}: cannot create the runs directory", cfg.runs_dir.display()))?;
+        let db_id = db.identity().await?;
         let (tx, rx) = mpsc::unbounded_channel();
         let (shutdown, _) = watch::channel(false);
         let runner = Arc::new(Runner {
-            db,
+            db: db.with_patience(RUNNER_PATIENCE),
             cfg,
+            db_id,
             queue: tx,
             running: Mutex::new(HashMap::new()),
             shutdown,
@@ -68,15 +75,25 @@ impl Runner {
                     let Some(job) = next else { break };
                     tracing::info!(job, slot, "running job");
                     if let Err(e) = shared.run_job(job).await {
+                        // Not a storage hiccup (those are waited out): the supervisor could not
+                        // run the job at all (run directory, trainer executable, ...).
                         tracing::error!(job, "job runner failed: {e:#}");
-                        let _ = shared.db.set_job_status(job, "failed", Some("internal supervisor error")).await;
-                        let _ = shared.db.event(job, None, "failed", "internal supervisor error").await;
+                        let reason = format!("supervisor error: {e:#}");
+                        let _ = shared.db.set_job_status(job, "failed", Some(&reason)).await;
+                        let _ = shared.db.event(job, None, "failed", &reason).await;
                     }
                 }
             });
             runner.workers.lock().await.push(handle);
         }
         for job in runner.db.unfinished_jobs().await? {
+            // A trainer the previous daemon left running (it should have died with it) must
+            // not write next to the new attempt.
+            for pid in runner.db.dangling_attempt_pids(job).await? {
+                if run_dirs::kill_stale_trainer(pid, &runner.run_dir(job)) {
+                    tracing::warn!(job, pid, "killed a trainer left running by the previous daemon");
+                }
+            }
             runner.db.close_dangling_attempts(job).await?;
             runner.db.set_job_status(job, "queued", None).await?;
             runner
@@ -94,6 +111,32 @@ impl Runner {
 
     pub fn run_dir(&self, job: i64) -> PathBuf {
         self.cfg.runs_dir.join(format!("job-{job}"))
+    }
+
+    /// Who job `job`'s run directory belongs to.
+    fn owner(&self, job: i64) -> String {
+        format!("{}/job-{job}", self.db_id)
+    }
+
+    /// Make the job's run directory its own and free: another database's or job's directory
+    /// at that path is moved aside (an event says where), and a trainer still holding it (an
+    /// earlier attempt exiting) is waited for.
+    async fn prepare_run_dir(&self, job: i64) -> anyhow::Result<PathBuf> {
+        let run_dir = self.run_dir(job);
+        if let Some((moved, found)) = run_dirs::claim(&run_dir, &self.owner(job))
+            .with_context(|| format!("moving aside run directory {}", run_dir.display()))?
+        {
+            let msg = format!(
+                "run directory {} belonged to {found}, not to this job: moved to {} (its checkpoints are not resumed)",
+                run_dir.display(),
+                moved.display()
+            );
+            tracing::warn!(job, "{msg}");
+            self.db.event(job, None, "run_dir_superseded", &msg).await?;
+        }
+        std::fs::create_dir_all(&run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
+        run_dirs::wait_unlocked(&run_dir, Duration::from_secs(60)).await.map_err(anyhow::Error::msg)?;
+        Ok(run_dir)
     }
 
     /// Cancel a job: a queued one is marked at once, a running one is stopped after a checkpoint.
@@ -189,10 +232,38 @@ impl Runner {
         policy: &Policy,
         control: &mut mpsc::UnboundedReceiver<Request>,
     ) -> anyhow::Result<Outcome> {
-        let run_dir = self.run_dir(job);
-        std::fs::create_dir_all(&run_dir)?;
+        let run_dir = self.prepare_run_dir(job).await?;
         let config_json = serde_json::to_string(spec)?;
         let (attempt, number) = self.db.start_attempt(job, rung, &config_json).await?;
+        match self.supervise(job, attempt, number, &run_dir, rung, spec, policy, control).await {
+            Ok(outcome) => Ok(outcome),
+            Err(e) => {
+                // The attempt row is always closed, whatever stopped the supervision.
+                let end = AttemptEnd {
+                    outcome: "crashed".into(),
+                    message: Some(format!("supervisor error: {e:#}")),
+                    ..AttemptEnd::default()
+                };
+                let _ = self.db.finish_attempt(attempt, &end).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Start the trainer of one attempt (its row already open), follow it to its end, close
+    /// the row and record the outcome.
+    #[allow(clippy::too_many_arguments)]
+    async fn supervise(
+        &self,
+        job: i64,
+        attempt: i64,
+        number: i64,
+        run_dir: &Path,
+        rung: &str,
+        spec: &JobSpec,
+        policy: &Policy,
+        control: &mut mpsc::UnboundedReceiver<Request>,
+    ) -> anyhow::Result<Outcome> {
         let config_path = run_dir.join(format!("attempt-{number}.yaml"));
         std::fs::write(&config_path, spec.to_yaml())?;
         let stderr_log = std::fs::File::create(run_dir.join(format!("attempt-{number}.log")))?;
@@ -210,18 +281,22 @@ impl Runner {
                 ),
             )
             .await?;
-        let mut child = tokio::process::Command::new(&self.cfg.trainer_exe)
+        let mut command = tokio::process::Command::new(&self.cfg.trainer_exe);
+        command
             .arg("train")
             .arg("--config")
             .arg(&config_path)
             .arg("--run-dir")
-            .arg(&run_dir)
+            .arg(run_dir)
+            .arg("--run-owner")
+            .arg(self.owner(job))
             .env("HEADROOM_LOG", std::env::var("HEADROOM_TRAINER_LOG").unwrap_or_else(|_| "info".into()))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(stderr_log))
-            .kill_on_drop(true)
-            .spawn()?;
+            .kill_on_drop(true);
+        run_dirs::die_with_parent(&mut command);
+        let mut child = command.spawn().with_context(|| format!("starting {}", self.cfg.trainer_exe.display()))?;
         self.db.set_attempt_pid(attempt, child.id()).await?;
         let mut stdin = child.stdin.take().expect("piped stdin");
         let mut lines = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
@@ -266,7 +341,7 @@ impl Runner {
             requested,
             stopped_by_monitor: monitor.stop_reason(),
             oom: monitor.oom(),
-            last_log_line: last_log_line(&run_dir, number),
+            last_log_line: last_log_line(run_dir, number),
         });
         let end = monitor.end(&outcome, code);
         self.db.finish_attempt(attempt, &end).await?;

@@ -301,6 +301,7 @@ pub fn parallel_table(
         let dir = std::env::temp_dir().join(format!("headroom-bench-{}", std::process::id()));
         let opts = crate::engine::train::job::TrainOptions {
             run_dir: dir.clone(),
+            owner: None,
             resume: crate::engine::train::job::ResumeMode::Fresh,
             stop_after: None,
             listen_stdin: false,

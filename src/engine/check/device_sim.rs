@@ -275,9 +275,9 @@ mod tests {
             for _ in 0..2 {
                 first.train_step(&mut sequences(&tokens, t)).unwrap();
             }
-            first.save_checkpoint(dir.path()).unwrap();
+            first.save_checkpoint(dir.path(), None).unwrap();
             drop(first);
-            let (path, ckpt) = checkpoint::load_latest(dir.path(), |e| panic!("{e}")).expect("a checkpoint");
+            let (path, ckpt) = checkpoint::load_latest(dir.path(), None, |e| panic!("{e}")).expect("a checkpoint");
             let mut resumed = open().unwrap();
             resumed.restore(&path, ckpt).unwrap();
             assert_eq!(resumed.step, 2);

@@ -364,14 +364,15 @@ fn checkpoints_resume_under_another_stage_and_world_size() {
         for _ in 0..4 {
             trainer.train_step(&mut batch(CFG)).unwrap();
         }
-        trainer.save_checkpoint(dir.path()).unwrap();
+        trainer.save_checkpoint(dir.path(), None).unwrap();
     })
     .into_iter()
     .for_each(|r| r.unwrap());
     // Steps 4..8 on four ranks at ZeRO-1, and on one rank, from that checkpoint.
     for setup in [Setup::ranks(4, 1), Setup::ranks(1, 0)] {
         let results = on_ranks::<f32, _>(setup, 8, BIG, |mut trainer, _| {
-            let (path, ckpt) = crate::engine::train::checkpoint::load_latest(dir.path(), |e| panic!("{e}")).unwrap();
+            let (path, ckpt) =
+                crate::engine::train::checkpoint::load_latest(dir.path(), None, |e| panic!("{e}")).unwrap();
             trainer.restore(&path, ckpt).unwrap();
             assert_eq!(trainer.step, 4);
             let tail: Vec<f32> = (0..4).map(|_| trainer.train_step(&mut batch(CFG)).unwrap().loss).collect();
@@ -434,12 +435,12 @@ fn device_ranks_checkpoint_and_resume_exactly() {
         for _ in 0..2 {
             trainer.train_step(&mut batch(CFG)).unwrap();
         }
-        trainer.save_checkpoint(dir.path()).unwrap();
+        trainer.save_checkpoint(dir.path(), None).unwrap();
     })
     .into_iter()
     .for_each(|r| r.unwrap());
     let resumed = on_backends::<half::bf16, _, _>(setup, 4, device, |mut trainer, _| {
-        let (path, ckpt) = crate::engine::train::checkpoint::load_latest(dir.path(), |e| panic!("{e}")).unwrap();
+        let (path, ckpt) = crate::engine::train::checkpoint::load_latest(dir.path(), None, |e| panic!("{e}")).unwrap();
         trainer.restore(&path, ckpt).unwrap();
         let tail: Vec<f32> = (0..2).map(|_| trainer.train_step(&mut batch(CFG)).unwrap().loss).collect();
         (tail, trainer.full_master_params().unwrap())

@@ -142,6 +142,12 @@ pub fn backward_scratch_elems<E: Elem>(cfg: &GptConfig, b: usize, t: usize) -> u
 }
 
 impl GptConfig {
+    /// (n_layer, n_head, n_embd, block_size, vocab): the shape a checkpoint and a run
+    /// directory record.
+    pub fn dims(&self) -> [u64; 5] {
+        [self.n_layer, self.n_head, self.n_embd, self.block_size, self.vocab].map(|x| x as u64)
+    }
+
     pub fn layer_params(&self) -> usize {
         layer_param_sizes(self.n_embd).iter().map(|t| t.1).sum()
     }

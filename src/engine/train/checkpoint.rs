@@ -4,6 +4,10 @@
 //!
 //! File layout: `HRCKPT01` | u64 header length | JSON header | params f32 | m f32 | v f32 |
 //! u32 CRC-32 of everything before it.
+//!
+//! Each checkpoint names the lineage (run) that wrote it (see `run_dir`): retention prunes only
+//! older checkpoints of the same lineage, resume reads only the run's own, and a checkpoint that
+//! fails to load is moved to `corrupt/` (kept for inspection) rather than shadowing newer ones.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -11,8 +15,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 const MAGIC: &[u8; 8] = b"HRCKPT01";
-/// How many checkpoints are kept in a run directory (the newest, plus fallbacks).
+/// How many checkpoints of a run are kept (the newest, plus fallbacks).
 pub const KEEP: usize = 2;
+/// Where checkpoints that fail to load are moved.
+pub const CORRUPT_DIR: &str = "corrupt";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -42,6 +48,10 @@ pub struct CheckpointHeader {
     pub adam_t: u64,
     /// fp16 dynamic loss scale (1.0 when unused).
     pub loss_scale: f64,
+    /// The run that wrote it (`RunIdentity::lineage`); absent in checkpoints written before
+    /// run identities, which belong to whichever run owns their directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lineage: Option<String>,
 }
 
 pub struct Checkpoint {
@@ -55,7 +65,8 @@ pub fn checkpoint_path(run_dir: &Path, step: u64) -> PathBuf {
     run_dir.join(format!("ckpt-{step:08}.bin"))
 }
 
-/// Write atomically, then prune all but the newest [`KEEP`]. Returns the path written.
+/// Write atomically, then prune the same lineage's older checkpoints down to [`KEEP`] in all.
+/// Returns the path written.
 pub fn save(
     run_dir: &Path,
     header: &CheckpointHeader,
@@ -91,9 +102,7 @@ pub fn save(
     if let Ok(dir) = std::fs::File::open(run_dir) {
         let _ = dir.sync_all();
     }
-    for old in list(run_dir).into_iter().skip(KEEP) {
-        let _ = std::fs::remove_file(old);
-    }
+    prune(run_dir, header);
     Ok(path)
 }
 
@@ -138,15 +147,75 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
     Ok(Checkpoint { params: floats(0), m: floats(1), v: floats(2), header })
 }
 
-/// The newest checkpoint that loads; corrupt ones are reported through `on_skip` and skipped.
-pub fn load_latest(run_dir: &Path, mut on_skip: impl FnMut(&CheckpointError)) -> Option<(PathBuf, Checkpoint)> {
+/// The newest checkpoint of `lineage` (any, for `None`) that loads. One that does not load is
+/// reported through `on_skip` and, when corrupt, moved to `corrupt/`; other lineages' are passed
+/// over.
+pub fn load_latest(
+    run_dir: &Path,
+    lineage: Option<&str>,
+    mut on_skip: impl FnMut(&CheckpointError),
+) -> Option<(PathBuf, Checkpoint)> {
     for path in list(run_dir) {
         match load(&path) {
-            Ok(c) => return Some((path, c)),
-            Err(e) => on_skip(&e),
+            Ok(c) if belongs(&c.header, lineage) => return Some((path, c)),
+            Ok(_) => {}
+            Err(e) => {
+                on_skip(&e);
+                if matches!(e, CheckpointError::Corrupt { .. }) {
+                    quarantine(run_dir, &path);
+                }
+            }
         }
     }
     None
+}
+
+/// Whether a checkpoint was written by `lineage` (pre-lineage checkpoints belong to any).
+fn belongs(header: &CheckpointHeader, lineage: Option<&str>) -> bool {
+    match (header.lineage.as_deref(), lineage) {
+        (Some(written), Some(wanted)) => written == wanted,
+        _ => true,
+    }
+}
+
+/// Only the JSON header of a checkpoint file (no checksum: for retention, not for loading).
+fn read_header(path: &Path) -> Option<CheckpointHeader> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).ok()?;
+    let mut head = [0u8; 16];
+    f.read_exact(&mut head).ok()?;
+    if &head[..8] != MAGIC {
+        return None;
+    }
+    let len = u64::from_le_bytes(head[8..].try_into().ok()?) as usize;
+    if len > 1 << 20 {
+        return None;
+    }
+    let mut json = vec![0u8; len];
+    f.read_exact(&mut json).ok()?;
+    serde_json::from_slice(&json).ok()
+}
+
+/// After `written` was saved: delete the same lineage's checkpoints of earlier steps beyond the
+/// newest [`KEEP`]. Other lineages' files and later steps are never touched.
+fn prune(run_dir: &Path, written: &CheckpointHeader) {
+    let older = list(run_dir)
+        .into_iter()
+        .filter(|p| read_header(p).is_some_and(|h| h.step < written.step && belongs(&h, written.lineage.as_deref())));
+    for old in older.skip(KEEP - 1) {
+        let _ = std::fs::remove_file(old);
+    }
+}
+
+/// Move a checkpoint that does not load to `corrupt/`, out of the way of resume and retention.
+fn quarantine(run_dir: &Path, path: &Path) {
+    let dir = run_dir.join(CORRUPT_DIR);
+    let name = path.file_name().expect("a checkpoint file name");
+    if let Err(e) = std::fs::create_dir_all(&dir).and_then(|_| std::fs::rename(path, dir.join(name))) {
+        tracing::warn!("could not move corrupt checkpoint {} aside: {e}", path.display());
+    } else {
+        tracing::warn!("corrupt checkpoint {} moved to {}", path.display(), dir.display());
+    }
 }
 
 #[cfg(test)]
@@ -164,6 +233,7 @@ mod tests {
             seed: 1,
             adam_t: step,
             loss_scale: 1.0,
+            lineage: Some("a".into()),
         }
     }
 
@@ -176,7 +246,7 @@ mod tests {
         }
         let files = list(dir.path());
         assert_eq!(files.len(), KEEP, "older checkpoints pruned");
-        let (_, c) = load_latest(dir.path(), |_| {}).unwrap();
+        let (_, c) = load_latest(dir.path(), Some("a"), |_| {}).unwrap();
         assert_eq!(c.header.step, 30);
         assert_eq!(c.params, vec![30.0, 2.0, 3.0]);
         // Flip one byte of the newest: load falls back to the previous one.
@@ -185,7 +255,31 @@ mod tests {
         raw[mid] ^= 0xff;
         std::fs::write(&files[0], raw).unwrap();
         let mut skipped = 0;
-        let (_, c) = load_latest(dir.path(), |_| skipped += 1).unwrap();
+        let (_, c) = load_latest(dir.path(), Some("a"), |_| skipped += 1).unwrap();
         assert_eq!((c.header.step, skipped), (20, 1));
+        // ... and the corrupt one is out of the way, kept under corrupt/.
+        assert_eq!(list(dir.path()).len(), 1);
+        assert!(dir.path().join(CORRUPT_DIR).join("ckpt-00000030.bin").is_file());
+    }
+
+    #[test]
+    fn retention_keeps_this_lineage_newest_and_never_touches_another_run_or_later_steps() {
+        let dir = tempfile::tempdir().unwrap();
+        let other = |step| CheckpointHeader { lineage: Some("b".into()), ..header(step) };
+        for step in [90, 100] {
+            save(dir.path(), &other(step), &[1.0; 3], &[0.0; 3], &[0.0; 3]).unwrap();
+        }
+        // A new run at lower step numbers keeps its own newest two, and the other run's files.
+        for step in [10, 20, 30] {
+            save(dir.path(), &header(step), &[1.0; 3], &[0.0; 3], &[0.0; 3]).unwrap();
+        }
+        let names: Vec<String> =
+            list(dir.path()).iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, ["ckpt-00000100.bin", "ckpt-00000090.bin", "ckpt-00000030.bin", "ckpt-00000020.bin"]);
+        // Resume reads the run's own newest, not the other run's higher step.
+        assert_eq!(load_latest(dir.path(), Some("a"), |_| {}).unwrap().1.header.step, 30);
+        assert_eq!(load_latest(dir.path(), Some("b"), |_| {}).unwrap().1.header.step, 100);
+        // A checkpoint from before lineages belongs to the run that owns the directory.
+        assert!(belongs(&CheckpointHeader { lineage: None, ..header(5) }, Some("a")));
     }
 }

@@ -17,6 +17,7 @@ use crate::engine::model::GptConfig;
 use crate::engine::parallel::comm::{Comm, LocalComm};
 use crate::engine::train::checkpoint::{self, CheckpointError};
 use crate::engine::train::data::{load_tokens, DataError, Dataset};
+use crate::engine::train::run_dir::{RunDir, RunDirError};
 use crate::engine::train::trainer::{gpt_config, Hyper, Trainer};
 
 /// Why `headroom train` did not finish, mapped to the protocol's exit codes.
@@ -41,6 +42,8 @@ pub enum TrainError {
     /// An op the backend refused (a configuration it cannot run) or failed on the device.
     #[error(transparent)]
     Backend(BackendError),
+    #[error(transparent)]
+    RunDir(#[from] RunDirError),
 }
 
 impl TrainError {
@@ -53,6 +56,8 @@ impl TrainError {
             TrainError::Backend(BackendError::Unsupported { .. }) => ExitCode::Invalid,
             TrainError::Checkpoint(_) | TrainError::Events(_) | TrainError::RankFailed { .. } => ExitCode::Internal,
             TrainError::Backend(_) => ExitCode::Internal,
+            TrainError::RunDir(RunDirError::Io { .. }) => ExitCode::Internal,
+            TrainError::RunDir(_) => ExitCode::Invalid,
         }
     }
 }
@@ -64,13 +69,17 @@ pub enum ResumeMode {
     Auto,
     /// Resume, and fail if there is no checkpoint.
     Require,
-    /// Ignore existing checkpoints and start from step 0.
+    /// Start a new run from step 0: the checkpoints already there are moved aside
+    /// (`superseded/`), never resumed nor pruned by the new run.
     Fresh,
 }
 
 #[derive(Debug, Clone)]
 pub struct TrainOptions {
     pub run_dir: PathBuf,
+    /// Who the run directory belongs to (`run.json`'s owner): a directory made by another owner
+    /// is refused. The supervisor passes `<database id>/job-<id>`.
+    pub owner: Option<String>,
     pub resume: ResumeMode,
     /// Checkpoint and exit 4 once this many steps are done (tests and drills).
     pub stop_after: Option<u64>,
@@ -140,13 +149,15 @@ pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result
     let capacity = spec.device_capacity().unwrap_or(0);
     let cfg = gpt_config(spec);
     let hyper = Hyper::from_spec(spec);
+    // Held until the job ends: no other trainer uses this directory meanwhile.
+    let run_dir = RunDir::open(&opts.run_dir, opts.owner.as_deref(), cfg.dims(), opts.resume == ResumeMode::Fresh)?;
 
     let tokens = load_tokens(&spec.data.path, spec.model.vocab, &opts.run_dir.join("tokens"))?;
     let data = Dataset::new(tokens, spec.data.val_fraction, hyper.knobs.seq_len, hyper.seed)
         .map_err(|message| ConfigError { field: "data.path".into(), message })?;
 
     let control = if opts.listen_stdin { Some(spawn_control_reader()) } else { None };
-    let run = Run { spec, opts, data: &data, control, cfg, hyper, comm: None };
+    let run = Run { spec, opts, run_dir: &run_dir, data: &data, control, cfg, hyper, comm: None };
     #[cfg(feature = "cuda")]
     if let Some(backends) = cuda {
         return match spec.memory.precision {
@@ -227,6 +238,7 @@ fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<crate::engine::backend::cuda::C
 struct Run<'a> {
     spec: &'a JobSpec,
     opts: &'a TrainOptions,
+    run_dir: &'a RunDir,
     data: &'a Dataset,
     control: Option<Arc<AtomicU8>>,
     cfg: GptConfig,
@@ -272,7 +284,7 @@ impl Run<'_> {
 
     /// The training loop of one rank in compute precision `E` on `backend`.
     fn go<E: Elem, B: Backend>(self, backend: B, events: &mut Events) -> Result<(), TrainError> {
-        let Run { spec, opts, data, control, cfg, hyper, comm } = self;
+        let Run { spec, opts, run_dir, data, control, cfg, hyper, comm } = self;
         let rank = comm.as_ref().map_or(0, |c| c.rank());
         let pool = backend.pool().clone();
         let device = backend.device();
@@ -294,7 +306,9 @@ impl Run<'_> {
 
         let resumed = match opts.resume {
             ResumeMode::Fresh => None,
-            mode => match checkpoint::load_latest(&opts.run_dir, |e| tracing::warn!("skipping checkpoint: {e}")) {
+            mode => match checkpoint::load_latest(&run_dir.path, Some(run_dir.lineage()), |e| {
+                tracing::warn!("skipping checkpoint: {e}")
+            }) {
                 Some((path, ckpt)) => {
                     trainer.restore(&path, ckpt)?;
                     tracing::info!(step = trainer.step, path = %path.display(), "resumed");
@@ -338,7 +352,7 @@ impl Run<'_> {
             let local = control.as_ref().map_or(CONTROL_NONE, |f| f.load(Ordering::SeqCst));
             let cmd = comm.as_ref().map_or(local as u64, |c| c.broadcast(local as u64)) as u8;
             if let Some(cmd) = Control::from_code(cmd) {
-                let path = save(&trainer, opts, events)?;
+                let path = save(&trainer, run_dir, events)?;
                 tracing::info!(step = trainer.step, ?cmd, "exiting on request");
                 return Err(TrainError::Preempted { step: trainer.step, path });
             }
@@ -389,15 +403,15 @@ impl Run<'_> {
                 events.emit(Event::Eval(protocol::Eval { step: trainer.step, val_loss: val }))?;
             }
             if ckpt_every > 0 && trainer.step % ckpt_every == 0 && !last {
-                save(&trainer, opts, events)?;
+                save(&trainer, run_dir, events)?;
             }
             if opts.stop_after == Some(trainer.step) && !last {
-                let path = save(&trainer, opts, events)?;
+                let path = save(&trainer, run_dir, events)?;
                 return Err(TrainError::Preempted { step: trainer.step, path });
             }
         }
         progress.finish_and_clear();
-        save(&trainer, opts, events)?;
+        save(&trainer, run_dir, events)?;
         let stats = pool.stats();
         tracing::info!("finished:\n{}", pool.memory_summary());
         events.emit(Event::Finished(protocol::Finished {
@@ -414,10 +428,10 @@ impl Run<'_> {
 
 fn save<E: Elem, B: Backend>(
     trainer: &Trainer<E, B>,
-    opts: &TrainOptions,
+    run_dir: &RunDir,
     events: &mut Events,
 ) -> Result<PathBuf, TrainError> {
-    let path = trainer.save_checkpoint(&opts.run_dir)?;
+    let path = trainer.save_checkpoint(&run_dir.path, Some(run_dir.lineage()))?;
     events.emit(Event::Checkpoint(protocol::CheckpointWritten { step: trainer.step, path: path.clone() }))?;
     Ok(path)
 }

@@ -1,7 +1,9 @@
 //! Training: one rank's state and optimizer step (`trainer`), the `headroom train` job loop that
-//! speaks the protocol (`job`), checkpoints, and the data pipeline.
+//! speaks the protocol (`job`), checkpoints, the run directory's lock and identity (`run_dir`),
+//! and the data pipeline.
 
 pub mod checkpoint;
 pub mod data;
 pub mod job;
+pub mod run_dir;
 pub mod trainer;

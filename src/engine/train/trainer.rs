@@ -367,8 +367,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
     }
 
     fn model_dims(&self) -> [u64; 5] {
-        let c = &self.cfg;
-        [c.n_layer, c.n_head, c.n_embd, c.block_size, c.vocab].map(|x| x as u64)
+        self.cfg.dims()
     }
 
     /// One optimizer step over the global batch, accumulating `grad_accum` micro-batches.
@@ -587,7 +586,9 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         Ok((total / count as f64) as f32)
     }
 
-    pub fn save_checkpoint(&self, run_dir: &Path) -> Result<PathBuf, CheckpointError> {
+    /// Write a checkpoint of the run `lineage` (see `run_dir`) into `run_dir` (rank 0 writes;
+    /// every rank takes part in gathering the state).
+    pub fn save_checkpoint(&self, run_dir: &Path, lineage: Option<&str>) -> Result<PathBuf, CheckpointError> {
         let header = CheckpointHeader {
             version: 1,
             step: self.step,
@@ -598,6 +599,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             seed: self.hyper.seed,
             adam_t: self.adam_t,
             loss_scale: self.loss_scale,
+            lineage: lineage.map(str::to_owned),
         };
         let (master, m, v) =
             self.full_state().map_err(|e| CheckpointError::Device { path: run_dir.into(), message: e.to_string() })?;
