@@ -416,7 +416,7 @@ async fn hostile_requests_are_answered_fast_and_the_daemon_stays_responsive() {
     assert_eq!(post("application/x-www-form-urlencoded", None).await.unwrap().status().as_u16(), 415);
     assert_eq!(post("image/png", None).await.unwrap().status().as_u16(), 415);
     assert_eq!(post("application/yaml", Some("https://evil.example")).await.unwrap().status().as_u16(), 403);
-    let same_origin = format!("{base}");
+    let same_origin = base.clone();
     let r = http
         .post(format!("{base}/api/jobs"))
         .header("content-type", "application/yaml")

@@ -510,3 +510,30 @@ fn a_run_directory_in_use_or_of_another_run_is_refused_with_exit_2() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("another model"));
 }
+
+#[test]
+fn a_model_whose_state_cannot_fit_exits_3_before_initialising_it() {
+    // 302M parameters (24 layers, n_embd 1024, T 1024): weights, gradients and AdamW moments
+    // need 4.8 GB; on 3 GiB the optimizer state's reservation fails, before any weight is
+    // initialised (the log shows no initialisation) or the data is waited for.
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = job_yaml("big", 2, 1, 1, "3GiB").replace(
+        "n_layer: 2, n_head: 4, n_embd: 64, block_size: 64",
+        "n_layer: 24, n_head: 16, n_embd: 1024, block_size: 1024",
+    );
+    let job = write_job(dir.path(), &yaml);
+    let out = Command::new(bin())
+        .args(["train", "--config"])
+        .arg(&job)
+        .arg("--run-dir")
+        .arg(dir.path().join("run"))
+        .env("HEADROOM_LOG", "info")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    let oom = of_kind(&events(&out), "oom")[0].clone();
+    assert_eq!(oom["category"], "optimizer", "{oom}");
+    assert_eq!(oom["requested_bytes"], 303_622_144u64 * 4);
+    assert!(!stderr.contains("initialised in"), "the OOM came after initialisation: {stderr}");
+}

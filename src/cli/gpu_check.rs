@@ -70,6 +70,7 @@ struct Check {
 #[cfg(feature = "cuda")]
 fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Result<()> {
     use crate::engine::backend::cuda::CudaBackend;
+    use crate::engine::backend::workspace::WorkspaceModel;
     use crate::engine::backend::Backend;
     use crate::memory::format_bytes;
 
@@ -86,7 +87,7 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
         batch: 16,
         seq: 1024,
     };
-    let mut checks = checks(&open, args, shapes, &gpt2, seed, true)?;
+    let mut checks = checks(&open, WorkspaceModel::Cuda, args, shapes, &gpt2, seed, true)?;
     checks.extend(nccl_checks(index, args)?);
     summary(&checks)
 }
@@ -142,6 +143,7 @@ fn nccl_checks(index: u32, args: &GpuCheckArgs) -> anyhow::Result<Vec<Check>> {
 #[cfg(any(feature = "cuda", test))]
 fn checks<B: crate::engine::backend::Backend>(
     open: &dyn Fn(Option<usize>) -> anyhow::Result<B>,
+    model: crate::engine::backend::workspace::WorkspaceModel,
     args: &GpuCheckArgs,
     shapes: &[ParityShape],
     bench_case: &crate::engine::check::bench::BenchCase,
@@ -233,7 +235,8 @@ fn checks<B: crate::engine::backend::Backend>(
                 print!("{}", train_parity::table(&reports));
                 checks.extend(reports.iter().map(parity_check));
             }
-            let drill = train_parity::oom_drill(|capacity| open(Some(capacity)).map_err(|e| e.to_string()), tokens);
+            let drill =
+                train_parity::oom_drill(|capacity| open(Some(capacity)).map_err(|e| e.to_string()), model, tokens);
             checks.push(Check {
                 name: format!("OOM in training at device_memory {}", format_bytes(drill.capacity)),
                 ok: drill.passed(),
@@ -252,7 +255,33 @@ fn checks<B: crate::engine::backend::Backend>(
         }
     }
 
-    // 5. The benchmark: resident, then with the weights in host memory (every segment comes
+    // 5. The estimator against this backend, over the grid (GPT-2-small-like shapes and the
+    // 1.5B headline configurations), unless the benchmark is off (the grid takes a minute).
+    if args.bench_steps > 0 {
+        use crate::engine::check::estimate_check;
+        if let Some(tokens) = corpus_tokens() {
+            let open = |memory: Option<usize>| open(memory).map_err(|e| e.to_string());
+            let cases = if args.estimate_grid { estimate_check::grid() } else { Vec::new() };
+            let rows = estimate_check::run(&open, model, &cases, &tokens);
+            if !rows.is_empty() {
+                print!("{}", estimate_check::table(&rows));
+                let passed = rows.iter().filter(|r| r.passed()).count();
+                let worst =
+                    rows.iter().filter_map(|r| r.error()).fold(0.0f64, |w, e| if e.abs() > w.abs() { e } else { w });
+                checks.push(Check {
+                    name: format!("estimator vs measured ({} configurations, {} model)", rows.len(), model.name()),
+                    ok: passed == rows.len(),
+                    figure: format!(
+                        "{passed}/{} within -0.5%..+10% of peak allocated; largest error {:+.2}%",
+                        rows.len(),
+                        worst * 100.0
+                    ),
+                });
+            }
+        }
+    }
+
+    // 6. The benchmark: resident, then with the weights in host memory (every segment comes
     // over the copy stream, one ahead of its use: the step-time ratio is the overlap's price).
     if args.bench_steps > 0 {
         use crate::engine::check::bench::{self, Techniques};
@@ -340,6 +369,7 @@ fn summary(checks: &[Check]) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::backend::workspace::WorkspaceModel;
     use crate::engine::check::device_sim::DeviceSim;
 
     /// The whole harness on the simulated device (a tiny model in place of GPT-2 124M for the
@@ -354,10 +384,11 @@ mod tests {
             train_steps: 3,
             bench_steps: 1,
             libraries: false,
+            estimate_grid: false,
         };
         let open = |memory: Option<usize>| Ok(DeviceSim::new(memory.unwrap_or(4 << 30)));
         let tiny = crate::engine::check::bench::preset("tiny").expect("the tiny preset").remove(0);
-        let checks = checks(&open, &args, &[ParityShape::ODD], &tiny, 7, false).unwrap();
+        let checks = checks(&open, WorkspaceModel::Cpu, &args, &[ParityShape::ODD], &tiny, 7, false).unwrap();
         let names: Vec<&str> = checks.iter().map(|c| c.name.as_str()).collect();
         for c in &checks {
             assert!(c.ok, "{}: {}", c.name, c.figure);

@@ -59,6 +59,10 @@ pub struct GpuCheckArgs {
     /// Timed steps of the GPT-2 124M benchmark (B=16, T=1024, bf16); 0 skips it.
     #[arg(long, default_value_t = 5)]
     pub bench_steps: usize,
+    /// Also measure the estimator against the device over its grid (12 GPT-2-small-like
+    /// configurations, 2 offloaded, 2 at 1.5B parameters on 16 GiB).
+    #[arg(long)]
+    pub estimate_grid: bool,
     /// Only report which CUDA libraries load (driver, NVRTC, cuBLAS, NCCL), their versions and
     /// files; exit 2 if one a cuda device needs is missing.
     #[arg(long)]
@@ -174,6 +178,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
 }
 
 fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
+    use crate::engine::backend::workspace::WorkspaceModel;
     use crate::engine::estimate::{estimate_job, verdict};
     use crate::memory::format_bytes;
     use crate::supervisor::policy::{self, LadderPosition};
@@ -240,6 +245,11 @@ fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     if let Some(c) = capacity {
         println!("capacity: {}", format_bytes(c));
     }
+    println!(
+        "workspace model: {} (the op scratch declarations of the job's device kind; libraries' own memory, \
+         e.g. cuBLAS's workspace, is outside the pool and not counted)",
+        WorkspaceModel::of(spec.device.kind).name()
+    );
     Ok(())
 }
 

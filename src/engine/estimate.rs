@@ -14,9 +14,10 @@ use crate::config::{JobSpec, Knobs, OffloadTarget, Precision};
 use crate::memory::{Category, LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT};
 
 use crate::engine::backend::layers::Elem;
+use crate::engine::backend::workspace::WorkspaceModel;
 use crate::engine::model::{
-    activation_width, backward_scratch_elems, backward_workspace_sizes, forward_scratch_elems, global_activation_sizes,
-    kept_in, layer_activation_sizes, GptConfig,
+    activation_width, backward_scratch, backward_workspace_sizes, forward_scratch, global_activation_sizes, kept_in,
+    layer_activation_sizes, GptConfig,
 };
 use crate::engine::train::trainer::gpt_config;
 
@@ -48,6 +49,8 @@ pub struct Estimate {
     pub host_optimizer: usize,
     /// Host bytes of offloaded weights (not device memory).
     pub host_params: usize,
+    /// Whose op workspace declarations the prediction used (the job's device kind).
+    pub workspace_model: WorkspaceModel,
 }
 
 /// A live set of buffers (bytes as requested), to total and to place in segments.
@@ -92,15 +95,21 @@ impl Live {
 }
 
 /// Peak allocated bytes of one training step (plus evaluation) for this model and knobs.
+/// The peak of one configuration on the cpu backend.
 pub fn estimate_step(cfg: &GptConfig, k: &Knobs) -> Estimate {
+    estimate_on(WorkspaceModel::Cpu, cfg, k)
+}
+
+/// The peak of one configuration on the backend whose workspace declarations `model` names.
+pub fn estimate_on(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> Estimate {
     match k.precision {
-        Precision::Fp32 => estimate_for::<f32>(cfg, k),
-        Precision::Bf16 => estimate_for::<half::bf16>(cfg, k),
-        Precision::Fp16 => estimate_for::<half::f16>(cfg, k),
+        Precision::Fp32 => estimate_for::<f32>(model, cfg, k),
+        Precision::Bf16 => estimate_for::<half::bf16>(model, cfg, k),
+        Precision::Fp16 => estimate_for::<half::f16>(model, cfg, k),
     }
 }
 
-fn estimate_for<E: Elem>(cfg: &GptConfig, k: &Knobs) -> Estimate {
+fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> Estimate {
     let Knobs { micro_batch, seq_len, grad_accum, checkpointing: mode, offload_optimizer, .. } = *k;
     let offload_activations = k.offload_activations != OffloadTarget::None;
     let n = cfg.num_params();
@@ -166,7 +175,9 @@ fn estimate_for<E: Elem>(cfg: &GptConfig, k: &Knobs) -> Estimate {
         for (_, elems) in backward_workspace_sizes(cfg, b, t) {
             live.add(Category::Workspace, elems * E::BYTES);
         }
-        live.add(Category::Workspace, backward_scratch_elems::<E>(cfg, b, t) * 4);
+        for bytes in backward_scratch::<E>(model, cfg, b, t) {
+            live.add(Category::Workspace, bytes);
+        }
     };
     let kept = |name: &str| kept_in(mode, name);
     let all = |_: &str| true;
@@ -223,7 +234,9 @@ fn estimate_for<E: Elem>(cfg: &GptConfig, k: &Knobs) -> Estimate {
         ahead(&mut encoder, block);
     }
     candidates.push(("forward encoder", encoder));
-    fwd.add(Category::Workspace, forward_scratch_elems::<E>(cfg, b, t) * 4);
+    for bytes in forward_scratch::<E>(model, cfg, b, t) {
+        fwd.add(Category::Workspace, bytes);
+    }
     let mut head = fwd.clone();
     for l in 0..cfg.n_layer {
         let mut at = fwd.clone();
@@ -261,11 +274,13 @@ fn estimate_for<E: Elem>(cfg: &GptConfig, k: &Knobs) -> Estimate {
         grad_accum,
         host_optimizer,
         host_params,
+        workspace_model: model,
     }
 }
 
+/// The peak of a job as configured, on its device kind's backend.
 pub fn estimate_job(spec: &JobSpec) -> Estimate {
-    estimate_step(&gpt_config(spec), &spec.knobs())
+    estimate_on(WorkspaceModel::of(spec.device.kind), &gpt_config(spec), &spec.knobs())
 }
 
 /// Whether an estimate fits a capacity: "yes" (even the reserved allowance fits), "tight"

@@ -1,6 +1,7 @@
 //! `CpuBackend`: the reference backend, `layers.rs` on host buffers of its pool.
 
 use bytemuck::Pod;
+use rayon::prelude::*;
 
 use crate::memory::{Buffer, Category, Pool};
 
@@ -14,6 +15,9 @@ use crate::engine::backend::optim::{self, AdamW};
 pub struct CpuBackend {
     pool: Pool,
 }
+
+/// Bytes per task of the parallel copies and fills (small ones stay on one thread).
+const PAR_COPY: usize = 4 << 20;
 
 impl CpuBackend {
     pub fn new(pool: Pool) -> CpuBackend {
@@ -42,7 +46,9 @@ impl Backend for CpuBackend {
 
     fn upload<T: Pod>(&self, mut dst: ViewMut<T>, src: &[T]) -> BackendResult {
         shapes::same("upload", "destination", dst.len(), src.len())?;
-        dst.host_mut().copy_from_slice(src);
+        // In parallel: a first touch of fresh pool pages is page faults, which cores share.
+        let (d, s): (&mut [u8], &[u8]) = (bytemuck::cast_slice_mut(dst.host_mut()), bytemuck::cast_slice(src));
+        d.par_chunks_mut(PAR_COPY).zip(s.par_chunks(PAR_COPY)).for_each(|(d, s)| d.copy_from_slice(s));
         Ok(())
     }
 
@@ -61,7 +67,9 @@ impl Backend for CpuBackend {
     }
 
     fn zero<T: Pod>(&self, mut dst: ViewMut<T>) -> BackendResult {
-        dst.host_mut().fill(T::zeroed());
+        // All-zero bytes are T's zero (Pod).
+        let d: &mut [u8] = bytemuck::cast_slice_mut(dst.host_mut());
+        d.par_chunks_mut(PAR_COPY).for_each(|d| d.fill(0));
         Ok(())
     }
 

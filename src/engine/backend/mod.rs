@@ -16,6 +16,7 @@ pub mod layers;
 pub mod optim;
 pub mod shapes;
 mod view;
+pub mod workspace;
 
 use bytemuck::Pod;
 

@@ -114,6 +114,7 @@ macro_rules! delegate_ops {
 pub mod bench;
 #[cfg(test)]
 pub(crate) mod device_sim;
+pub mod estimate_check;
 #[cfg(test)]
 mod gradcheck;
 pub mod parity;

@@ -317,15 +317,19 @@ impl OomDrillReport {
 }
 
 /// Run the drill in fp32 on backends made by `open(capacity)`.
-pub fn oom_drill<B: Backend>(open: impl Fn(usize) -> Result<B, String>, tokens: &[u32]) -> OomDrillReport {
+pub fn oom_drill<B: Backend>(
+    open: impl Fn(usize) -> Result<B, String>,
+    model: crate::engine::backend::workspace::WorkspaceModel,
+    tokens: &[u32],
+) -> OomDrillReport {
     use crate::config::Knobs;
-    use crate::engine::estimate::estimate_step;
+    use crate::engine::estimate::estimate_on;
     let mut case = TrainParityCase::small(2);
     case.cfg.block_size = 128;
     (case.micro_batch, case.grad_accum) = (16, 1);
     let knobs = |checkpointing| Knobs { checkpointing, ..Knobs::plain(case.micro_batch, case.cfg.block_size, 1) };
-    let plain = estimate_step(&case.cfg, &knobs(Checkpointing::None));
-    let full = estimate_step(&case.cfg, &knobs(Checkpointing::Full));
+    let plain = estimate_on(model, &case.cfg, &knobs(Checkpointing::None));
+    let full = estimate_on(model, &case.cfg, &knobs(Checkpointing::Full));
     let capacity = full.reserved_allowance.max((plain.peak_allocated + full.peak_allocated) / 2);
     let t = case.cfg.block_size;
     if tokens.len() <= t + 1 {
@@ -358,6 +362,7 @@ pub fn oom_drill<B: Backend>(open: impl Fn(usize) -> Result<B, String>, tokens: 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::backend::workspace::WorkspaceModel;
     use crate::engine::backend::CpuBackend;
     use crate::engine::check::device_sim::{DeviceSim, SimCollectives};
     use crate::engine::check::parity::tests::Faulty;
@@ -487,7 +492,7 @@ mod tests {
 
     #[test]
     fn the_oom_drill_passes_on_the_device_path() {
-        let report = oom_drill(|capacity| Ok(DeviceSim::new(capacity)), &tokens());
+        let report = oom_drill(|capacity| Ok(DeviceSim::new(capacity)), WorkspaceModel::Cpu, &tokens());
         assert!(report.passed(), "{report:?}");
     }
 
@@ -503,7 +508,8 @@ mod tests {
 
     #[test]
     fn the_oom_drill_ooms_plain_and_fits_checkpointed() {
-        let report = oom_drill(|capacity| Ok(CpuBackend::new(Pool::new("cpu", capacity))), &tokens());
+        let report =
+            oom_drill(|capacity| Ok(CpuBackend::new(Pool::new("cpu", capacity))), WorkspaceModel::Cpu, &tokens());
         assert!(report.passed(), "{report:?}");
         let message = report.plain.unwrap();
         assert!(message.contains("out of device memory"), "{message}");

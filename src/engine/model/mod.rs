@@ -9,12 +9,10 @@
 use std::ops::Range;
 
 use crate::config::Checkpointing;
-use crate::engine::backend::layers::{
-    attention_backward_scratch, attention_forward_scratch, matmul_backward_scratch, matmul_forward_scratch,
-};
+use crate::engine::backend::workspace::WorkspaceModel;
 use crate::engine::backend::{Elem, View, ViewMut};
-use crate::engine::rng::Rng;
-use crate::memory::{Buffer, Category, OomError, Pool};
+use crate::engine::rng::{mix64, normal_fill};
+use crate::memory::{Buffer, Category, OomError, Pool, ROUND};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GptConfig {
@@ -127,18 +125,31 @@ fn matmul_shapes(cfg: &GptConfig) -> [(usize, usize); 5] {
     [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c), (c, cfg.vocab)]
 }
 
-/// f32 scratch elements a forward pass needs (attention score rows, widened matmul operands).
-pub fn forward_scratch_elems<E: Elem>(cfg: &GptConfig, b: usize, t: usize) -> usize {
+/// The workspace buffers (bytes each) live at the forward pass's largest op: the op with the
+/// most pool bytes among the model's matmuls and attention, per `model`'s declarations.
+pub fn forward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b: usize, t: usize) -> Vec<usize> {
     let bt = b * t;
-    let mm = matmul_shapes(cfg).iter().map(|&(i, o)| matmul_forward_scratch::<E>(bt, i, o)).max().unwrap_or(0);
-    mm.max(attention_forward_scratch(b, t, cfg.n_head))
+    let mut ops: Vec<Vec<usize>> =
+        matmul_shapes(cfg).iter().map(|&(i, o)| model.matmul_forward::<E>(bt, i, o)).collect();
+    ops.push(model.attention_forward::<E>(b, t, cfg.n_embd, cfg.n_head));
+    largest(ops)
 }
 
-/// f32 scratch elements a backward pass needs (including recomputing a block's forward).
-pub fn backward_scratch_elems<E: Elem>(cfg: &GptConfig, b: usize, t: usize) -> usize {
+/// The workspace buffers live at the backward pass's largest op (recomputing a block's forward
+/// included).
+pub fn backward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b: usize, t: usize) -> Vec<usize> {
     let bt = b * t;
-    let mm = matmul_shapes(cfg).iter().map(|&(i, o)| matmul_backward_scratch::<E>(bt, i, o)).max().unwrap_or(0);
-    mm.max(attention_backward_scratch::<E>(b, t, cfg.n_embd, cfg.n_head)).max(forward_scratch_elems::<E>(cfg, b, t))
+    let mut ops: Vec<Vec<usize>> =
+        matmul_shapes(cfg).iter().map(|&(i, o)| model.matmul_backward::<E>(bt, i, o)).collect();
+    ops.push(model.attention_backward::<E>(b, t, cfg.n_embd, cfg.n_head));
+    ops.push(forward_scratch::<E>(model, cfg, b, t));
+    largest(ops)
+}
+
+/// The buffer set taking the most pool bytes (each buffer rounded as the pool rounds it).
+fn largest(ops: Vec<Vec<usize>>) -> Vec<usize> {
+    let bytes = |op: &Vec<usize>| op.iter().map(|&x| x.max(1).div_ceil(ROUND) * ROUND).sum::<usize>();
+    ops.into_iter().max_by_key(bytes).unwrap_or_default()
 }
 
 impl GptConfig {
@@ -181,15 +192,29 @@ impl GptConfig {
     /// GPT-2 initialisation: N(0, 0.02) for matrices, residual projections scaled by
     /// 1/sqrt(2L), zero biases, unit LayerNorm weights.
     pub fn init_params(&self, params: &mut [f32], seed: u64) {
-        let mut rng = Rng::new(seed);
-        let proj_std = 0.02 / (2.0 * self.n_layer as f64).sqrt();
+        self.init_range(seed, 0..params.len(), params);
+    }
+
+    /// The initial values of flat parameters `range` into `out` (its length): each value a pure
+    /// function of (seed, flat index) — a counter-based generator — so any part can be made on
+    /// its own, in parallel, and the weights do not depend on the thread count, the chunking,
+    /// the sharding or the backend.
+    pub fn init_range(&self, seed: u64, range: Range<usize>, out: &mut [f32]) {
+        assert_eq!(range.len(), out.len(), "init_range: output length");
+        let proj_std = (0.02 / (2.0 * self.n_layer as f64).sqrt()) as f32;
+        let key = mix64(seed ^ 0x696e_6974_7061_7273);
         for t in self.tensors() {
-            let dst = &mut params[t.offset..t.offset + t.len];
+            let lo = t.offset.max(range.start);
+            let hi = (t.offset + t.len).min(range.end);
+            if lo >= hi {
+                continue;
+            }
+            let dst = &mut out[lo - range.start..hi - range.start];
             let short = t.name.rsplit('.').next().unwrap_or(&t.name);
             match short {
                 "ln1w" | "ln2w" | "lnfw" => dst.fill(1.0),
-                "attprojw" | "fcprojw" => dst.iter_mut().for_each(|x| *x = (rng.normal() * proj_std) as f32),
-                _ if t.decay => dst.iter_mut().for_each(|x| *x = (rng.normal() * 0.02) as f32),
+                "attprojw" | "fcprojw" => normal_fill(key, lo, proj_std, dst),
+                _ if t.decay => normal_fill(key, lo, 0.02, dst),
                 _ => dst.fill(0.0),
             }
         }

@@ -5,7 +5,7 @@
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::config::{ConfigError, DeviceKind, JobSpec, Precision};
 use crate::memory::{OomError, Pool};
@@ -152,9 +152,7 @@ pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result
     // Held until the job ends: no other trainer uses this directory meanwhile.
     let run_dir = RunDir::open(&opts.run_dir, opts.owner.as_deref(), cfg.dims(), opts.resume == ResumeMode::Fresh)?;
 
-    let tokens = load_tokens(&spec.data.path, spec.model.vocab, &opts.run_dir.join("tokens"))?;
-    let data = Dataset::new(tokens, spec.data.val_fraction, hyper.knobs.seq_len, hyper.seed)
-        .map_err(|message| ConfigError { field: "data.path".into(), message })?;
+    let data = DataLoad::start(spec, &run_dir.path, hyper.knobs.seq_len, hyper.seed);
 
     let control = if opts.listen_stdin { Some(spawn_control_reader()) } else { None };
     let run = Run { spec, opts, run_dir: &run_dir, data: &data, control, cfg, hyper, comm: None };
@@ -234,12 +232,58 @@ fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<crate::engine::backend::cuda::C
     Ok(backends)
 }
 
-/// Everything a run needs once the job is validated and the data loaded.
+/// The job's data, tokenised on a thread of its own while the ranks reserve and initialise
+/// their state (so an OOM does not wait for it); each rank takes it once its trainer is built.
+struct DataLoad {
+    pending: Mutex<Option<std::thread::JoinHandle<Result<Dataset, TrainError>>>>,
+    ready: OnceLock<Result<Dataset, String>>,
+    /// The loading error, handed to the first rank that asks (the others get its message).
+    error: Mutex<Option<TrainError>>,
+}
+
+impl DataLoad {
+    fn start(spec: &JobSpec, run_dir: &Path, seq_len: usize, seed: u64) -> DataLoad {
+        let (path, vocab, val_fraction) = (spec.data.path.clone(), spec.model.vocab, spec.data.val_fraction);
+        let cache = run_dir.join("tokens");
+        let handle = std::thread::Builder::new()
+            .name("data".into())
+            .spawn(move || {
+                let tokens = load_tokens(&path, vocab, &cache)?;
+                Dataset::new(tokens, val_fraction, seq_len, seed)
+                    .map_err(|message| TrainError::Config(ConfigError { field: "data.path".into(), message }))
+            })
+            .expect("spawn data thread");
+        DataLoad { pending: Mutex::new(Some(handle)), ready: OnceLock::new(), error: Mutex::new(None) }
+    }
+
+    /// The data, waiting for the loader if it is still at work.
+    fn get(&self) -> Result<&Dataset, TrainError> {
+        let ready = self.ready.get_or_init(|| {
+            let handle = self.pending.lock().expect("data lock").take().expect("joined once");
+            match handle.join().expect("data thread") {
+                Ok(data) => Ok(data),
+                Err(e) => {
+                    let message = e.to_string();
+                    *self.error.lock().expect("data lock") = Some(e);
+                    Err(message)
+                }
+            }
+        });
+        match ready {
+            Ok(data) => Ok(data),
+            Err(message) => Err(self.error.lock().expect("data lock").take().unwrap_or_else(|| {
+                TrainError::Config(ConfigError { field: "data.path".into(), message: message.clone() })
+            })),
+        }
+    }
+}
+
+/// Everything a run needs once the job is validated.
 struct Run<'a> {
     spec: &'a JobSpec,
     opts: &'a TrainOptions,
     run_dir: &'a RunDir,
-    data: &'a Dataset,
+    data: &'a DataLoad,
     control: Option<Arc<AtomicU8>>,
     cfg: GptConfig,
     hyper: Hyper,
@@ -304,6 +348,7 @@ impl Run<'_> {
             }
         };
 
+        let data = data.get()?;
         let resumed = match opts.resume {
             ResumeMode::Fresh => None,
             mode => match checkpoint::load_latest(&run_dir.path, Some(run_dir.lineage()), |e| {

@@ -196,10 +196,16 @@ impl<E: Elem> Trainer<E, CpuBackend> {
     }
 }
 
+/// Parameters initialised (and uploaded) per chunk at start: bounds the host memory of
+/// initialisation to 64 MiB of f32 whatever the model's size.
+const INIT_CHUNK: usize = 16 << 20;
+
 impl<E: Elem, B: Backend> Trainer<E, B> {
     /// Allocate the state in `backend`'s pool and initialise the weights. A rank of a group
     /// (`comm`) is sharded by `hyper.knobs.zero_stage`; every rank allocates equal (padded) shards, so
     /// all ranks make the same allocations and an OOM happens on all of them alike.
+    /// A rank's trainer on `backend`: its persistent state reserved first (an OOM here costs
+    /// milliseconds), then initialised.
     pub fn on_backend(cfg: GptConfig, hyper: Hyper, backend: B, comm: Option<LocalComm>) -> BackendResult<Self> {
         let pool = backend.pool().clone();
         let n = cfg.num_params();
@@ -210,36 +216,79 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         let k = shard.len();
         let (params_sharded, grads_sharded) = (stage >= 3, stage >= 2);
         let params_len = if params_sharded { state_len } else { n };
-        // Every rank initialises the same full weights and keeps what it owns.
-        let mut full = vec![0.0f32; n];
-        cfg.init_params(&mut full, hyper.seed);
+        // Reserve every persistent buffer before any host work: a job whose model state cannot
+        // fit fails here, in milliseconds, whatever the model's size.
+        let started = std::time::Instant::now();
         let kept = held(params_sharded, &shard, n);
-        let mut compute = vec![E::default(); params_len];
-        narrow::<E>(&mut compute[..kept.len()], &full[kept]);
-        let params = if hyper.knobs.offload_params {
+        let mut params_buf = if hyper.knobs.offload_params {
             pool.set_host_bytes(Category::Params, params_len * E::BYTES);
-            ParamStore::Host(Arc::new(compute))
+            None
         } else {
-            let mut buf = alloc_elems::<E>(&pool, params_len, Category::Params)?;
-            backend.upload(ViewMut::of(&mut buf), &compute)?;
-            ParamStore::Device(buf)
+            Some(alloc_elems::<E>(&pool, params_len, Category::Params)?)
         };
         let grads = alloc_elems::<E>(&pool, if grads_sharded { state_len } else { n }, Category::Grads)?;
-        let opt = if hyper.knobs.offload_optimizer {
+        let mut device_state = if hyper.knobs.offload_optimizer {
             pool.set_host_bytes(Category::Optimizer, 4 * 4 * state_len);
-            let master = full[shard.clone()].to_vec();
-            OptimizerState::Host { master, m: vec![0.0; k], v: vec![0.0; k], grads: vec![0.0; k] }
+            None
         } else {
-            let mut master = if E::is_f32() { None } else { Some(alloc_f32(&pool, state_len, Category::Optimizer)?) };
-            if let Some(mw) = master.as_mut() {
-                backend.upload(ViewMut::range(mw, 0..k), &full[shard.clone()])?;
-            }
-            let mut m = alloc_f32(&pool, state_len, Category::Optimizer)?;
-            let mut v = alloc_f32(&pool, state_len, Category::Optimizer)?;
-            backend.zero::<f32>(ViewMut::of(&mut m))?;
-            backend.zero::<f32>(ViewMut::of(&mut v))?;
-            OptimizerState::Device { master, m, v }
+            let master = if E::is_f32() { None } else { Some(alloc_f32(&pool, state_len, Category::Optimizer)?) };
+            let m = alloc_f32(&pool, state_len, Category::Optimizer)?;
+            let v = alloc_f32(&pool, state_len, Category::Optimizer)?;
+            Some((master, m, v))
         };
+        let reserved_ms = started.elapsed().as_secs_f64() * 1e3;
+        // Then the initial values: every rank computes the part it keeps (a pure function of
+        // seed and index), a chunk at a time, with no full-size host copy of a device's state.
+        let mut host_params = hyper.knobs.offload_params.then(|| vec![E::default(); params_len]);
+        let mut host_master = hyper.knobs.offload_optimizer.then(|| vec![0.0f32; k]);
+        let mut values = vec![0.0f32; INIT_CHUNK.min(kept.len())];
+        let mut narrowed = vec![E::default(); if params_buf.is_some() { values.len() } else { 0 }];
+        for lo in kept.clone().step_by(INIT_CHUNK.max(1)) {
+            let chunk = lo..(lo + INIT_CHUNK).min(kept.end);
+            let vals = &mut values[..chunk.len()];
+            cfg.init_range(hyper.seed, chunk.clone(), vals);
+            let at = chunk.start - kept.start..chunk.end - kept.start;
+            if let Some(host) = host_params.as_mut() {
+                narrow::<E>(&mut host[at.clone()], vals);
+            }
+            if let Some(buf) = params_buf.as_mut() {
+                narrow::<E>(&mut narrowed[..chunk.len()], vals);
+                backend.upload(ViewMut::range(buf, at), &narrowed[..chunk.len()])?;
+            }
+            // The master weights: the part of this chunk in the rank's shard.
+            let (slo, shi) = (chunk.start.max(shard.start), chunk.end.min(shard.end));
+            if slo < shi {
+                let part = &vals[slo - chunk.start..shi - chunk.start];
+                let at = slo - shard.start..shi - shard.start;
+                match (&mut host_master, &mut device_state) {
+                    (Some(master), _) => master[at].copy_from_slice(part),
+                    (None, Some((Some(mw), _, _))) => backend.upload(ViewMut::range(mw, at), part)?,
+                    _ => {}
+                }
+            }
+        }
+        drop((values, narrowed));
+        let params = match (params_buf, host_params) {
+            (Some(buf), _) => ParamStore::Device(buf),
+            (None, Some(host)) => ParamStore::Host(Arc::new(host)),
+            (None, None) => unreachable!("the weights are on the device or the host"),
+        };
+        let opt = match (device_state.take(), host_master) {
+            (Some((master, mut m, mut v)), _) => {
+                backend.zero::<f32>(ViewMut::of(&mut m))?;
+                backend.zero::<f32>(ViewMut::of(&mut v))?;
+                OptimizerState::Device { master, m, v }
+            }
+            (None, Some(master)) => {
+                OptimizerState::Host { master, m: vec![0.0; k], v: vec![0.0; k], grads: vec![0.0; k] }
+            }
+            (None, None) => unreachable!("the optimizer state is on the device or the host"),
+        };
+        tracing::info!(
+            "model state reserved in {reserved_ms:.0} ms, initialised in {:.0} ms ({} parameters)",
+            started.elapsed().as_secs_f64() * 1e3 - reserved_ms,
+            n
+        );
         let shard_tensors = cfg
             .tensors()
             .iter()

@@ -30,6 +30,7 @@ use super::{
 use crate::engine::backend::collectives::DeviceCollectives;
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::optim::{AdamW, BETA1, BETA2, EPS};
+use crate::engine::backend::workspace::CudaAttention;
 use crate::engine::backend::{shapes, Backend, BackendError, BackendResult, View, ViewMut};
 
 /// Threads per block of the elementwise kernels.
@@ -754,17 +755,15 @@ impl Backend for CudaBackend {
         let hs = c / nh;
         let (bh, head) = (b * nh, t * hs);
         let dims = [int(OP, "B", b)?, int(OP, "T", t)?, int(OP, "NH", nh)?, int(OP, "HS", hs)?];
-        let (q, k, v) = (
-            self.scratch(b * t * c * E::BYTES)?,
-            self.scratch(b * t * c * E::BYTES)?,
-            self.scratch(b * t * c * E::BYTES)?,
-        );
+        // Scratch sized by the declaration the estimator sums (`workspace::CudaAttention`).
+        let ws = CudaAttention::of::<E>(b, t, c, nh);
+        let (q, k, v) = (self.scratch(ws.heads)?, self.scratch(ws.heads)?, self.scratch(ws.heads)?);
         let mut args =
             vec![Arg::Ptr(q.address()), Arg::Ptr(k.address()), Arg::Ptr(v.address()), Arg::Ptr(qkv.address())];
         args.extend(dims);
         self.launch(OP, &format!("permute_qkv_{dt}"), elementwise(b * t * c), &args)?;
         // scores (B·NH, T, T) f32 = q · kᵀ
-        let preatt = self.scratch(bh * t * t * 4)?;
+        let preatt = self.scratch(ws.scores)?;
         let ty = data_type::<E>();
         self.gemm(
             OP,
@@ -833,12 +832,11 @@ impl Backend for CudaBackend {
         let dims = [int(OP, "B", b)?, int(OP, "T", t)?, int(OP, "NH", nh)?, int(OP, "HS", hs)?];
         let ty = data_type::<E>();
         // Heads of q, k, v (recomputed from qkv) and of dout.
-        let (q, k, v, dy) = (
-            self.scratch(elems * E::BYTES)?,
-            self.scratch(elems * E::BYTES)?,
-            self.scratch(elems * E::BYTES)?,
-            self.scratch(elems * E::BYTES)?,
-        );
+        // Scratch sized by the declaration the estimator sums, allocated and freed in the
+        // order of its phases (`CudaAttention::backward_peak`).
+        let ws = CudaAttention::of::<E>(b, t, c, nh);
+        let (q, k, v, dy) =
+            (self.scratch(ws.heads)?, self.scratch(ws.heads)?, self.scratch(ws.heads)?, self.scratch(ws.heads)?);
         let mut args =
             vec![Arg::Ptr(q.address()), Arg::Ptr(k.address()), Arg::Ptr(v.address()), Arg::Ptr(qkv.address())];
         args.extend(dims);
@@ -848,7 +846,7 @@ impl Backend for CudaBackend {
         args.push(Arg::I32(0));
         self.launch(OP, &format!("heads_permute_{dt}"), elementwise(elems), &args)?;
         // datt (B·NH,T,T) f32 = dy · vᵀ ; dv f32 = attᵀ · dy
-        let datt = self.scratch(bh * t * t * 4)?;
+        let datt = self.scratch(ws.scores)?;
         self.gemm(
             OP,
             Gemm {
@@ -864,7 +862,7 @@ impl Backend for CudaBackend {
                 batch: bh,
             },
         )?;
-        let dv = self.scratch(elems * 4)?;
+        let dv = self.scratch(ws.heads_f32)?;
         self.gemm(
             OP,
             Gemm {
@@ -893,11 +891,11 @@ impl Backend for CudaBackend {
         ];
         self.launch(OP, &format!("softmax_causal_backward_{dt}"), warp_rows(bh * t), &args)?;
         // dq = dpreatt · k ; dk = dpreattᵀ · q, in f32 (cuBLAS takes no f32 × bf16 product).
-        let (q32, k32) = (self.scratch(elems * 4)?, self.scratch(elems * 4)?);
+        let (q32, k32) = (self.scratch(ws.heads_f32)?, self.scratch(ws.heads_f32)?);
         self.convert::<E>(OP, "cast_bf16_to_f32", q32.address(), q.address(), elems)?;
         self.convert::<E>(OP, "cast_bf16_to_f32", k32.address(), k.address(), elems)?;
         drop((q, k));
-        let (dq, dk) = (self.scratch(elems * 4)?, self.scratch(elems * 4)?);
+        let (dq, dk) = (self.scratch(ws.heads_f32)?, self.scratch(ws.heads_f32)?);
         self.gemm(
             OP,
             Gemm {
