@@ -7,6 +7,8 @@
 # 1. `headroom train` of data/example-job.yaml on `cuda` (20 steps): the CLI, the event stream
 #    and checkpoints end to end on the device; then the same job in bf16 with checkpointing and
 #    every offload, preempted at step 10 and resumed to 20; with two GPUs, the job on two ranks.
+#    Then the GPT-2 XL shape (1.48B) on 16 GiB: the plain job's time to its OOM, and bf16 +
+#    checkpointing + optimizer offload's time to start and to its first steps.
 # 2. `headroom gpu-check`, which prints its summary table last:
 #    - every backend op (fp32 and bf16, two shapes) against the CPU reference with fresh random
 #      inputs and NaN-poisoned outputs (relative-error bound per dtype);
@@ -16,6 +18,8 @@
 #      on the GPU against two CPU ranks;
 #    - an OOM in training: a budget between the estimator's plain and fully checkpointed peaks,
 #      where the plain job must OOM (typed, mid-step) and the checkpointed one must fit;
+#    - the estimator against the device (--estimate-grid): 16 configurations, predicted and
+#      measured peaks side by side;
 #    - the GPT-2 124M benchmark: tokens/s at B=16, T=1024, bf16, resident and with the weights
 #      in host memory (offload params over the copy stream: the step-time ratio).
 # Exit status: that of gpu-check (1 if any check failed), or 1 if a training run failed.
@@ -83,9 +87,64 @@ if [ "${gpus:-0}" -ge 2 ]; then
     [ $ranks_status -eq 0 ] || train_status=1
 fi
 
+# The seed's headline case at real scale: GPT-2 XL shape (1.48B parameters, bytes vocabulary)
+# on a 16 GiB budget. The plain configuration cannot hold its state (exit 3: time to the OOM);
+# bf16 + full checkpointing + optimizer offload fits (time to `started` and to the first step).
+xl="$run/xl.yaml"
+cat > "$xl" <<YAML
+name: xl
+model: { n_layer: 48, n_head: 25, n_embd: 1600, block_size: 1024, vocab: bytes }
+data: { path: $PWD/data/shakespeare-tiny.txt, val_fraction: 0.1 }
+train: { steps: 2, global_batch: 8, micro_batch: 8, lr: 1.0e-4, eval_every: 1000, checkpoint_every: 1000 }
+device: { kind: cuda, device_memory: 16GiB }
+YAML
+python3 - "$BIN" "$xl" "$run" <<'PY' || train_status=1
+import json, subprocess, sys, time
+bin, xl, run = sys.argv[1:4]
+def launch(config, name):
+    t0 = time.time()
+    p = subprocess.Popen([bin, "train", "--config", config, "--fresh", "--run-dir", f"{run}/{name}"],
+                         stdout=subprocess.PIPE, stderr=open(f"{run}/{name}.log", "w"), text=True)
+    return t0, p
+# Plain: its state cannot fit 16 GiB; the time to the OOM.
+t0, p = launch(xl, "xl-plain")
+out, _ = p.communicate()
+oom = [json.loads(l) for l in out.splitlines() if '"event":"oom"' in l]
+print(f"XL plain on 16 GiB: exit {p.returncode} (expected 3) after {time.time() - t0:.2f} s; "
+      + (f'oom {oom[0]["category"]} {oom[0]["requested_bytes"]} B' if oom else "no oom line"))
+ok = p.returncode == 3
+# bf16 + full checkpointing + optimizer offload: time to start and to the first two steps (then
+# stopped: its final checkpoint would be 18 GB).
+with open(xl) as f:
+    text = f.read().replace("device:", "memory: { precision: bf16, checkpointing: full, offload: { optimizer: cpu } }\ndevice:")
+with open(xl + ".fits.yaml", "w") as f:
+    f.write(text)
+t0, p = launch(xl + ".fits.yaml", "xl-fits")
+steps = 0
+for line in p.stdout:
+    e = json.loads(line)
+    if e["event"] in ("started", "step", "oom"):
+        extra = ""
+        if e["event"] == "step":
+            steps += 1
+            m = e["mem"]
+            extra = (f' step {e["step"]}: {e["step_ms"]:.0f} ms, {e["tokens_per_s"]:.0f} tokens/s, allocated '
+                     f'{m["allocated"]/2**30:.2f} GiB, reserved {m["reserved"]/2**30:.2f} GiB')
+        print(f'XL bf16+full+opt-offload mb8 on 16 GiB: {e["event"]} at {e["t"] - t0:.2f} s{extra}')
+    if e["event"] == "oom" or steps == 2:
+        break
+p.kill()
+p.wait()
+for l in open(f"{run}/xl-fits.log"):
+    if "initialised in" in l:
+        print(l.strip()[-160:])
+ok = ok and steps == 2
+sys.exit(0 if ok else 1)
+PY
+
 echo
 echo "== headroom gpu-check"
-"$BIN" gpu-check "${@:2}"
+"$BIN" gpu-check --estimate-grid "${@:2}"
 status=$?
 [ $status -eq 0 ] && [ $train_status -ne 0 ] && status=1
 exit $status

@@ -16,8 +16,8 @@ use crate::memory::{Category, LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT};
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::workspace::WorkspaceModel;
 use crate::engine::model::{
-    activation_width, backward_scratch, backward_workspace_sizes, forward_scratch, global_activation_sizes, kept_in,
-    layer_activation_sizes, GptConfig,
+    activation_width, backward_workspace_sizes, block_backward_scratch, block_forward_scratch, global_activation_sizes,
+    head_backward_scratch, head_forward_scratch, kept_in, layer_activation_sizes, GptConfig,
 };
 use crate::engine::train::trainer::gpt_config;
 
@@ -171,13 +171,18 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
             }
         }
     };
-    let add_workspace = |live: &mut Live| {
+    let add_scratch = |live: &mut Live, scratch: Vec<usize>| {
+        for bytes in scratch {
+            live.add(Category::Workspace, bytes);
+        }
+    };
+    // The backward pass's gradient buffers, and the scratch of the op running at the moment
+    // (each backend's declarations: `backend::workspace`).
+    let add_workspace = |live: &mut Live, scratch: Vec<usize>| {
         for (_, elems) in backward_workspace_sizes(cfg, b, t) {
             live.add(Category::Workspace, elems * E::BYTES);
         }
-        for bytes in backward_scratch::<E>(model, cfg, b, t) {
-            live.add(Category::Workspace, bytes);
-        }
+        add_scratch(live, scratch);
     };
     let kept = |name: &str| kept_in(mode, name);
     let all = |_: &str| true;
@@ -190,7 +195,7 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
     for _ in 0..on_device(cfg.n_layer) {
         add_layer(&mut start, &kept);
     }
-    add_workspace(&mut start);
+    add_workspace(&mut start, head_backward_scratch::<E>(model, cfg, b, t));
     weights(&mut start, wte);
     bucket(&mut start, wte);
     candidates.push(("backward start", start));
@@ -205,7 +210,7 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
             add_layer(&mut rec, &kept);
         }
         add_layer(&mut rec, &all);
-        add_workspace(&mut rec);
+        add_workspace(&mut rec, block_backward_scratch::<E>(model, cfg, b, t));
         weights(&mut rec, block);
         if cfg.n_layer > 1 {
             ahead(&mut rec, block);
@@ -217,13 +222,13 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
     // Encoder backward: the blocks are done; the embeddings' gradient bucket is live.
     let mut enc = base.clone();
     add_globals(&mut enc, true);
-    add_workspace(&mut enc);
+    add_workspace(&mut enc, Vec::new());
     bucket(&mut enc, embed);
     candidates.push(("encoder backward", enc));
 
     // Forward: the encoder (embedding weights staged, block 0 copied ahead), each block (the
     // earlier ones kept, this one in full, the next one copied ahead), and the head (every
-    // block kept, lnf and the logits, forward scratch still held, `wte` staged).
+    // block kept, lnf and the logits, the classifier matmul's scratch, `wte` staged).
     let mut fwd = base.clone();
     for &(name, elems) in globals.iter().take(3) {
         act(&mut fwd, name, elems);
@@ -234,9 +239,6 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
         ahead(&mut encoder, block);
     }
     candidates.push(("forward encoder", encoder));
-    for bytes in forward_scratch::<E>(model, cfg, b, t) {
-        fwd.add(Category::Workspace, bytes);
-    }
     let mut head = fwd.clone();
     for l in 0..cfg.n_layer {
         let mut at = fwd.clone();
@@ -244,6 +246,7 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
             add_layer(&mut at, &kept);
         }
         add_layer(&mut at, &all);
+        add_scratch(&mut at, block_forward_scratch::<E>(model, cfg, b, t));
         weights(&mut at, block);
         if l + 1 < cfg.n_layer {
             ahead(&mut at, block);
@@ -256,6 +259,7 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
     for &(name, elems) in globals.iter().skip(3).take(4) {
         act(&mut head, name, elems);
     }
+    add_scratch(&mut head, head_forward_scratch::<E>(model, cfg, b, t));
     weights(&mut head, wte);
     candidates.push(("forward head", head));
 

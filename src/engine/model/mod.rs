@@ -119,31 +119,41 @@ pub fn backward_workspace_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'stat
     [("dresidual", bt * c), ("dsmall", bt * c), ("dfch", bt * 4 * c), ("dqkv", bt * 3 * c)]
 }
 
-/// The (in, out) feature sizes of every matmul of the model.
-fn matmul_shapes(cfg: &GptConfig) -> [(usize, usize); 5] {
+/// The (in, out) feature sizes of a block's matmuls.
+fn block_matmul_shapes(cfg: &GptConfig) -> [(usize, usize); 4] {
     let c = cfg.n_embd;
-    [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c), (c, cfg.vocab)]
+    [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c)]
 }
 
-/// The workspace buffers (bytes each) live at the forward pass's largest op: the op with the
-/// most pool bytes among the model's matmuls and attention, per `model`'s declarations.
-pub fn forward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b: usize, t: usize) -> Vec<usize> {
+/// The workspace buffers (bytes each) live at a block's forward op with the most pool bytes
+/// (its matmuls and attention), per `model`'s declarations.
+pub fn block_forward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b: usize, t: usize) -> Vec<usize> {
     let bt = b * t;
     let mut ops: Vec<Vec<usize>> =
-        matmul_shapes(cfg).iter().map(|&(i, o)| model.matmul_forward::<E>(bt, i, o)).collect();
+        block_matmul_shapes(cfg).iter().map(|&(i, o)| model.matmul_forward::<E>(bt, i, o)).collect();
     ops.push(model.attention_forward::<E>(b, t, cfg.n_embd, cfg.n_head));
     largest(ops)
 }
 
-/// The workspace buffers live at the backward pass's largest op (recomputing a block's forward
-/// included).
-pub fn backward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b: usize, t: usize) -> Vec<usize> {
+/// The workspace buffers live at a block's backward op with the most pool bytes (recomputing
+/// its forward included).
+pub fn block_backward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b: usize, t: usize) -> Vec<usize> {
     let bt = b * t;
     let mut ops: Vec<Vec<usize>> =
-        matmul_shapes(cfg).iter().map(|&(i, o)| model.matmul_backward::<E>(bt, i, o)).collect();
+        block_matmul_shapes(cfg).iter().map(|&(i, o)| model.matmul_backward::<E>(bt, i, o)).collect();
     ops.push(model.attention_backward::<E>(b, t, cfg.n_embd, cfg.n_head));
-    ops.push(forward_scratch::<E>(model, cfg, b, t));
+    ops.push(block_forward_scratch::<E>(model, cfg, b, t));
     largest(ops)
+}
+
+/// The classifier's workspace (B·T, C) · (V, C)ᵀ: forward.
+pub fn head_forward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b: usize, t: usize) -> Vec<usize> {
+    model.matmul_forward::<E>(b * t, cfg.n_embd, cfg.vocab)
+}
+
+/// The classifier's workspace: backward.
+pub fn head_backward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b: usize, t: usize) -> Vec<usize> {
+    model.matmul_backward::<E>(b * t, cfg.n_embd, cfg.vocab)
 }
 
 /// The buffer set taking the most pool bytes (each buffer rounded as the pool rounds it).

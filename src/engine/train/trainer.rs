@@ -240,7 +240,13 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         // Then the initial values: every rank computes the part it keeps (a pure function of
         // seed and index), a chunk at a time, with no full-size host copy of a device's state.
         let mut host_params = hyper.knobs.offload_params.then(|| vec![E::default(); params_len]);
-        let mut host_master = hyper.knobs.offload_optimizer.then(|| vec![0.0f32; k]);
+        // Host master weights: generated in place (in parallel, so first touches are spread
+        // over the cores), not copied from the chunks below.
+        let host_master = hyper.knobs.offload_optimizer.then(|| {
+            let mut master = vec![0.0f32; k];
+            cfg.init_range(hyper.seed, shard.clone(), &mut master);
+            master
+        });
         let mut values = vec![0.0f32; INIT_CHUNK.min(kept.len())];
         let mut narrowed = vec![E::default(); if params_buf.is_some() { values.len() } else { 0 }];
         for lo in kept.clone().step_by(INIT_CHUNK.max(1)) {
@@ -260,10 +266,8 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             if slo < shi {
                 let part = &vals[slo - chunk.start..shi - chunk.start];
                 let at = slo - shard.start..shi - shard.start;
-                match (&mut host_master, &mut device_state) {
-                    (Some(master), _) => master[at].copy_from_slice(part),
-                    (None, Some((Some(mw), _, _))) => backend.upload(ViewMut::range(mw, at), part)?,
-                    _ => {}
+                if let Some((Some(mw), _, _)) = &mut device_state {
+                    backend.upload(ViewMut::range(mw, at), part)?;
                 }
             }
         }
