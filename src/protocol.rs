@@ -183,6 +183,10 @@ pub struct MemSnapshot {
     pub host_params: usize,
     pub host_optimizer: usize,
     pub host_activations: usize,
+    /// The largest free block cached in the pool when the snapshot was taken: with
+    /// `reserved − allocated` (the cached bytes), it tells an allocation that fits the cache
+    /// from one that only fits its total (fragmentation).
+    pub largest_free_block: usize,
 }
 
 impl MemSnapshot {
@@ -206,6 +210,7 @@ impl MemSnapshot {
             host_params: s.host_window_peak[0],
             host_optimizer: s.host_window_peak[2],
             host_activations: s.host_window_peak[3],
+            largest_free_block: s.largest_free_block,
         }
     }
 
@@ -228,6 +233,7 @@ impl MemSnapshot {
             host_params: s.host_peak[0],
             host_optimizer: s.host_peak[2],
             host_activations: s.host_peak[3],
+            largest_free_block: s.largest_free_block,
         }
     }
 
@@ -365,6 +371,7 @@ mod tests {
             host_params: 9,
             host_optimizer: 10,
             host_activations: 11,
+            largest_free_block: 12,
         }
     }
 

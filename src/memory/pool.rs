@@ -92,11 +92,27 @@ impl SegmentSource for HostSegments {
     }
 }
 
+/// Blocks of different lifetimes live in different segments, so the frees of a short-lived
+/// class coalesce into whole free blocks (and whole free segments, which go back before an OOM)
+/// instead of leaving holes between long-lived blocks: 0 = model state kept for the whole run
+/// (params, grads, optimizer), 1 = a step's activations, 2 = an op's transient workspace.
+/// The class of a pre-reserved segment, which serves every class.
+const SHARED_CLASS: u8 = 3;
+
+pub fn lifetime_class(category: Category) -> u8 {
+    match category {
+        Category::Params | Category::Grads | Category::Optimizer => 0,
+        Category::Activations => 1,
+        Category::Workspace => 2,
+    }
+}
+
 #[derive(Debug)]
 struct Segment {
     address: u64,
     size: usize,
     small: bool,
+    class: u8,
     /// Blocks of this segment, keyed by offset: (size, free, category when used).
     blocks: std::collections::BTreeMap<usize, BlockState>,
 }
@@ -107,9 +123,11 @@ struct BlockState {
     category: Option<Category>,
 }
 
-/// Free-block index entry, ordered for best fit: smallest size first, then address.
+/// Free-block index entry, ordered for best fit within a lifetime class: smallest size first,
+/// then address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct FreeKey {
+    class: u8,
     size: usize,
     segment: usize,
     offset: usize,
@@ -196,7 +214,9 @@ impl Pool {
             return Ok(());
         }
         let seg = inner.new_segment(bytes, false, Category::Workspace)?;
-        let key = FreeKey { size: bytes, segment: seg, offset: 0 };
+        // The pre-reserved segment serves every lifetime class.
+        inner.segments[seg].as_mut().expect("just made").class = SHARED_CLASS;
+        let key = FreeKey { class: SHARED_CLASS, size: bytes, segment: seg, offset: 0 };
         inner.free_large.insert(key);
         Ok(())
     }
@@ -214,9 +234,12 @@ impl Pool {
         self.lock().release_free_segments();
     }
 
-    /// A snapshot of the counters.
+    /// A snapshot of the counters, with the largest free block cached in the pool.
     pub fn stats(&self) -> MemStats {
-        self.lock().stats.clone()
+        let inner = self.lock();
+        let mut stats = inner.stats.clone();
+        stats.largest_free_block = inner.largest_free_block();
+        stats
     }
 
     /// Start a new measurement window: window peaks restart from current usage.
@@ -269,7 +292,7 @@ impl PoolInner {
         };
         let mut blocks = std::collections::BTreeMap::new();
         blocks.insert(0, BlockState { size, category: None });
-        let seg = Segment { address, size, small, blocks };
+        let seg = Segment { address, size, small, class: lifetime_class(category), blocks };
         let index = match self.segments.iter().position(Option::is_none) {
             Some(i) => {
                 self.segments[i] = Some(seg);
@@ -293,10 +316,13 @@ impl PoolInner {
         category: Category,
     ) -> Result<(usize, usize, u64), OomError> {
         let small = size <= SMALL_LIMIT;
-        let probe = FreeKey { size, segment: 0, offset: 0 };
+        let class = lifetime_class(category);
+        let probe = FreeKey { class, size, segment: 0, offset: 0 };
         let found = {
             let set = if small { &self.free_small } else { &self.free_large };
-            set.range(probe..).next().copied()
+            let shared = FreeKey { class: SHARED_CLASS, size, segment: 0, offset: 0 };
+            (set.range(probe..).next().copied().filter(|k| k.class == class))
+                .or_else(|| set.range(shared..).next().copied())
         };
         let key = match found {
             Some(k) => k,
@@ -306,17 +332,17 @@ impl PoolInner {
                     e.requested_bytes = requested;
                     e
                 })?;
-                FreeKey { size: seg_size, segment: seg, offset: 0 }
+                FreeKey { class, size: seg_size, segment: seg, offset: 0 }
             }
         };
         let set = if small { &mut self.free_small } else { &mut self.free_large };
         set.remove(&key);
         let seg = self.segments[key.segment].as_mut().expect("live segment");
-        // Split when the remainder is worth keeping as its own block.
+        // Split when the remainder is worth keeping as its own block (of the segment's class).
         let remainder = key.size - size;
         let split_threshold = if small { ROUND } else { SMALL_LIMIT };
         let used = if remainder >= split_threshold {
-            let rest = FreeKey { size: remainder, segment: key.segment, offset: key.offset + size };
+            let rest = FreeKey { class: key.class, size: remainder, segment: key.segment, offset: key.offset + size };
             seg.blocks.insert(rest.offset, BlockState { size: remainder, category: None });
             set.insert(rest);
             size
@@ -337,7 +363,7 @@ impl PoolInner {
         let state = seg.blocks.get(&offset).copied().expect("live block");
         self.stats.sub(category, size);
         self.stats.num_frees += 1;
-        let small = seg.small;
+        let (small, class) = (seg.small, seg.class);
         let set = if small { &mut self.free_small } else { &mut self.free_large };
         let mut start = offset;
         let mut size = state.size;
@@ -345,7 +371,7 @@ impl PoolInner {
         // Coalesce with the previous block if free.
         if let Some((&prev_off, &prev)) = seg.blocks.range(..offset).next_back() {
             if prev.category.is_none() {
-                set.remove(&FreeKey { size: prev.size, segment, offset: prev_off });
+                set.remove(&FreeKey { class, size: prev.size, segment, offset: prev_off });
                 seg.blocks.remove(&offset);
                 start = prev_off;
                 size += prev.size;
@@ -355,13 +381,28 @@ impl PoolInner {
         let next_off = offset + state.size;
         if let Some(&next) = seg.blocks.get(&next_off) {
             if next.category.is_none() {
-                set.remove(&FreeKey { size: next.size, segment, offset: next_off });
+                set.remove(&FreeKey { class, size: next.size, segment, offset: next_off });
                 seg.blocks.remove(&next_off);
                 size += next.size;
             }
         }
         seg.blocks.insert(start, BlockState { size, category: None });
-        set.insert(FreeKey { size, segment, offset: start });
+        set.insert(FreeKey { class, size, segment, offset: start });
+    }
+
+    /// The largest free block of any class: what one more request can get without a new
+    /// segment (and, with the rest of the cache, whether an OOM is fragmentation).
+    fn largest_free_block(&self) -> usize {
+        (0..=SHARED_CLASS)
+            .flat_map(|class| {
+                let next = FreeKey { class: class + 1, size: 0, segment: 0, offset: 0 };
+                [&self.free_small, &self.free_large]
+                    .map(|set| set.range(..next).next_back().filter(|k| k.class == class))
+            })
+            .flatten()
+            .map(|k| k.size)
+            .max()
+            .unwrap_or(0)
     }
 
     fn release_free_segments(&mut self) {
@@ -375,7 +416,7 @@ impl PoolInner {
             }
             let seg = self.segments[index].take().expect("checked above");
             let set = if seg.small { &mut self.free_small } else { &mut self.free_large };
-            set.remove(&FreeKey { size: seg.size, segment: index, offset: 0 });
+            set.remove(&FreeKey { class: seg.class, size: seg.size, segment: index, offset: 0 });
             self.source.release(seg.address, seg.size);
             self.stats.reserved -= seg.size;
             self.stats.num_segments -= 1;

@@ -59,6 +59,8 @@ pub struct MemStats {
     pub num_frees: u64,
     pub num_ooms: u64,
     pub num_segments: usize,
+    /// The largest free block cached in the pool (filled by `Pool::stats`).
+    pub largest_free_block: usize,
 }
 
 impl MemStats {

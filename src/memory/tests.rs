@@ -187,3 +187,33 @@ fn device_buffers_carry_addresses_and_refuse_host_reads() {
     let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.bytes().len()));
     assert!(read.is_err(), "a host read of device memory is refused");
 }
+
+#[test]
+fn lifetimes_apart_a_freed_transient_block_never_strands_free_memory() {
+    // A 40 MiB workspace block is freed (cached); 20 MiB of weights come next; then 40 MiB of
+    // activations. 44 MiB of the 64 are free in total.
+    let pattern = |pool: &Pool| -> (Buffer, Result<Buffer, OomError>) {
+        drop(pool.alloc(40 * MIB, Category::Workspace).unwrap());
+        let params = pool.alloc(20 * MIB, Category::Params).unwrap();
+        (params, pool.alloc(40 * MIB, Category::Activations))
+    };
+    // Mixed lifetimes in one segment (a pre-reserved segment serves every class, as every
+    // segment did before lifetime classes): the weights are carved from the cached block, the
+    // rest of it is too small, and the segment cannot be given back: OOM with 44 MiB free.
+    let mixed = Pool::new("cpu", 64 * MIB);
+    mixed.prereserve(40.0 / 64.0).unwrap();
+    let (_params, acts) = pattern(&mixed);
+    let err = acts.unwrap_err();
+    let s = mixed.stats();
+    assert_eq!((err.category, s.allocated(), s.reserved), (Category::Activations, 20 * MIB, 40 * MIB));
+    assert_eq!(s.largest_free_block, 20 * MIB, "the stranded rest of the cached block");
+    // Lifetimes apart: the weights get a segment of their own, the cached workspace segment is
+    // wholly free and goes back, the activations fit.
+    let apart = Pool::new("cpu", 64 * MIB);
+    let (params, acts) = pattern(&apart);
+    let held = (params, acts.expect("fits"));
+    let s = apart.stats();
+    assert_eq!((s.allocated(), s.reserved), (60 * MIB, 60 * MIB));
+    drop(held);
+    assert_eq!(apart.stats().largest_free_block, 40 * MIB);
+}
