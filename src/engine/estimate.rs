@@ -11,7 +11,7 @@
 use serde::Serialize;
 
 use crate::config::{JobSpec, Knobs, OffloadTarget, Precision};
-use crate::memory::{lifetime_class, Category, LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT};
+use crate::memory::{Category, LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT};
 
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::workspace::WorkspaceModel;
@@ -70,32 +70,28 @@ impl Live {
         self.buffers.iter().filter(|b| b.0 == c).map(|&(_, b)| pool_bytes(b)).sum()
     }
     fn reserved_allowance(&self) -> usize {
-        let mut small: [Vec<usize>; 3] = Default::default();
+        let mut small = Vec::new();
         let mut large = 0;
-        for &(c, b) in &self.buffers {
+        for &(_, b) in &self.buffers {
             let r = pool_bytes(b);
             if r <= SMALL_LIMIT {
-                small[lifetime_class(c) as usize].push(r);
+                small.push(r);
             } else {
                 large += r.div_ceil(LARGE_ROUND) * LARGE_ROUND;
             }
         }
-        // Small blocks never share a segment with large ones or with another lifetime class
-        // (the pool's rule) and are not split across segments: pack each class first-fit
-        // decreasing into 2 MiB segments.
-        let mut segments = 0;
-        for mut class in small {
-            class.sort_unstable_by(|a, b| b.cmp(a));
-            let mut free: Vec<usize> = Vec::new();
-            for r in class {
-                match free.iter_mut().find(|f| **f >= r) {
-                    Some(f) => *f -= r,
-                    None => free.push(SMALL_SEGMENT - r),
-                }
+        // Small blocks never share a segment with large ones and are not split across
+        // segments: pack them first-fit decreasing into 2 MiB segments. (Large blocks each
+        // round to their own 2 MiB multiple, so the pool's lifetime classes change nothing here.)
+        small.sort_unstable_by(|a, b| b.cmp(a));
+        let mut segments: Vec<usize> = Vec::new();
+        for r in small {
+            match segments.iter_mut().find(|free| **free >= r) {
+                Some(free) => *free -= r,
+                None => segments.push(SMALL_SEGMENT - r),
             }
-            segments += free.len();
         }
-        large + segments * SMALL_SEGMENT
+        large + segments.len() * SMALL_SEGMENT
     }
 }
 

@@ -92,12 +92,25 @@ impl SegmentSource for HostSegments {
     }
 }
 
-/// Blocks of different lifetimes live in different segments, so the frees of a short-lived
+/// Large blocks of different lifetimes live in different segments, so the frees of a short-lived
 /// class coalesce into whole free blocks (and whole free segments, which go back before an OOM)
 /// instead of leaving holes between long-lived blocks: 0 = model state kept for the whole run
 /// (params, grads, optimizer), 1 = a step's activations, 2 = an op's transient workspace.
 /// The class of a pre-reserved segment, which serves every class.
 const SHARED_CLASS: u8 = 3;
+/// Small blocks (≤ [`SMALL_LIMIT`]) share small segments whatever their lifetime: a stranded
+/// small block costs little, and a small segment per class would cost 2 MiB each on the
+/// smallest budgets.
+const SMALL_CLASS: u8 = 4;
+
+/// The class a block's free list and segment are kept by.
+fn class_of(category: Category, small: bool) -> u8 {
+    if small {
+        SMALL_CLASS
+    } else {
+        lifetime_class(category)
+    }
+}
 
 pub fn lifetime_class(category: Category) -> u8 {
     match category {
@@ -292,7 +305,7 @@ impl PoolInner {
         };
         let mut blocks = std::collections::BTreeMap::new();
         blocks.insert(0, BlockState { size, category: None });
-        let seg = Segment { address, size, small, class: lifetime_class(category), blocks };
+        let seg = Segment { address, size, small, class: class_of(category, small), blocks };
         let index = match self.segments.iter().position(Option::is_none) {
             Some(i) => {
                 self.segments[i] = Some(seg);
@@ -316,13 +329,13 @@ impl PoolInner {
         category: Category,
     ) -> Result<(usize, usize, u64), OomError> {
         let small = size <= SMALL_LIMIT;
-        let class = lifetime_class(category);
+        let class = class_of(category, small);
         let probe = FreeKey { class, size, segment: 0, offset: 0 };
         let found = {
             let set = if small { &self.free_small } else { &self.free_large };
             let shared = FreeKey { class: SHARED_CLASS, size, segment: 0, offset: 0 };
             (set.range(probe..).next().copied().filter(|k| k.class == class))
-                .or_else(|| set.range(shared..).next().copied())
+                .or_else(|| set.range(shared..).next().copied().filter(|k| k.class == SHARED_CLASS))
         };
         let key = match found {
             Some(k) => k,
@@ -393,7 +406,7 @@ impl PoolInner {
     /// The largest free block of any class: what one more request can get without a new
     /// segment (and, with the rest of the cache, whether an OOM is fragmentation).
     fn largest_free_block(&self) -> usize {
-        (0..=SHARED_CLASS)
+        (0..=SMALL_CLASS)
             .flat_map(|class| {
                 let next = FreeKey { class: class + 1, size: 0, segment: 0, offset: 0 };
                 [&self.free_small, &self.free_large]
