@@ -337,7 +337,7 @@ impl PoolInner {
             (set.range(probe..).next().copied().filter(|k| k.class == class))
                 .or_else(|| set.range(shared..).next().copied().filter(|k| k.class == SHARED_CLASS))
         };
-        let key = match found {
+        let key = match found.or_else(|| self.adopt_free_segment(small, class, size)) {
             Some(k) => k,
             None => {
                 let seg_size = if small { SMALL_SEGMENT } else { round_up(size, LARGE_ROUND) };
@@ -401,6 +401,29 @@ impl PoolInner {
         }
         seg.blocks.insert(start, BlockState { size, category: None });
         set.insert(FreeKey { class, size, segment, offset: start });
+    }
+
+    /// A wholly free cached segment of another class that `size` nearly fills, handed over to
+    /// `class` (its key in that class): a class reuses another's cache before the pool
+    /// reserves more, and no segment ever holds live blocks of two classes.
+    fn adopt_free_segment(&mut self, small: bool, class: u8, size: usize) -> Option<FreeKey> {
+        if small {
+            return None;
+        }
+        let segments = &self.segments;
+        let whole = |k: &FreeKey| k.offset == 0 && segments[k.segment].as_ref().is_some_and(|s| s.size == k.size);
+        // Only a segment the request nearly fills: carving a long-lived block out of a large
+        // cached one would strand the rest, the very thing the classes prevent.
+        let key = (0..SHARED_CLASS).filter(|&c| c != class).find_map(|c| {
+            let from = FreeKey { class: c, size, segment: 0, offset: 0 };
+            let to = FreeKey { class: c, size: size + LARGE_ROUND, segment: 0, offset: 0 };
+            self.free_large.range(from..to).find(|k| whole(k)).copied()
+        })?;
+        self.free_large.remove(&key);
+        self.segments[key.segment].as_mut().expect("live segment").class = class;
+        let adopted = FreeKey { class, ..key };
+        self.free_large.insert(adopted);
+        Some(adopted)
     }
 
     /// The largest free block of any class: what one more request can get without a new

@@ -217,3 +217,17 @@ fn lifetimes_apart_a_freed_transient_block_never_strands_free_memory() {
     drop(held);
     assert_eq!(apart.stats().largest_free_block, 40 * MIB);
 }
+
+#[test]
+fn a_wholly_free_segment_of_another_class_is_reused_when_the_request_nearly_fills_it() {
+    let pool = Pool::new("cpu", 64 * MIB);
+    drop(pool.alloc(10 * MIB, Category::Workspace).unwrap());
+    // Same size, another class: the cached segment changes hands, nothing more is reserved.
+    let params = pool.alloc(10 * MIB - 4096, Category::Params).unwrap();
+    assert_eq!(pool.stats().reserved, 10 * MIB);
+    drop(params);
+    // Much smaller: not carved from it (that would strand the rest next to a long-lived block).
+    let small = pool.alloc(4 * MIB, Category::Activations).unwrap();
+    assert_eq!(pool.stats().reserved, 14 * MIB);
+    drop(small);
+}
