@@ -81,8 +81,7 @@ impl Live {
             }
         }
         // Small blocks never share a segment with large ones and are not split across
-        // segments: pack them first-fit decreasing into 2 MiB segments. (Large blocks each
-        // round to their own 2 MiB multiple, so the pool's lifetime classes change nothing here.)
+        // segments: pack them first-fit decreasing into 2 MiB segments.
         small.sort_unstable_by(|a, b| b.cmp(a));
         let mut segments: Vec<usize> = Vec::new();
         for r in small {

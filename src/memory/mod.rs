@@ -3,9 +3,7 @@
 mod pool;
 mod stats;
 
-pub use pool::{
-    lifetime_class, Buffer, HostSegments, OomError, Pool, SegmentSource, LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT,
-};
+pub use pool::{Buffer, HostSegments, OomError, Pool, SegmentSource, LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT};
 pub use stats::{format_bytes, parse_bytes, Category, MemStats};
 
 #[cfg(test)]

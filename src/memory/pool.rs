@@ -92,40 +92,11 @@ impl SegmentSource for HostSegments {
     }
 }
 
-/// Large blocks of different lifetimes live in different segments, so the frees of a short-lived
-/// class coalesce into whole free blocks (and whole free segments, which go back before an OOM)
-/// instead of leaving holes between long-lived blocks: 0 = model state kept for the whole run
-/// (params, grads, optimizer), 1 = a step's activations, 2 = an op's transient workspace.
-/// The class of a pre-reserved segment, which serves every class.
-const SHARED_CLASS: u8 = 3;
-/// Small blocks (≤ [`SMALL_LIMIT`]) share small segments whatever their lifetime: a stranded
-/// small block costs little, and a small segment per class would cost 2 MiB each on the
-/// smallest budgets.
-const SMALL_CLASS: u8 = 4;
-
-/// The class a block's free list and segment are kept by.
-fn class_of(category: Category, small: bool) -> u8 {
-    if small {
-        SMALL_CLASS
-    } else {
-        lifetime_class(category)
-    }
-}
-
-pub fn lifetime_class(category: Category) -> u8 {
-    match category {
-        Category::Params | Category::Grads | Category::Optimizer => 0,
-        Category::Activations => 1,
-        Category::Workspace => 2,
-    }
-}
-
 #[derive(Debug)]
 struct Segment {
     address: u64,
     size: usize,
     small: bool,
-    class: u8,
     /// Blocks of this segment, keyed by offset: (size, free, category when used).
     blocks: std::collections::BTreeMap<usize, BlockState>,
 }
@@ -136,11 +107,9 @@ struct BlockState {
     category: Option<Category>,
 }
 
-/// Free-block index entry, ordered for best fit within a lifetime class: smallest size first,
-/// then address.
+/// Free-block index entry, ordered for best fit: smallest size first, then address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct FreeKey {
-    class: u8,
     size: usize,
     segment: usize,
     offset: usize,
@@ -227,9 +196,7 @@ impl Pool {
             return Ok(());
         }
         let seg = inner.new_segment(bytes, false, Category::Workspace)?;
-        // The pre-reserved segment serves every lifetime class.
-        inner.segments[seg].as_mut().expect("just made").class = SHARED_CLASS;
-        let key = FreeKey { class: SHARED_CLASS, size: bytes, segment: seg, offset: 0 };
+        let key = FreeKey { size: bytes, segment: seg, offset: 0 };
         inner.free_large.insert(key);
         Ok(())
     }
@@ -305,7 +272,7 @@ impl PoolInner {
         };
         let mut blocks = std::collections::BTreeMap::new();
         blocks.insert(0, BlockState { size, category: None });
-        let seg = Segment { address, size, small, class: class_of(category, small), blocks };
+        let seg = Segment { address, size, small, blocks };
         let index = match self.segments.iter().position(Option::is_none) {
             Some(i) => {
                 self.segments[i] = Some(seg);
@@ -329,15 +296,12 @@ impl PoolInner {
         category: Category,
     ) -> Result<(usize, usize, u64), OomError> {
         let small = size <= SMALL_LIMIT;
-        let class = class_of(category, small);
-        let probe = FreeKey { class, size, segment: 0, offset: 0 };
+        let probe = FreeKey { size, segment: 0, offset: 0 };
         let found = {
             let set = if small { &self.free_small } else { &self.free_large };
-            let shared = FreeKey { class: SHARED_CLASS, size, segment: 0, offset: 0 };
-            (set.range(probe..).next().copied().filter(|k| k.class == class))
-                .or_else(|| set.range(shared..).next().copied().filter(|k| k.class == SHARED_CLASS))
+            set.range(probe..).next().copied()
         };
-        let key = match found.or_else(|| self.adopt_free_segment(small, class, size)) {
+        let key = match found {
             Some(k) => k,
             None => {
                 let seg_size = if small { SMALL_SEGMENT } else { round_up(size, LARGE_ROUND) };
@@ -345,17 +309,17 @@ impl PoolInner {
                     e.requested_bytes = requested;
                     e
                 })?;
-                FreeKey { class, size: seg_size, segment: seg, offset: 0 }
+                FreeKey { size: seg_size, segment: seg, offset: 0 }
             }
         };
         let set = if small { &mut self.free_small } else { &mut self.free_large };
         set.remove(&key);
         let seg = self.segments[key.segment].as_mut().expect("live segment");
-        // Split when the remainder is worth keeping as its own block (of the segment's class).
+        // Split when the remainder is worth keeping as its own block.
         let remainder = key.size - size;
         let split_threshold = if small { ROUND } else { SMALL_LIMIT };
         let used = if remainder >= split_threshold {
-            let rest = FreeKey { class: key.class, size: remainder, segment: key.segment, offset: key.offset + size };
+            let rest = FreeKey { size: remainder, segment: key.segment, offset: key.offset + size };
             seg.blocks.insert(rest.offset, BlockState { size: remainder, category: None });
             set.insert(rest);
             size
@@ -376,7 +340,7 @@ impl PoolInner {
         let state = seg.blocks.get(&offset).copied().expect("live block");
         self.stats.sub(category, size);
         self.stats.num_frees += 1;
-        let (small, class) = (seg.small, seg.class);
+        let small = seg.small;
         let set = if small { &mut self.free_small } else { &mut self.free_large };
         let mut start = offset;
         let mut size = state.size;
@@ -384,7 +348,7 @@ impl PoolInner {
         // Coalesce with the previous block if free.
         if let Some((&prev_off, &prev)) = seg.blocks.range(..offset).next_back() {
             if prev.category.is_none() {
-                set.remove(&FreeKey { class, size: prev.size, segment, offset: prev_off });
+                set.remove(&FreeKey { size: prev.size, segment, offset: prev_off });
                 seg.blocks.remove(&offset);
                 start = prev_off;
                 size += prev.size;
@@ -394,51 +358,19 @@ impl PoolInner {
         let next_off = offset + state.size;
         if let Some(&next) = seg.blocks.get(&next_off) {
             if next.category.is_none() {
-                set.remove(&FreeKey { class, size: next.size, segment, offset: next_off });
+                set.remove(&FreeKey { size: next.size, segment, offset: next_off });
                 seg.blocks.remove(&next_off);
                 size += next.size;
             }
         }
         seg.blocks.insert(start, BlockState { size, category: None });
-        set.insert(FreeKey { class, size, segment, offset: start });
+        set.insert(FreeKey { size, segment, offset: start });
     }
 
-    /// A wholly free cached segment of another class that `size` nearly fills, handed over to
-    /// `class` (its key in that class): a class reuses another's cache before the pool
-    /// reserves more, and no segment ever holds live blocks of two classes.
-    fn adopt_free_segment(&mut self, small: bool, class: u8, size: usize) -> Option<FreeKey> {
-        if small {
-            return None;
-        }
-        let segments = &self.segments;
-        let whole = |k: &FreeKey| k.offset == 0 && segments[k.segment].as_ref().is_some_and(|s| s.size == k.size);
-        // Only a segment the request nearly fills: carving a long-lived block out of a large
-        // cached one would strand the rest, the very thing the classes prevent.
-        let key = (0..SHARED_CLASS).filter(|&c| c != class).find_map(|c| {
-            let from = FreeKey { class: c, size, segment: 0, offset: 0 };
-            let to = FreeKey { class: c, size: size + LARGE_ROUND, segment: 0, offset: 0 };
-            self.free_large.range(from..to).find(|k| whole(k)).copied()
-        })?;
-        self.free_large.remove(&key);
-        self.segments[key.segment].as_mut().expect("live segment").class = class;
-        let adopted = FreeKey { class, ..key };
-        self.free_large.insert(adopted);
-        Some(adopted)
-    }
-
-    /// The largest free block of any class: what one more request can get without a new
-    /// segment (and, with the rest of the cache, whether an OOM is fragmentation).
+    /// The largest free block: what one more request can get without a new segment (with the
+    /// cached total, `reserved − allocated`, it tells fragmentation from a full pool).
     fn largest_free_block(&self) -> usize {
-        (0..=SMALL_CLASS)
-            .flat_map(|class| {
-                let next = FreeKey { class: class + 1, size: 0, segment: 0, offset: 0 };
-                [&self.free_small, &self.free_large]
-                    .map(|set| set.range(..next).next_back().filter(|k| k.class == class))
-            })
-            .flatten()
-            .map(|k| k.size)
-            .max()
-            .unwrap_or(0)
+        [&self.free_small, &self.free_large].iter().filter_map(|set| set.last()).map(|k| k.size).max().unwrap_or(0)
     }
 
     fn release_free_segments(&mut self) {
@@ -452,7 +384,7 @@ impl PoolInner {
             }
             let seg = self.segments[index].take().expect("checked above");
             let set = if seg.small { &mut self.free_small } else { &mut self.free_large };
-            set.remove(&FreeKey { class: seg.class, size: seg.size, segment: index, offset: 0 });
+            set.remove(&FreeKey { size: seg.size, segment: index, offset: 0 });
             self.source.release(seg.address, seg.size);
             self.stats.reserved -= seg.size;
             self.stats.num_segments -= 1;
