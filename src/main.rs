@@ -6,6 +6,7 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = headroom::cli::Cli::parse();
+    headroom::cli::quiet_on_closed_pipe(&cli);
     headroom::cli::init_logging();
     match headroom::cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,

@@ -537,3 +537,24 @@ fn a_model_whose_state_cannot_fit_exits_3_before_initialising_it() {
     assert_eq!(oom["requested_bytes"], 303_622_144u64 * 4);
     assert!(!stderr.contains("initialised in"), "the OOM came after initialisation: {stderr}");
 }
+
+#[test]
+fn a_listing_into_a_closed_pipe_ends_quietly() {
+    // `headroom estimate ... | head -0`: the reader is gone before the first line is written.
+    let dir = tempfile::tempdir().unwrap();
+    let job = write_job(dir.path(), &job_yaml("pipe", 2, 8, 8, "64MiB"));
+    let mut child = Command::new(bin())
+        .args(["estimate", "--policy", "default", "--policies"])
+        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("policies"))
+        .arg("--config")
+        .arg(&job)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked") && !stderr.contains("Broken pipe"), "{stderr}");
+    assert_ne!(out.status.code(), Some(101), "not a panic: {:?}", out.status);
+}

@@ -42,6 +42,36 @@ pub enum Command {
     GpuCheck(GpuCheckArgs),
 }
 
+impl Command {
+    /// Commands that only print for a reader (tables, listings): when the reader goes away
+    /// (`| head -1`) they end quietly, as a Unix filter does, instead of panicking on the
+    /// failed write. Not `serve` or `train`, whose pipes lead to other programs and whose write
+    /// errors are handled.
+    pub fn is_filter(&self) -> bool {
+        matches!(
+            self,
+            Command::Bench(_)
+                | Command::Estimate(_)
+                | Command::Submit(_)
+                | Command::Jobs(_)
+                | Command::Show(_)
+                | Command::GpuCheck(_)
+        )
+    }
+}
+
+/// For a filter command: a closed stdout ends the process quietly (SIGPIPE's default action)
+/// rather than with Rust's "failed printing to stdout" panic.
+pub fn quiet_on_closed_pipe(cli: &Cli) {
+    #[cfg(unix)]
+    if cli.command.is_filter() {
+        // SAFETY: restoring a signal's default disposition at start-up, before any thread.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
+    #[cfg(not(unix))]
+    let _ = cli;
+}
+
 #[derive(Debug, clap::Args)]
 pub struct GpuCheckArgs {
     /// CUDA device index.
