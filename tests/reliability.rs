@@ -481,3 +481,23 @@ async fn a_new_database_never_resumes_another_databases_run_directory() {
     assert!(superseded[0].path().join("ckpt-00000040.bin").is_file(), "with its checkpoints");
     drop(second);
 }
+
+#[test]
+fn a_daemon_with_a_missing_path_exits_2_and_creates_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(common::bin())
+        .args(["serve", "--addr", "127.0.0.1:0", "--data-dir", "no-such-data", "--db"])
+        .arg(dir.path().join("headroom.db"))
+        .arg("--runs")
+        .arg(dir.path().join("runs"))
+        .arg("--policies")
+        .arg(root().join("policies"))
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--data-dir no-such-data"), "{stderr}");
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(left.is_empty(), "nothing created: {left:?}");
+}

@@ -110,13 +110,7 @@ fn lock_database(db_path: &Path) -> anyhow::Result<Option<std::fs::File>> {
 /// unfinished jobs) and serve in the background. Nothing is recovered before the lock is held
 /// and the address bound: a daemon that cannot start changes nothing.
 pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
-    let db_lock = lock_database(&cfg.db_path)?;
-    let db = Db::open(&cfg.db_path)
-        .await
-        .with_context(|| format!("--db {}: cannot open the database", cfg.db_path.display()))?;
-    db.record_start()
-        .await
-        .with_context(|| format!("--db {}: the database cannot be written", cfg.db_path.display()))?;
+    // Every path is checked before anything is created.
     let mut data_dirs = Vec::new();
     for d in &cfg.data_dirs {
         data_dirs.push(std::fs::canonicalize(d).with_context(|| format!("--data-dir {}", d.display()))?);
@@ -124,6 +118,13 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     if !cfg.runner.policies_dir.is_dir() {
         anyhow::bail!("--policies {} is not a directory", cfg.runner.policies_dir.display());
     }
+    let db_lock = lock_database(&cfg.db_path)?;
+    let db = Db::open(&cfg.db_path)
+        .await
+        .with_context(|| format!("--db {}: cannot open the database", cfg.db_path.display()))?;
+    db.record_start()
+        .await
+        .with_context(|| format!("--db {}: the database cannot be written", cfg.db_path.display()))?;
     let listener = tokio::net::TcpListener::bind(cfg.addr).await.with_context(|| format!("binding {}", cfg.addr))?;
     let addr = listener.local_addr()?;
     let runner = Runner::start(db.clone(), cfg.runner.clone()).await?;
