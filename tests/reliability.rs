@@ -426,9 +426,12 @@ async fn hostile_requests_are_answered_fast_and_the_daemon_stays_responsive() {
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 201, "same-origin submissions (the web page's) are accepted");
-    for (method, path, status) in
-        [("GET", "/no/such/route", 404), ("DELETE", "/api/jobs", 405), ("GET", "/api/jobs?limit=x", 400)]
-    {
+    for (method, path, status) in [
+        ("GET", "/no/such/route", 404),
+        ("DELETE", "/api/jobs", 405),
+        ("GET", "/api/jobs?limit=x", 400),
+        ("GET", "/api/jobs?status=bogus", 400),
+    ] {
         let r = http.request(method.parse().unwrap(), format!("{base}{path}")).send().await.unwrap();
         assert_eq!(r.status().as_u16(), status, "{method} {path}");
         let body: Value = r.json().await.unwrap_or(Value::Null);

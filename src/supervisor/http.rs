@@ -294,7 +294,7 @@ async fn submit_job(State(state): State<AppState>, BoundedBody(body): BoundedBod
     match policy::load(&state.runner.cfg.policies_dir, &spec.policy) {
         Ok(_) => {}
         Err(PolicyError::NotFound(n)) => return Err(ApiError::BadRequest(format!("policy: `{n}` does not exist"))),
-        Err(e) => return Err(ApiError::BadRequest(format!("policy: {e}"))),
+        Err(e) => return Err(ApiError::BadRequest(format!("policy `{}` cannot be used: {e}", spec.policy))),
     }
     spec.data.path = check_data_path(&spec.data.path, &state.data_dirs).map_err(ApiError::BadRequest)?;
     let current = serde_json::to_string(&spec).map_err(anyhow::Error::from)?;
@@ -347,6 +347,10 @@ async fn list_jobs(
         Some("asc") => false,
         Some(o) => return Err(ApiError::BadRequest(format!("order: `{o}` must be asc or desc"))),
     };
+    const STATUSES: [&str; 5] = ["queued", "running", "finished", "failed", "cancelled"];
+    if let Some(st) = q.status.as_deref().filter(|s| !s.is_empty() && !STATUSES.contains(s)) {
+        return Err(ApiError::BadRequest(format!("status: `{st}` is not one of {}", STATUSES.join(", "))));
+    }
     let filter = JobFilter {
         status: q.status.filter(|s| !s.is_empty()),
         name_contains: q.q.filter(|s| !s.is_empty()),

@@ -9,7 +9,8 @@ use crate::config::{Checkpointing, JobSpec, OffloadTarget, Precision};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum PolicyError {
-    #[error("invalid policy: {field}: {message}")]
+    /// The field and what is wrong with it (callers say which policy).
+    #[error("{field}: {message}")]
     Invalid { field: String, message: String },
     #[error("policy `{0}` does not exist")]
     NotFound(String),
@@ -144,8 +145,8 @@ pub fn valid_name(name: &str) -> bool {
 
 impl Policy {
     pub fn parse(text: &str) -> Result<Policy, PolicyError> {
-        crate::config::check_yaml_nesting(text).map_err(|m| invalid("policy", m))?;
-        let p: Policy = serde_yaml::from_str(text).map_err(|e| invalid("policy", e.to_string()))?;
+        crate::config::check_yaml_nesting(text).map_err(|m| invalid("yaml", m))?;
+        let p: Policy = serde_yaml::from_str(text).map_err(|e| invalid("yaml", e.to_string()))?;
         p.validate()?;
         Ok(p)
     }
@@ -163,6 +164,9 @@ impl Policy {
         }
         if t.sustain == 0 || t.sustain > 1000 {
             return Err(invalid("thresholds.sustain", format!("{} must be in [1, 1000]", t.sustain)));
+        }
+        if self.rungs.is_empty() {
+            return Err(invalid("rungs", "must list at least one rung (a ladder with none cannot step down)"));
         }
         for (i, r) in self.rungs.iter().enumerate() {
             if r.name.is_empty() {
@@ -356,7 +360,9 @@ pub(crate) mod tests {
         let e = Policy::parse("name: x\nrungs: [{ name: a, set: { micro_batch: third } }]").unwrap_err();
         assert!(e.to_string().contains("micro_batch"), "{e}");
         let e = Policy::parse("name: x\nrungs: []\nbogus: 1").unwrap_err();
-        assert!(e.to_string().contains("bogus"), "{e}");
+        assert!(e.to_string().starts_with("yaml: ") && e.to_string().contains("bogus"), "{e}");
+        let e = Policy::parse("name: x\nrungs: []").unwrap_err();
+        assert!(e.to_string().starts_with("rungs: must list at least one rung"), "{e}");
         assert!(matches!(load(Path::new("policies"), "../etc"), Err(PolicyError::Invalid { .. })));
     }
 
