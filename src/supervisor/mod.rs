@@ -13,13 +13,14 @@ pub mod policy;
 pub mod run_dirs;
 pub mod runner;
 
-use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+
+use crate::files::{self, LockError};
 
 pub use db::Db;
 pub use runner::{Runner, RunnerConfig};
@@ -79,31 +80,16 @@ fn lock_database(db_path: &Path) -> anyhow::Result<Option<std::fs::File>> {
     let mut name = db_path.as_os_str().to_owned();
     name.push(".lock");
     let path = PathBuf::from(name);
-    let mut file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .with_context(|| format!("--db {}: cannot create the lock file {}", db_path.display(), path.display()))?;
-    match file.try_lock() {
-        Ok(()) => {}
-        Err(std::fs::TryLockError::WouldBlock) => {
-            let mut holder = String::new();
-            let _ = file.read_to_string(&mut holder);
-            anyhow::bail!(
-                "--db {}: another headroom serve (pid {}) is using this database; stop it first or use another --db",
-                db_path.display(),
-                holder.trim()
-            );
-        }
-        Err(std::fs::TryLockError::Error(e)) => {
-            return Err(e).with_context(|| format!("locking {}", path.display()));
+    match files::lock_with_pid(&path) {
+        Ok(file) => Ok(Some(file)),
+        Err(LockError::Held { holder }) => anyhow::bail!(
+            "--db {}: another headroom serve (pid {holder}) is using this database; stop it first or use another --db",
+            db_path.display()
+        ),
+        Err(LockError::Io(e)) => {
+            Err(e).with_context(|| format!("--db {}: cannot take the lock file {}", db_path.display(), path.display()))
         }
     }
-    file.set_len(0)?;
-    write!(file, "{}", std::process::id())?;
-    Ok(Some(file))
 }
 
 /// Lock and open the DB (checking it can be written), bind, then start the runner (requeueing

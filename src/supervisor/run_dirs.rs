@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::files;
 use crate::protocol::{RunIdentity, RUN_LOCK_FILE};
 
 /// Make `run_dir` the directory of `owner`: when it records another owner (or an unreadable
@@ -20,12 +21,13 @@ pub fn claim(run_dir: &Path, owner: &str) -> std::io::Result<Option<(PathBuf, St
     };
     let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs();
     let name = run_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let mut dest = run_dir.with_file_name(format!("{name}.superseded-{stamp}"));
-    let mut n = 1;
-    while dest.exists() {
-        n += 1;
-        dest = run_dir.with_file_name(format!("{name}.superseded-{stamp}.{n}"));
-    }
+    let dest = files::unused_path(|n| {
+        run_dir.with_file_name(if n == 1 {
+            format!("{name}.superseded-{stamp}")
+        } else {
+            format!("{name}.superseded-{stamp}.{n}")
+        })
+    });
     std::fs::rename(run_dir, &dest)?;
     Ok(Some((dest, found)))
 }
@@ -36,26 +38,17 @@ pub async fn wait_unlocked(run_dir: &Path, timeout: Duration) -> Result<(), Stri
     let path = run_dir.join(RUN_LOCK_FILE);
     let start = Instant::now();
     loop {
-        let file = match std::fs::OpenOptions::new().read(true).open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(format!("{}: {e}", path.display())),
-        };
-        match file.try_lock() {
-            Ok(()) => return Ok(()),
-            Err(std::fs::TryLockError::WouldBlock) if start.elapsed() < timeout => {
-                tokio::time::sleep(Duration::from_millis(50)).await
-            }
-            Err(std::fs::TryLockError::WouldBlock) => {
-                let holder = std::fs::read_to_string(&path).unwrap_or_default();
+        match files::lock_holder(&path) {
+            Ok(None) => return Ok(()),
+            Ok(Some(_)) if start.elapsed() < timeout => tokio::time::sleep(Duration::from_millis(50)).await,
+            Ok(Some(holder)) => {
                 return Err(format!(
-                    "run directory {} is still held by another trainer (pid {}) after {} s",
+                    "run directory {} is still held by another trainer (pid {holder}) after {} s",
                     run_dir.display(),
-                    holder.trim(),
                     timeout.as_secs()
-                ));
+                ))
             }
-            Err(std::fs::TryLockError::Error(e)) => return Err(format!("{}: {e}", path.display())),
+            Err(e) => return Err(format!("{}: {e}", path.display())),
         }
     }
 }

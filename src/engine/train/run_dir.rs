@@ -4,9 +4,9 @@
 
 use std::fs::File;
 use std::hash::{BuildHasher, Hasher};
-use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 
+use crate::files::{self, LockError};
 use crate::protocol::{RunIdentity, RUN_IDENTITY_FILE, RUN_LOCK_FILE};
 
 use super::checkpoint;
@@ -87,26 +87,10 @@ impl RunDir {
 /// Take the directory's lock without waiting, writing our pid into it.
 fn lock(path: &Path) -> Result<File, RunDirError> {
     let lock_path = path.join(RUN_LOCK_FILE);
-    let io = |source| RunDirError::Io { path: lock_path.clone(), source };
-    let mut file =
-        std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&lock_path).map_err(io)?;
-    match file.try_lock() {
-        Ok(()) => {}
-        Err(std::fs::TryLockError::WouldBlock) => {
-            let mut holder = String::new();
-            let _ = file.read_to_string(&mut holder);
-            let holder = holder.trim().to_string();
-            return Err(RunDirError::Locked {
-                path: path.into(),
-                holder: if holder.is_empty() { "unknown".into() } else { holder },
-            });
-        }
-        Err(std::fs::TryLockError::Error(e)) => return Err(io(e)),
-    }
-    file.set_len(0).map_err(io)?;
-    file.rewind().map_err(io)?;
-    write!(file, "{}", std::process::id()).map_err(io)?;
-    Ok(file)
+    files::lock_with_pid(&lock_path).map_err(|e| match e {
+        LockError::Held { holder } => RunDirError::Locked { path: path.into(), holder },
+        LockError::Io(source) => RunDirError::Io { path: lock_path.clone(), source },
+    })
 }
 
 /// Move every checkpoint of the old lineage to `superseded/<lineage>/` (a unique folder).
@@ -116,12 +100,7 @@ fn set_aside(path: &Path, lineage: &str) -> std::io::Result<()> {
         return Ok(());
     }
     let base = path.join(SUPERSEDED_DIR);
-    let mut dest = base.join(lineage);
-    let mut n = 1;
-    while dest.exists() {
-        n += 1;
-        dest = base.join(format!("{lineage}.{n}"));
-    }
+    let dest = files::unused_path(|n| base.join(if n == 1 { lineage.to_string() } else { format!("{lineage}.{n}") }));
     std::fs::create_dir_all(&dest)?;
     for file in &old {
         std::fs::rename(file, dest.join(file.file_name().expect("a checkpoint file name")))?;
