@@ -11,7 +11,7 @@
 use serde::Serialize;
 
 use crate::config::{JobSpec, Knobs, OffloadTarget, Precision};
-use crate::memory::{Category, LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT};
+use crate::memory::{block_bytes, Category, LARGE_ROUND, SMALL_LIMIT, SMALL_SEGMENT};
 
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::workspace::WorkspaceModel;
@@ -20,11 +20,6 @@ use crate::engine::model::{
     head_backward_scratch, head_forward_scratch, kept_in, layer_activation_sizes, GptConfig,
 };
 use crate::engine::train::trainer::gpt_config;
-
-/// Bytes the pool accounts for one request of `bytes` (its rounding).
-pub fn pool_bytes(bytes: usize) -> usize {
-    bytes.max(1).div_ceil(ROUND) * ROUND
-}
 
 /// Predicted peak of one configuration.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -64,16 +59,16 @@ impl Live {
         self.buffers.push((c, bytes));
     }
     fn total(&self) -> usize {
-        self.buffers.iter().map(|&(_, b)| pool_bytes(b)).sum()
+        self.buffers.iter().map(|&(_, b)| block_bytes(b)).sum()
     }
     fn of(&self, c: Category) -> usize {
-        self.buffers.iter().filter(|b| b.0 == c).map(|&(_, b)| pool_bytes(b)).sum()
+        self.buffers.iter().filter(|b| b.0 == c).map(|&(_, b)| block_bytes(b)).sum()
     }
     fn reserved_allowance(&self) -> usize {
         let mut small = Vec::new();
         let mut large = 0;
         for &(_, b) in &self.buffers {
-            let r = pool_bytes(b);
+            let r = block_bytes(b);
             if r <= SMALL_LIMIT {
                 small.push(r);
             } else {

@@ -142,6 +142,18 @@ impl fmt::Debug for Pool {
     }
 }
 
+/// The bytes the pool gives (and counts) for one request of `bytes`: at least one
+/// [`ROUND`], rounded up to it. The estimator and the backends' workspace declarations size
+/// buffers with this same rule.
+pub fn block_bytes(bytes: usize) -> usize {
+    round_up(bytes.max(1), ROUND)
+}
+
+/// [`block_bytes`] summed over a set of requests.
+pub fn blocks_bytes(requests: &[usize]) -> usize {
+    requests.iter().map(|&b| block_bytes(b)).sum()
+}
+
 fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
 }
@@ -203,7 +215,7 @@ impl Pool {
 
     /// Allocate `bytes` for `category`. Zero-sized requests get a real (minimum) block too.
     pub fn alloc(&self, bytes: usize, category: Category) -> Result<Buffer, OomError> {
-        let size = round_up(bytes.max(1), ROUND);
+        let size = block_bytes(bytes);
         let mut inner = self.lock();
         let (segment, offset, address) = inner.alloc_block(size, bytes, category)?;
         Ok(Buffer { pool: self.clone(), address, len: bytes, size, segment, offset, category })

@@ -6,7 +6,7 @@
 use serde::Serialize;
 
 use crate::config::DeviceKind;
-use crate::memory::ROUND;
+use crate::memory::blocks_bytes;
 
 use super::layers::{self, Elem};
 
@@ -95,8 +95,7 @@ impl CudaAttention {
         let h = self.heads;
         let (s, f) = (self.scores, self.heads_f32);
         let phases = [vec![h, h, h, h, s, f], vec![h, h, s, f, f, f], vec![s, f, f, f, f, f]];
-        let rounded = |p: &Vec<usize>| p.iter().map(|&x| x.max(1).div_ceil(ROUND) * ROUND).sum::<usize>();
-        phases.into_iter().max_by_key(rounded).expect("three phases")
+        phases.into_iter().max_by_key(|p| blocks_bytes(p)).expect("three phases")
     }
 }
 

@@ -12,7 +12,7 @@ use crate::config::Checkpointing;
 use crate::engine::backend::workspace::WorkspaceModel;
 use crate::engine::backend::{Elem, View, ViewMut};
 use crate::engine::rng::{mix64, normal_fill};
-use crate::memory::{Buffer, Category, OomError, Pool, ROUND};
+use crate::memory::{blocks_bytes, Buffer, Category, OomError, Pool};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GptConfig {
@@ -158,8 +158,7 @@ pub fn head_backward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b:
 
 /// The buffer set taking the most pool bytes (each buffer rounded as the pool rounds it).
 fn largest(ops: Vec<Vec<usize>>) -> Vec<usize> {
-    let bytes = |op: &Vec<usize>| op.iter().map(|&x| x.max(1).div_ceil(ROUND) * ROUND).sum::<usize>();
-    ops.into_iter().max_by_key(bytes).unwrap_or_default()
+    ops.into_iter().max_by_key(|op| blocks_bytes(op)).unwrap_or_default()
 }
 
 impl GptConfig {
