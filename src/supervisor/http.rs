@@ -233,6 +233,13 @@ impl<S: Send + Sync> FromRequest<S> for BoundedBody {
     }
 }
 
+impl BoundedBody {
+    /// The body as text (shared, so a parse off the runtime can hold it too).
+    fn text(self) -> ApiResult<Arc<str>> {
+        std::str::from_utf8(&self.0).map(Arc::from).map_err(|_| ApiError::BadRequest("body is not UTF-8".into()))
+    }
+}
+
 /// 413 at once for a `Content-Length` above [`MAX_BODY`], before reading (or waiting for) it.
 async fn refuse_declared_oversize(req: Request, next: Next) -> Response {
     let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
@@ -281,16 +288,15 @@ pub fn check_data_path(path: &Path, allowed: &[PathBuf]) -> Result<PathBuf, Stri
     Ok(canonical)
 }
 
-async fn submit_job(State(state): State<AppState>, BoundedBody(body): BoundedBody) -> ApiResult<impl IntoResponse> {
-    let text = String::from_utf8(body.to_vec()).map_err(|_| ApiError::BadRequest("body is not UTF-8".into()))?;
-    let machine = state.machine.clone();
-    let (mut spec, text) = parse_off_runtime("job", move || {
-        let spec = JobSpec::parse(&text).map_err(|e| e.to_string())?;
+async fn submit_job(State(state): State<AppState>, body: BoundedBody) -> ApiResult<impl IntoResponse> {
+    let text = body.text()?;
+    let (job, machine) = (text.clone(), state.machine.clone());
+    let mut spec = parse_off_runtime("job", move || {
+        let spec = JobSpec::parse(&job).map_err(|e| e.to_string())?;
         admission::admit(&spec, &machine)?;
-        Ok((spec, text))
+        Ok(spec)
     })
     .await?;
-    let text = text.as_str();
     match policy::load(&state.runner.cfg.policies_dir, &spec.policy) {
         Ok(_) => {}
         Err(PolicyError::NotFound(n)) => return Err(ApiError::BadRequest(format!("policy: `{n}` does not exist"))),
@@ -302,7 +308,7 @@ async fn submit_job(State(state): State<AppState>, BoundedBody(body): BoundedBod
     let new = NewJob {
         name: &spec.name,
         policy: &spec.policy,
-        spec_yaml: text,
+        spec_yaml: &text,
         current_spec: &current,
         steps: spec.train.steps,
         capacity,
@@ -487,22 +493,21 @@ async fn get_policy(State(state): State<AppState>, UrlPath(name): UrlPath<String
 async fn put_policy(
     State(state): State<AppState>,
     UrlPath(name): UrlPath<String>,
-    BoundedBody(body): BoundedBody,
+    body: BoundedBody,
 ) -> ApiResult<impl IntoResponse> {
     if !policy::valid_name(&name) {
         return Err(ApiError::BadRequest(format!("policy name `{name}` must match [A-Za-z0-9_-]{{1,64}}")));
     }
-    let text = String::from_utf8(body.to_vec()).map_err(|_| ApiError::BadRequest("body is not UTF-8".into()))?;
-    let (p, text) =
-        parse_off_runtime("policy", move || Policy::parse(&text).map(|p| (p, text)).map_err(|e| e.to_string())).await?;
-    let text = text.as_str();
+    let text = body.text()?;
+    let yaml = text.clone();
+    let p = parse_off_runtime("policy", move || Policy::parse(&yaml).map_err(|e| e.to_string())).await?;
     if p.name != name {
         return Err(ApiError::BadRequest(format!("name: `{}` does not match the URL's `{name}`", p.name)));
     }
     let dir = &state.runner.cfg.policies_dir;
     let path = dir.join(format!("{name}.yaml"));
     let tmp = dir.join(format!(".{name}.yaml.tmp"));
-    std::fs::write(&tmp, text).and_then(|_| std::fs::rename(&tmp, &path)).map_err(anyhow::Error::from)?;
+    std::fs::write(&tmp, &*text).and_then(|_| std::fs::rename(&tmp, &path)).map_err(anyhow::Error::from)?;
     Ok(Json(json!({ "name": name, "rungs": p.rungs.len() })))
 }
 
