@@ -255,29 +255,26 @@ fn checks<B: crate::engine::backend::Backend>(
         }
     }
 
-    // 5. The estimator against this backend, over the grid (GPT-2-small-like shapes and the
-    // 1.5B headline configurations), unless the benchmark is off (the grid takes a minute).
-    if args.bench_steps > 0 {
+    // 5. With --estimate-grid, the estimator against this backend over the grid (GPT-2-small-like
+    // shapes and the 1.5B headline configurations), unless the benchmark is off.
+    if args.estimate_grid && args.bench_steps > 0 {
         use crate::engine::check::estimate_check;
         if let Some(tokens) = corpus_tokens() {
             let open = |memory: Option<usize>| open(memory).map_err(|e| e.to_string());
-            let cases = if args.estimate_grid { estimate_check::grid() } else { Vec::new() };
-            let rows = estimate_check::run(&open, model, &cases, &tokens);
-            if !rows.is_empty() {
-                print!("{}", estimate_check::table(&rows));
-                let passed = rows.iter().filter(|r| r.passed()).count();
-                let worst =
-                    rows.iter().filter_map(|r| r.error()).fold(0.0f64, |w, e| if e.abs() > w.abs() { e } else { w });
-                checks.push(Check {
-                    name: format!("estimator vs measured ({} configurations, {} model)", rows.len(), model.name()),
-                    ok: passed == rows.len(),
-                    figure: format!(
-                        "{passed}/{} within -0.5%..+10% of peak allocated; largest error {:+.2}%",
-                        rows.len(),
-                        worst * 100.0
-                    ),
-                });
-            }
+            let rows = estimate_check::run(&open, model, &estimate_check::grid(), &tokens);
+            print!("{}", estimate_check::table(&rows));
+            let passed = rows.iter().filter(|r| r.passed()).count();
+            let worst =
+                rows.iter().filter_map(|r| r.error()).fold(0.0f64, |w, e| if e.abs() > w.abs() { e } else { w });
+            checks.push(Check {
+                name: format!("estimator vs measured ({} configurations, {} model)", rows.len(), model.name()),
+                ok: passed == rows.len(),
+                figure: format!(
+                    "{passed}/{} within -0.5%..+10% of peak allocated; largest error {:+.2}%",
+                    rows.len(),
+                    worst * 100.0
+                ),
+            });
         }
     }
 

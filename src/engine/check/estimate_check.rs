@@ -22,6 +22,12 @@ pub struct EstimateCase {
     pub device_memory: Option<usize>,
 }
 
+impl EstimateCase {
+    pub fn new(cfg: GptConfig, knobs: Knobs, device_memory: Option<usize>) -> EstimateCase {
+        EstimateCase { label: label(&cfg, &knobs), cfg, knobs, device_memory }
+    }
+}
+
 /// What was measured beside what was predicted.
 #[derive(Debug, Clone)]
 pub struct EstimateRow {
@@ -55,7 +61,7 @@ pub fn grid() -> Vec<EstimateCase> {
         for checkpointing in [Checkpointing::None, Checkpointing::Selective, Checkpointing::Full] {
             for micro in [2, 8] {
                 let knobs = Knobs { precision, checkpointing, ..Knobs::plain(micro, small.block_size, 16 / micro) };
-                cases.push(EstimateCase { label: String::new(), cfg: small, knobs, device_memory: None });
+                cases.push(EstimateCase::new(small, knobs, None));
             }
         }
     }
@@ -66,18 +72,8 @@ pub fn grid() -> Vec<EstimateCase> {
         offload_activations: activations,
         ..Knobs::plain(micro, small.block_size, 16 / micro)
     };
-    cases.push(EstimateCase {
-        label: String::new(),
-        cfg: small,
-        knobs: offloaded(8, OffloadTarget::None),
-        device_memory: None,
-    });
-    cases.push(EstimateCase {
-        label: String::new(),
-        cfg: small,
-        knobs: offloaded(8, OffloadTarget::Cpu),
-        device_memory: None,
-    });
+    cases.push(EstimateCase::new(small, offloaded(8, OffloadTarget::None), None));
+    cases.push(EstimateCase::new(small, offloaded(8, OffloadTarget::Cpu), None));
     for micro in [1, 8] {
         let knobs = Knobs {
             precision: Precision::Bf16,
@@ -85,10 +81,7 @@ pub fn grid() -> Vec<EstimateCase> {
             offload_optimizer: true,
             ..Knobs::plain(micro, xl.block_size, 8 / micro)
         };
-        cases.push(EstimateCase { label: String::new(), cfg: xl, knobs, device_memory: Some(16 << 30) });
-    }
-    for c in &mut cases {
-        c.label = label(&c.cfg, &c.knobs);
+        cases.push(EstimateCase::new(xl, knobs, Some(16 << 30)));
     }
     cases
 }
@@ -202,7 +195,7 @@ mod tests {
                 .into_iter()
                 .map(|(precision, checkpointing, micro)| {
                     let knobs = Knobs { precision, checkpointing, ..Knobs::plain(micro, 64, 4 / micro) };
-                    EstimateCase { label: label(&cfg, &knobs), cfg, knobs, device_memory: None }
+                    EstimateCase::new(cfg, knobs, None)
                 })
                 .collect();
         let tokens: Vec<u32> = (0..4096u32).map(|i| (i * 7 + 3) % 256).collect();

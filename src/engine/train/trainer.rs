@@ -419,10 +419,6 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         self.loss_scale = scale;
     }
 
-    fn model_dims(&self) -> [u64; 5] {
-        self.cfg.dims()
-    }
-
     /// One optimizer step over the global batch, accumulating `grad_accum` micro-batches.
     pub fn train_step(&mut self, batch: &mut BatchFn<'_>) -> BackendResult<StepStats> {
         let started = std::time::Instant::now();
@@ -646,7 +642,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             version: 1,
             step: self.step,
             num_params: self.cfg.num_params() as u64,
-            model: self.model_dims(),
+            model: self.cfg.dims(),
             data_cursor: self.step,
             rng_state: self.rng.state,
             seed: self.hyper.seed,
@@ -667,11 +663,11 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
     /// holds the full fp32 master weights and moments; each rank takes what it owns).
     pub fn restore(&mut self, path: &Path, ckpt: Checkpoint) -> Result<(), CheckpointError> {
         let mismatch = |message: String| CheckpointError::Mismatch { path: path.into(), message };
-        if ckpt.header.model != self.model_dims() {
+        if ckpt.header.model != self.cfg.dims() {
             return Err(mismatch(format!(
                 "model (n_layer, n_head, n_embd, block_size, vocab) {:?} != job's {:?}",
                 ckpt.header.model,
-                self.model_dims()
+                self.cfg.dims()
             )));
         }
         if ckpt.header.step > self.hyper.steps {
