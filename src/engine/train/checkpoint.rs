@@ -149,13 +149,18 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
 
 /// The newest checkpoint of `lineage` (any, for `None`) that loads. One that does not load is
 /// reported through `on_skip` and, when corrupt, moved to `corrupt/`; other lineages' are passed
-/// over.
+/// over untouched.
 pub fn load_latest(
     run_dir: &Path,
     lineage: Option<&str>,
     mut on_skip: impl FnMut(&CheckpointError),
 ) -> Option<(PathBuf, Checkpoint)> {
     for path in list(run_dir) {
+        // Another run's checkpoint is passed over on its header alone: never read whole (it can
+        // be gigabytes) nor moved.
+        if read_header(&path).is_some_and(|h| !belongs(&h, lineage)) {
+            continue;
+        }
         match load(&path) {
             Ok(c) if belongs(&c.header, lineage) => return Some((path, c)),
             Ok(_) => {}
