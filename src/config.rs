@@ -210,6 +210,20 @@ pub struct DeviceSpec {
     /// Capacity of the device pool, e.g. "512MiB". Required on cpu, optional on cuda.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_memory: Option<Bytes>,
+    /// Large blocks carved from one growing virtual range whose pages are mapped on demand
+    /// (PyTorch's `expandable_segments`), so free memory is never stranded between segments.
+    /// Default: off (see [`DeviceSpec::expandable_segments`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expandable_segments: Option<bool>,
+}
+
+impl DeviceSpec {
+    /// Whether the pool uses expandable segments: as written, else off on both devices (the
+    /// cpu device stands in for a GPU, so it behaves like one; the cuda virtual-memory path has
+    /// not yet run on a GPU). A GPU without virtual memory management uses fixed segments.
+    pub fn expandable_segments(&self) -> bool {
+        self.expandable_segments.unwrap_or(false)
+    }
 }
 
 /// A byte size as written in a job ("512MiB", "1.5GiB", "300MB", "1048576"): parsed once when
@@ -253,6 +267,7 @@ impl Default for DeviceSpec {
             kind: DeviceKind::Cpu,
             index: 0,
             device_memory: Some(Bytes::from(DEFAULT_CPU_DEVICE_MEMORY.to_string())),
+            expandable_segments: None,
         }
     }
 }
@@ -302,6 +317,7 @@ impl JobSpec {
             offload_activations: self.memory.offload.activations,
             world_size: self.memory.world_size as usize,
             zero_stage: self.memory.zero_stage as usize,
+            expandable_segments: self.device.expandable_segments(),
         }
     }
 
@@ -413,6 +429,8 @@ pub struct Knobs {
     /// 2: and gradients, 3: and weights), each rank holding 1/world of what is sharded.
     pub world_size: usize,
     pub zero_stage: usize,
+    /// The pool's large blocks come from an expandable segment (what `reserved` grows by).
+    pub expandable_segments: bool,
 }
 
 impl Knobs {
@@ -429,6 +447,7 @@ impl Knobs {
             offload_activations: OffloadTarget::None,
             world_size: 1,
             zero_stage: 0,
+            expandable_segments: false,
         }
     }
 }

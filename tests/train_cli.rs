@@ -558,3 +558,35 @@ fn a_listing_into_a_closed_pipe_ends_quietly() {
     assert!(!stderr.contains("panicked") && !stderr.contains("Broken pipe"), "{stderr}");
     assert_ne!(out.status.code(), Some(101), "not a panic: {:?}", out.status);
 }
+
+#[test]
+fn expandable_segments_train_where_fixed_segments_strand_free_memory() {
+    // 2 layers, n_embd 256, T 128, micro-batch 8 on 80 MiB: the allocated peak is ~77 MiB, but
+    // with fixed segments the free bytes are split between segments that still hold live blocks,
+    // so a 3 MiB workspace request fails with reserved at capacity; one expandable address range
+    // has no seams between segments and the same job trains.
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = |expandable: bool| {
+        job_yaml("frag", 2, 8, 8, "80MiB")
+            .replace(
+                "n_layer: 2, n_head: 4, n_embd: 64, block_size: 64",
+                "n_layer: 2, n_head: 4, n_embd: 256, block_size: 128",
+            )
+            .replace("device_memory: 80MiB }", &format!("device_memory: 80MiB, expandable_segments: {expandable} }}"))
+    };
+    let fixed = train(&write_job(dir.path(), &yaml(false)), &dir.path().join("fixed"), &[]);
+    assert_eq!(fixed.status.code(), Some(3), "{}", String::from_utf8_lossy(&fixed.stderr));
+    let oom = of_kind(&events(&fixed), "oom")[0].clone();
+    let mem = &oom["mem"];
+    let (allocated, reserved) = (mem["allocated"].as_u64().unwrap(), mem["reserved"].as_u64().unwrap());
+    assert!(
+        allocated + oom["requested_bytes"].as_u64().unwrap() <= 80 << 20,
+        "the request fitted in the free bytes: {oom}"
+    );
+    assert!(reserved > allocated, "{oom}");
+
+    let expandable = train(&write_job(dir.path(), &yaml(true)), &dir.path().join("expandable"), &[]);
+    assert_eq!(expandable.status.code(), Some(0), "{}", String::from_utf8_lossy(&expandable.stderr));
+    let finished = of_kind(&events(&expandable), "finished")[0].clone();
+    assert!(finished["peak_reserved"].as_u64().unwrap() <= 80 << 20, "{finished}");
+}

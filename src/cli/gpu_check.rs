@@ -75,12 +75,16 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
     use crate::memory::format_bytes;
 
     let index = args.index;
-    let device = CudaBackend::new(index, None).map_err(|e| UsageError(e.to_string()))?;
+    let device = CudaBackend::new(index, None, false).map_err(|e| UsageError(e.to_string()))?;
     println!("device: cuda:{index} {} (pool capacity {})", device.name(), format_bytes(device.pool().stats().capacity));
+    let vmm = CudaBackend::new(index, Some(64 << 20), true).is_ok_and(|d| d.pool().expandable());
+    println!("expandable segments (virtual memory management): {}", if vmm { "supported" } else { "not supported" });
     print_libraries();
     println!("seed: {seed}");
     drop(device);
-    let open = |memory: Option<usize>| CudaBackend::new(index, memory).map_err(|e| anyhow::anyhow!("{e}"));
+    let open = |memory: Option<usize>, expandable: bool| {
+        CudaBackend::new(index, memory, expandable).map_err(|e| anyhow::anyhow!("{e}"))
+    };
     let gpt2 = crate::engine::check::bench::BenchCase {
         label: "GPT-2 124M".into(),
         cfg: crate::engine::model::GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab: 50257 },
@@ -112,7 +116,7 @@ fn nccl_checks(index: u32, args: &GpuCheckArgs) -> anyhow::Result<Vec<Check>> {
     };
     let mut checks = Vec::new();
     for stage in [1, 3] {
-        let mut pair = vec![CudaBackend::new(index, None)?, CudaBackend::new(index + 1, None)?];
+        let mut pair = vec![CudaBackend::new(index, None, false)?, CudaBackend::new(index + 1, None, false)?];
         let version = match nccl::attach(&mut pair) {
             Ok(version) => version,
             Err(e) => {
@@ -137,12 +141,13 @@ fn nccl_checks(index: u32, args: &GpuCheckArgs) -> anyhow::Result<Vec<Check>> {
     Ok(checks)
 }
 
-/// Every check of `args` on backends made by `open(device_memory)`, timing `bench_case` in bf16.
+/// Every check of `args` on backends made by `open(device_memory, expandable_segments)`, timing
+/// `bench_case` in bf16.
 /// `driver_refusal`: also check that an allocation beyond the device's memory is refused by
 /// its allocator (not for a device whose segments are host memory, which the OS may overcommit).
 #[cfg(any(feature = "cuda", test))]
 fn checks<B: crate::engine::backend::Backend>(
-    open: &dyn Fn(Option<usize>) -> anyhow::Result<B>,
+    open_with: &dyn Fn(Option<usize>, bool) -> anyhow::Result<B>,
     model: crate::engine::backend::workspace::WorkspaceModel,
     args: &GpuCheckArgs,
     shapes: &[ParityShape],
@@ -151,9 +156,10 @@ fn checks<B: crate::engine::backend::Backend>(
     driver_refusal: bool,
 ) -> anyhow::Result<Vec<Check>> {
     use crate::engine::backend::CpuBackend;
-    use crate::engine::check::{parity, train_parity};
+    use crate::engine::check::{parity, train_parity, workspace_check};
     use crate::memory::{format_bytes, Category, Pool};
 
+    let open = |memory: Option<usize>| open_with(memory, false);
     let device = open(None)?;
     let cpu = || CpuBackend::new(Pool::new("cpu", 64 << 30));
     let mut checks = Vec::new();
@@ -172,7 +178,25 @@ fn checks<B: crate::engine::backend::Backend>(
         ok: passed == rows.len(),
         figure: format!("{passed}/{} rows within bounds; worst error {:.2} of its bound", rows.len(), worst),
     });
-    drop((reference, device));
+    drop(reference);
+
+    // 1b. Every op's scratch, measured by the device's pool, against what the estimator sums.
+    let mut rows = Vec::new();
+    let mut failure = None;
+    for &shape in shapes {
+        match workspace_check::run(&device, model, shape) {
+            Ok(r) => rows.extend(r),
+            Err(e) => failure = Some(e.to_string()),
+        }
+    }
+    print!("{}", workspace_check::table(&rows));
+    let exact = rows.iter().filter(|r| r.passed()).count();
+    checks.push(Check {
+        name: format!("op workspace = {} declarations", model.name()),
+        ok: failure.is_none() && exact == rows.len(),
+        figure: failure.unwrap_or_else(|| format!("{exact}/{} ops allocate exactly what they declare", rows.len())),
+    });
+    drop(device);
 
     // 2. The device pool's OOM paths: its own capacity, and the driver refusing cuMemAlloc.
     let small = open(Some(8 << 20))?;
@@ -252,6 +276,7 @@ fn checks<B: crate::engine::backend::Backend>(
                     }
                 ),
             });
+            checks.push(fragmentation_check(open_with, model, tokens));
         }
     }
 
@@ -317,7 +342,53 @@ fn checks<B: crate::engine::backend::Backend>(
     Ok(checks)
 }
 
-/// The summary table, last; an error when any check failed.
+/// Fragmentation: the smallest device_memory a job pattern with multi-MiB blocks trains two
+/// steps in, with fixed segments and with expandable ones. It passes when the pool really is
+/// expandable, fits no later than with fixed segments, and within two pages of the allocated peak.
+#[cfg(any(feature = "cuda", test))]
+fn fragmentation_check<B: crate::engine::backend::Backend>(
+    open_with: &dyn Fn(Option<usize>, bool) -> anyhow::Result<B>,
+    model: crate::engine::backend::workspace::WorkspaceModel,
+    tokens: &[u32],
+) -> Check {
+    use crate::config::Knobs;
+    use crate::engine::check::estimate_check::{min_capacity, EstimateCase};
+    use crate::engine::estimate::estimate_on;
+    use crate::engine::model::GptConfig;
+    use crate::memory::{format_bytes, LARGE_ROUND};
+
+    let name = "expandable segments vs fixed (smallest device_memory that trains)".to_string();
+    let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 256, block_size: 128, vocab: 256 };
+    let tokens: Vec<u32> = tokens.iter().map(|&t| t % 256).collect();
+    let mut smallest = Vec::new();
+    for expandable in [false, true] {
+        match open_with(Some(64 << 20), expandable) {
+            Ok(device) if device.pool().expandable() != expandable => {
+                return Check { name, ok: false, figure: "the pool did not take expandable segments".into() }
+            }
+            Err(e) => return Check { name, ok: false, figure: e.to_string() },
+            Ok(_) => {}
+        }
+        let knobs = Knobs { expandable_segments: expandable, ..Knobs::plain(8, 128, 1) };
+        let open = |memory: Option<usize>| open_with(memory, expandable).map_err(|e| e.to_string());
+        smallest.push(min_capacity(&open, model, &EstimateCase::new(cfg, knobs, None), &tokens, 512 << 20, 256 << 10));
+    }
+    let allocated = estimate_on(model, &cfg, &Knobs::plain(8, 128, 1)).peak_allocated;
+    match smallest[..] {
+        [Some(fixed), Some(expandable)] => Check {
+            name,
+            ok: expandable <= fixed && expandable <= allocated + 2 * LARGE_ROUND.max(2 << 20),
+            figure: format!(
+                "fixed {}, expandable {} (allocated peak {})",
+                format_bytes(fixed),
+                format_bytes(expandable),
+                format_bytes(allocated)
+            ),
+        },
+        _ => Check { name, ok: false, figure: format!("did not train within 512 MiB: {smallest:?}") },
+    }
+}
+
 /// The corpus the training checks read, as bytes.
 #[cfg(any(feature = "cuda", test))]
 const CORPUS: &str = "data/shakespeare-tiny.txt";
@@ -348,6 +419,7 @@ fn parity_check(r: &crate::engine::check::train_parity::TrainParityReport) -> Ch
     }
 }
 
+/// The summary table, last; an error when any check failed.
 #[cfg(any(feature = "cuda", test))]
 fn summary(checks: &[Check]) -> anyhow::Result<()> {
     let width = checks.iter().map(|c| c.name.len()).max().unwrap_or(0);
@@ -383,7 +455,9 @@ mod tests {
             libraries: false,
             estimate_grid: false,
         };
-        let open = |memory: Option<usize>| Ok(DeviceSim::new(memory.unwrap_or(4 << 30)));
+        let open = |memory: Option<usize>, expandable: bool| {
+            Ok(DeviceSim::with_segments(memory.unwrap_or(4 << 30), expandable))
+        };
         let tiny = crate::engine::check::bench::preset("tiny").expect("the tiny preset").remove(0);
         let checks = checks(&open, WorkspaceModel::Cpu, &args, &[ParityShape::ODD], &tiny, 7, false).unwrap();
         let names: Vec<&str> = checks.iter().map(|c| c.name.as_str()).collect();
@@ -392,10 +466,12 @@ mod tests {
         }
         assert!(names[0].starts_with("op parity"), "{names:?}");
         assert!(names.contains(&"pool: device_memory 8 MiB"), "{names:?}");
+        assert!(names.contains(&"op workspace = cpu declarations"), "{names:?}");
         let trained = names.iter().filter(|n| n.starts_with("training parity")).count();
         assert_eq!(trained, 5, "plain fp32, plain bf16, offloaded bf16, 2 ranks at ZeRO-1 and ZeRO-3: {names:?}");
         assert!(names.contains(&"training parity 2 ranks z3 bf16 (3 steps)"), "{names:?}");
         assert!(names.iter().any(|n| n.starts_with("OOM in training")), "{names:?}");
+        assert!(names.iter().any(|n| n.starts_with("expandable segments")), "{names:?}");
         let timed: Vec<&Check> = checks.iter().filter(|c| c.name.starts_with(&tiny.label)).collect();
         assert_eq!(timed.len(), 2, "resident and offloaded benchmark rows: {names:?}");
         assert!(timed[1].figure.contains("x the resident step"), "{}", timed[1].figure);

@@ -7,6 +7,9 @@
 //! - **first block of backward** (checkpointing): the kept activations plus that block's
 //!   recomputed tensors (the logits are freed by then);
 //! - **forward / evaluation**: the transient full activations of the block being computed.
+//!
+//! (The gradient norm's moment — model state plus a reduction's partial sums — is a candidate
+//! too, so every op's declared scratch is counted, though it never sets the peak in practice.)
 
 use serde::Serialize;
 
@@ -64,16 +67,24 @@ impl Live {
     fn of(&self, c: Category) -> usize {
         self.buffers.iter().filter(|b| b.0 == c).map(|&(_, b)| block_bytes(b)).sum()
     }
-    fn reserved_allowance(&self) -> usize {
+    /// With fixed segments each large block sits in a segment of its own, rounded to
+    /// [`LARGE_ROUND`]; with expandable segments large blocks are packed back to back into
+    /// 2 MiB pages, one more page for a run that straddles page boundaries.
+    fn reserved_allowance(&self, expandable: bool) -> usize {
         let mut small = Vec::new();
         let mut large = 0;
         for &(_, b) in &self.buffers {
             let r = block_bytes(b);
             if r <= SMALL_LIMIT {
                 small.push(r);
+            } else if expandable {
+                large += r;
             } else {
                 large += r.div_ceil(LARGE_ROUND) * LARGE_ROUND;
             }
+        }
+        if expandable && large > 0 {
+            large = large.div_ceil(LARGE_ROUND) * LARGE_ROUND + LARGE_ROUND;
         }
         // Small blocks never share a segment with large ones and are not split across
         // segments: pack them first-fit decreasing into 2 MiB segments.
@@ -221,6 +232,11 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
     bucket(&mut enc, embed);
     candidates.push(("encoder backward", enc));
 
+    // Gradient norm: the model state and the reduction's scratch over the (local) gradients.
+    let mut norm = base.clone();
+    add_scratch(&mut norm, model.sum_squares::<E>(grads_len));
+    candidates.push(("gradient norm", norm));
+
     // Forward: the encoder (embedding weights staged, block 0 copied ahead), each block (the
     // earlier ones kept, this one in full, the next one copied ahead), and the head (every
     // block kept, lnf and the logits, the classifier matmul's scratch, `wte` staged).
@@ -267,7 +283,7 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
         activations: live.of(Category::Activations),
         workspace: live.of(Category::Workspace),
         peak_allocated: live.total(),
-        reserved_allowance: live.reserved_allowance(),
+        reserved_allowance: live.reserved_allowance(k.expandable_segments),
         peak_at,
         micro_batch,
         grad_accum,
@@ -334,6 +350,7 @@ mod tests {
                 world_size: 1,
                 zero_stage: 0,
                 precision: crate::config::Precision::Fp32,
+                expandable_segments: false,
             },
             steps: 2,
             global_batch: global,

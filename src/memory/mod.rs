@@ -4,8 +4,8 @@ mod pool;
 mod stats;
 
 pub use pool::{
-    block_bytes, blocks_bytes, Buffer, HostSegments, OomError, Pool, SegmentSource, LARGE_ROUND, ROUND, SMALL_LIMIT,
-    SMALL_SEGMENT,
+    block_bytes, blocks_bytes, AddressSpace, Buffer, HostAddressSpace, HostSegments, OomError, Pool, SegmentSource,
+    LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT,
 };
 pub use stats::{format_bytes, parse_bytes, Category, MemStats};
 

@@ -13,6 +13,14 @@
 //! - segments come from a [`SegmentSource`]: host memory for the `cpu` device ([`HostSegments`]),
 //!   `cuMemAlloc` for a CUDA device. A source that refuses (the device is full whatever
 //!   `capacity` says) is treated like the capacity check: release the cache, retry once, OOM.
+//!
+//! **Expandable segments** (PyTorch's `expandable_segments:True`), for a source with an
+//! [`AddressSpace`]: large requests are carved from one *arena*, a virtual address range reserved
+//! once with no memory behind it; pages ([`AddressSpace::page`]) are mapped as blocks need them and
+//! unmapped when the cache is released. `reserved` counts mapped pages. Free space between live
+//! blocks is then never stranded in a segment: its pages go back and are mapped again where the
+//! next request lands, so a request fails only when its pages do not fit beside the pages live
+//! blocks touch. Small requests keep their small segments either way.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -53,6 +61,27 @@ pub trait SegmentSource: Send + Sync {
     fn release(&self, address: u64, size: usize);
     /// Whether addresses are host memory (so [`Buffer::bytes`] may read them).
     fn host_visible(&self) -> bool;
+    /// Virtual memory the pool may map on demand (expandable segments); `None`: fixed segments.
+    fn address_space(&self) -> Option<&dyn AddressSpace> {
+        None
+    }
+}
+
+/// Address space reserved without memory, and memory mapped into it page by page: what
+/// expandable segments need from a device (`mmap`/`mprotect` on the host, `cuMemAddressReserve`
+/// and `cuMemMap` on CUDA).
+pub trait AddressSpace: Send + Sync {
+    /// The mapping granularity in bytes: a power of two and a multiple of [`ROUND`].
+    fn page(&self) -> usize;
+    /// Reserve `size` bytes (a multiple of `page`) of addresses with nothing behind them.
+    fn reserve_range(&self, size: usize) -> Option<u64>;
+    /// Give back a range from `reserve_range` of exactly `size` bytes, nothing mapped in it.
+    fn release_range(&self, address: u64, size: usize);
+    /// Put memory behind `size` bytes at `address` (page-aligned, inside a reserved range, not
+    /// mapped). `false` when the device refuses (out of memory).
+    fn map(&self, address: u64, size: usize) -> bool;
+    /// Give back the memory behind a range mapped by `map` (the addresses stay reserved).
+    fn unmap(&self, address: u64, size: usize);
 }
 
 /// Host memory, zeroed: the `cpu` device. Segments are anonymous mappings: zero pages the
@@ -92,6 +121,86 @@ impl SegmentSource for HostSegments {
     }
 }
 
+/// Host memory with expandable segments: the `cpu` device's default. The arena is a
+/// `PROT_NONE`, `MAP_NORESERVE` mapping (address space only); `map` makes pages readable and
+/// writable, `unmap` drops their contents (`MADV_DONTNEED`, so a page mapped again reads as
+/// zeros) and closes them again.
+#[derive(Debug, Default)]
+pub struct HostAddressSpace;
+
+impl SegmentSource for HostAddressSpace {
+    fn reserve(&self, size: usize) -> Option<u64> {
+        HostSegments.reserve(size)
+    }
+
+    fn release(&self, address: u64, size: usize) {
+        HostSegments.release(address, size)
+    }
+
+    fn host_visible(&self) -> bool {
+        true
+    }
+
+    fn address_space(&self) -> Option<&dyn AddressSpace> {
+        Some(self)
+    }
+}
+
+impl AddressSpace for HostAddressSpace {
+    fn page(&self) -> usize {
+        LARGE_ROUND
+    }
+
+    fn reserve_range(&self, size: usize) -> Option<u64> {
+        // SAFETY: a fresh anonymous mapping with no access; no existing memory is touched.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        (ptr != libc::MAP_FAILED).then_some(ptr as u64)
+    }
+
+    fn release_range(&self, address: u64, size: usize) {
+        // SAFETY: the whole range came from `reserve_range` with this size; no block is live in it.
+        let rc = unsafe { libc::munmap(address as *mut libc::c_void, size) };
+        debug_assert_eq!(rc, 0, "munmap of the pool's arena");
+    }
+
+    fn map(&self, address: u64, size: usize) -> bool {
+        // SAFETY: pages of our own reserved range, holding no live block.
+        unsafe { libc::mprotect(address as *mut libc::c_void, size, libc::PROT_READ | libc::PROT_WRITE) == 0 }
+    }
+
+    fn unmap(&self, address: u64, size: usize) {
+        // SAFETY: pages of our own range that hold no live block: their contents may go.
+        unsafe {
+            libc::madvise(address as *mut libc::c_void, size, libc::MADV_DONTNEED);
+            libc::mprotect(address as *mut libc::c_void, size, libc::PROT_NONE);
+        }
+    }
+}
+
+/// The arena's address span for a pool of `capacity`: four times the capacity (room for holes
+/// between live blocks), at most 16 TiB of addresses.
+fn arena_span(capacity: usize, page: usize) -> usize {
+    round_up(capacity.min(1 << 42).saturating_mul(4).max(page), page)
+}
+
+/// The expandable segment: one reserved range (segment `segment` of the pool, whose blocks are
+/// carved as any segment's) and which of its pages are mapped.
+#[derive(Debug)]
+struct Arena {
+    segment: usize,
+    page: usize,
+    mapped: Vec<bool>,
+}
+
 #[derive(Debug)]
 struct Segment {
     address: u64,
@@ -122,6 +231,9 @@ struct PoolInner {
     free_small: BTreeSet<FreeKey>,
     free_large: BTreeSet<FreeKey>,
     stats: MemStats,
+    /// Large requests go to the arena (created on first use) when the source can map pages.
+    expandable: bool,
+    arena: Option<Arena>,
 }
 
 // SAFETY: the raw segment pointers are owned by the pool and only handed out as disjoint blocks;
@@ -159,9 +271,24 @@ fn round_up(x: usize, to: usize) -> usize {
 }
 
 impl Pool {
-    /// A pool over `capacity` bytes of host memory for the device called `name`.
+    /// A pool over `capacity` bytes of host memory for the device called `name`, with fixed
+    /// segments.
     pub fn new(name: &str, capacity: usize) -> Pool {
         Pool::with_source(name, capacity, Arc::new(HostSegments))
+    }
+
+    /// A pool over `capacity` bytes of host memory, with expandable segments when `expandable`.
+    pub fn host(name: &str, capacity: usize, expandable: bool) -> Pool {
+        if expandable {
+            Pool::with_source(name, capacity, Arc::new(HostAddressSpace))
+        } else {
+            Pool::new(name, capacity)
+        }
+    }
+
+    /// Whether large requests are served from an expandable segment.
+    pub fn expandable(&self) -> bool {
+        self.lock().expandable
     }
 
     /// A pool over `capacity` bytes whose segments come from `source`.
@@ -171,11 +298,13 @@ impl Pool {
             host_visible,
             inner: Arc::new(Mutex::new(PoolInner {
                 capacity,
-                source,
                 segments: Vec::new(),
                 free_small: BTreeSet::new(),
                 free_large: BTreeSet::new(),
                 stats: MemStats { capacity, ..MemStats::default() },
+                expandable: source.address_space().is_some(),
+                arena: None,
+                source,
             })),
             name: name.into(),
         }
@@ -206,6 +335,10 @@ impl Pool {
         let bytes = round_up((inner.capacity as f64 * fraction.clamp(0.0, 1.0)) as usize, LARGE_ROUND);
         if bytes == 0 {
             return Ok(());
+        }
+        if inner.expandable && inner.arena_segment().is_some() {
+            // Map the arena's first pages: later large requests are carved from them.
+            return inner.map_arena(0, bytes, bytes, Category::Workspace);
         }
         let seg = inner.new_segment(bytes, false, Category::Workspace)?;
         let key = FreeKey { size: bytes, segment: seg, offset: 0 };
@@ -263,8 +396,7 @@ impl PoolInner {
             // Give back cached segments before failing, like the CUDA allocator's retry.
             self.release_free_segments();
             if self.stats.reserved + size > self.capacity {
-                self.stats.num_ooms += 1;
-                return Err(OomError { requested_bytes: size, category, stats: Box::new(self.stats.clone()) });
+                return Err(self.oom(size, category));
             }
         }
         let address = match self.source.reserve(size) {
@@ -275,17 +407,132 @@ impl PoolInner {
                 self.release_free_segments();
                 match self.source.reserve(size) {
                     Some(a) => a,
-                    None => {
-                        self.stats.num_ooms += 1;
-                        return Err(OomError { requested_bytes: size, category, stats: Box::new(self.stats.clone()) });
-                    }
+                    None => return Err(self.oom(size, category)),
                 }
             }
         };
         let mut blocks = std::collections::BTreeMap::new();
         blocks.insert(0, BlockState { size, category: None });
-        let seg = Segment { address, size, small, blocks };
-        let index = match self.segments.iter().position(Option::is_none) {
+        let index = self.place_segment(Segment { address, size, small, blocks });
+        self.stats.reserved += size;
+        self.stats.num_segments += 1;
+        self.stats.bump_reserved_peak();
+        Ok(index)
+    }
+
+    fn oom(&mut self, requested_bytes: usize, category: Category) -> OomError {
+        self.stats.num_ooms += 1;
+        OomError { requested_bytes, category, stats: Box::new(self.stats.clone()) }
+    }
+
+    /// The arena's segment index, reserving its address range on first use. A source that
+    /// refuses the range turns expandable segments off for this pool (fixed segments serve).
+    fn arena_segment(&mut self) -> Option<usize> {
+        if let Some(arena) = &self.arena {
+            return Some(arena.segment);
+        }
+        let source = self.source.clone();
+        let space = source.address_space()?;
+        let page = space.page();
+        let span = arena_span(self.capacity, page);
+        let Some(address) = space.reserve_range(span) else {
+            self.expandable = false;
+            return None;
+        };
+        let mut blocks = std::collections::BTreeMap::new();
+        blocks.insert(0, BlockState { size: span, category: None });
+        let index = self.place_segment(Segment { address, size: span, small: false, blocks });
+        self.free_large.insert(FreeKey { size: span, segment: index, offset: 0 });
+        self.stats.num_segments += 1;
+        self.arena = Some(Arena { segment: index, page, mapped: vec![false; span / page] });
+        Some(index)
+    }
+
+    /// Map every page of the arena that `offset..offset + len` touches and is not mapped yet,
+    /// within capacity: releases the cache first when needed, OOM when it still does not fit.
+    fn map_arena(&mut self, offset: usize, len: usize, requested: usize, category: Category) -> Result<(), OomError> {
+        let arena = self.arena.as_ref().expect("arena reserved before mapping");
+        let (page, first, end) = (arena.page, offset / arena.page, (offset + len).div_ceil(arena.page));
+        let unmapped = |inner: &PoolInner| {
+            let mapped = &inner.arena.as_ref().expect("arena").mapped;
+            (first..end).filter(|&p| !mapped[p]).count() * page
+        };
+        if self.stats.reserved + unmapped(self) > self.capacity {
+            self.release_free_segments();
+            if self.stats.reserved + unmapped(self) > self.capacity {
+                return Err(self.oom(requested, category));
+            }
+        }
+        let source = self.source.clone();
+        let space = source.address_space().expect("an arena has an address space");
+        let mut retried = false;
+        let mut p = first;
+        while p < end {
+            let arena = self.arena.as_mut().expect("arena");
+            if arena.mapped[p] {
+                p += 1;
+                continue;
+            }
+            let run = (p..end).take_while(|&q| !arena.mapped[q]).count();
+            let address = self.segments[arena.segment].as_ref().expect("arena segment").address + (p * page) as u64;
+            if !space.map(address, run * page) {
+                // The device is full whatever capacity says: give back the cache, try once more.
+                if retried {
+                    return Err(self.oom(requested, category));
+                }
+                retried = true;
+                self.release_free_segments();
+                continue;
+            }
+            arena.mapped[p..p + run].fill(true);
+            self.stats.reserved += run * page;
+            self.stats.bump_reserved_peak();
+            p += run;
+        }
+        Ok(())
+    }
+
+    /// Unmap every mapped arena page that lies wholly inside a free block.
+    fn release_arena_pages(&mut self) {
+        let Some(arena) = self.arena.as_mut() else { return };
+        let seg = self.segments[arena.segment].as_ref().expect("arena segment");
+        let space = self.source.address_space().expect("an arena has an address space");
+        let page = arena.page;
+        for (&offset, block) in seg.blocks.iter().filter(|(_, b)| b.category.is_none()) {
+            let (first, end) = (offset.div_ceil(page), (offset + block.size) / page);
+            let mut p = first;
+            while p < end {
+                if !arena.mapped[p] {
+                    p += 1;
+                    continue;
+                }
+                let run = (p..end).take_while(|&q| arena.mapped[q]).count();
+                space.unmap(seg.address + (p * page) as u64, run * page);
+                arena.mapped[p..p + run].fill(false);
+                self.stats.reserved -= run * page;
+                p += run;
+            }
+        }
+    }
+
+    /// Mapped arena bytes wholly inside free blocks: what a request can reuse without the
+    /// pool growing (its pages move to wherever the request lands).
+    fn arena_cached(&self) -> usize {
+        let Some(arena) = &self.arena else { return 0 };
+        let seg = self.segments[arena.segment].as_ref().expect("arena segment");
+        let page = arena.page;
+        seg.blocks
+            .iter()
+            .filter(|(_, b)| b.category.is_none())
+            .map(|(&offset, b)| {
+                let (first, end) = (offset.div_ceil(page), (offset + b.size) / page);
+                (first..end.max(first)).filter(|&p| arena.mapped[p]).count() * page
+            })
+            .sum()
+    }
+
+    fn place_segment(&mut self, seg: Segment) -> usize {
+        match self.segments.iter().position(Option::is_none) {
             Some(i) => {
                 self.segments[i] = Some(seg);
                 i
@@ -294,11 +541,7 @@ impl PoolInner {
                 self.segments.push(Some(seg));
                 self.segments.len() - 1
             }
-        };
-        self.stats.reserved += size;
-        self.stats.num_segments += 1;
-        self.stats.bump_reserved_peak();
-        Ok(index)
+        }
     }
 
     fn alloc_block(
@@ -308,13 +551,22 @@ impl PoolInner {
         category: Category,
     ) -> Result<(usize, usize, u64), OomError> {
         let small = size <= SMALL_LIMIT;
+        let arena = if !small && self.expandable { self.arena_segment() } else { None };
         let probe = FreeKey { size, segment: 0, offset: 0 };
         let found = {
             let set = if small { &self.free_small } else { &self.free_large };
             set.range(probe..).next().copied()
         };
         let key = match found {
+            Some(k) if arena.is_some() => {
+                // Carve from the arena: map the pages the block will use first.
+                let used = if k.size - size >= SMALL_LIMIT { size } else { k.size };
+                self.map_arena(k.offset, used, requested, category)?;
+                k
+            }
             Some(k) => k,
+            // The arena's address span is exhausted by holes: nothing to map into.
+            None if arena.is_some() => return Err(self.oom(requested, category)),
             None => {
                 let seg_size = if small { SMALL_SEGMENT } else { round_up(size, LARGE_ROUND) };
                 let seg = self.new_segment(seg_size, small, category).map_err(|mut e| {
@@ -381,12 +633,21 @@ impl PoolInner {
 
     /// The largest free block: what one more request can get without a new segment (with the
     /// cached total, `reserved − allocated`, it tells fragmentation from a full pool).
+    /// With expandable segments, the arena's part is its reusable mapped bytes ([`Self::arena_cached`]):
+    /// its free address space is unbounded, its free memory is not.
     fn largest_free_block(&self) -> usize {
-        [&self.free_small, &self.free_large].iter().filter_map(|set| set.last()).map(|k| k.size).max().unwrap_or(0)
+        let small = self.free_small.last().map_or(0, |k| k.size);
+        let large = match &self.arena {
+            Some(_) => self.arena_cached(),
+            None => self.free_large.last().map_or(0, |k| k.size),
+        };
+        small.max(large)
     }
 
     fn release_free_segments(&mut self) {
-        for index in 0..self.segments.len() {
+        self.release_arena_pages();
+        let arena = self.arena.as_ref().map(|a| a.segment);
+        for index in (0..self.segments.len()).filter(|&i| Some(i) != arena) {
             let whole_free = match &self.segments[index] {
                 Some(seg) => seg.blocks.len() == 1 && seg.blocks.get(&0).is_some_and(|b| b.category.is_none()),
                 None => false,
@@ -407,6 +668,12 @@ impl PoolInner {
 impl Drop for PoolInner {
     fn drop(&mut self) {
         // Every buffer holds an Arc to the pool, so no block outlives this drop.
+        self.release_arena_pages();
+        if let Some(arena) = self.arena.take() {
+            let seg = self.segments[arena.segment].take().expect("arena segment");
+            let space = self.source.address_space().expect("an arena has an address space");
+            space.release_range(seg.address, seg.size);
+        }
         for seg in self.segments.drain(..).flatten() {
             self.source.release(seg.address, seg.size);
         }

@@ -76,6 +76,11 @@ impl MemStats {
         self.peak[c.index()]
     }
 
+    /// The category's peak since the window was last reset.
+    pub fn window_peak(&self, c: Category) -> usize {
+        self.window_peak[c.index()]
+    }
+
     pub fn host(&self, c: Category) -> usize {
         self.host[c.index()]
     }

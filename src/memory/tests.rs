@@ -200,3 +200,136 @@ fn the_largest_free_block_is_reported_with_the_cache() {
     drop(a);
     assert_eq!(pool.stats().largest_free_block, 20 * MIB, "free blocks of separate segments never merge");
 }
+
+/// The allocation pattern of a step that reuses a cached activation block for a long-lived
+/// one: the remainder is stranded in that segment under fixed segments, and the next request
+/// fails although 5 MiB of the 16 are free. Expandable segments serve it.
+fn stranded_remainder_pattern(pool: &Pool) -> (Result<Buffer, OomError>, Vec<Buffer>) {
+    drop(pool.alloc(8 * MIB, Category::Activations).unwrap());
+    let params = pool.alloc(5 * MIB, Category::Params).unwrap();
+    let grads = pool.alloc(6 * MIB, Category::Grads).unwrap();
+    (pool.alloc(7 * MIB / 2, Category::Activations), vec![params, grads])
+}
+
+#[test]
+fn expandable_segments_serve_what_fixed_segments_strand() {
+    let fixed = Pool::host("cpu", 16 * MIB, false);
+    let (result, _live) = stranded_remainder_pattern(&fixed);
+    let err = result.expect_err("fixed segments strand the free bytes");
+    let s = &err.stats;
+    assert_eq!((s.allocated(), s.reserved), (11 * MIB, 14 * MIB), "5 MiB free in total, 3 MiB largest");
+    assert_eq!(fixed.stats().largest_free_block, 3 * MIB);
+
+    let expandable = Pool::host("cpu", 16 * MIB, true);
+    assert!(expandable.expandable());
+    let (result, _live) = stranded_remainder_pattern(&expandable);
+    let block = result.expect("expandable segments map the free bytes where the request lands");
+    let s = expandable.stats();
+    assert_eq!((s.allocated(), s.reserved), (11 * MIB + 7 * MIB / 2, 16 * MIB));
+    // The memory is real host memory: written and read back.
+    let mut block = block;
+    block.as_mut_slice::<u32>().iter_mut().enumerate().for_each(|(i, x)| *x = i as u32);
+    assert_eq!(block.as_slice::<u32>()[12345], 12345);
+}
+
+#[test]
+fn expandable_segments_map_pages_on_demand_and_release_them() {
+    let pool = Pool::host("cpu", 64 * MIB, true);
+    let a = pool.alloc(3 * MIB, Category::Params).unwrap();
+    let b = pool.alloc(3 * MIB, Category::Params).unwrap();
+    // Packed back to back: 6 MiB over three 2 MiB pages, not two 4 MiB segments.
+    assert_eq!(pool.stats().reserved, 6 * MIB);
+    assert_eq!(b.address(), a.address() + 3 * MIB as u64);
+    drop(a);
+    let s = pool.stats();
+    assert_eq!(s.reserved, 6 * MIB, "freed pages stay cached");
+    // Only the page wholly inside the freed block is reusable memory (the second is shared with b).
+    assert_eq!(s.largest_free_block, 2 * MIB);
+    pool.empty_cache();
+    assert_eq!(pool.stats().reserved, 4 * MIB, "the free page went back; b's two pages stay");
+    // A page mapped again reads as zeros.
+    let c = pool.alloc(2 * MIB, Category::Activations).unwrap();
+    assert!(c.as_slice::<u8>().iter().all(|&x| x == 0));
+    drop((b, c));
+    pool.empty_cache();
+    assert_eq!(pool.stats().reserved, 0);
+    // Small requests keep their small segments.
+    let small = pool.alloc(4096, Category::Workspace).unwrap();
+    assert_eq!(pool.stats().reserved, SMALL_SEGMENT);
+    drop(small);
+}
+
+#[test]
+fn expandable_segments_keep_capacity_and_report_a_typed_oom() {
+    let pool = Pool::host("cpu", 16 * MIB, true);
+    let a = pool.alloc(6 * MIB, Category::Params).unwrap();
+    drop(pool.alloc(6 * MIB, Category::Workspace).unwrap());
+    // The cached 6 MiB is unmapped to make room, as with fixed segments.
+    let b = pool.alloc(8 * MIB, Category::Activations).expect("cache released to make room");
+    assert!(pool.stats().reserved <= 16 * MIB);
+    let err = pool.alloc(4 * MIB, Category::Grads).unwrap_err();
+    assert_eq!((err.category, err.requested_bytes, err.stats.num_ooms), (Category::Grads, 4 * MIB, 1));
+    drop((a, b));
+    pool.empty_cache();
+    pool.prereserve(0.5).unwrap();
+    assert_eq!(pool.stats().reserved, 8 * MIB, "prereserve maps the arena's first pages");
+}
+
+/// Host address space that refuses to map beyond `limit` bytes (another process holds the rest).
+struct LimitedSpace {
+    limit: usize,
+    mapped: std::sync::Mutex<usize>,
+}
+
+impl SegmentSource for LimitedSpace {
+    fn reserve(&self, size: usize) -> Option<u64> {
+        HostSegments.reserve(size)
+    }
+    fn release(&self, address: u64, size: usize) {
+        HostSegments.release(address, size)
+    }
+    fn host_visible(&self) -> bool {
+        true
+    }
+    fn address_space(&self) -> Option<&dyn AddressSpace> {
+        Some(self)
+    }
+}
+
+impl AddressSpace for LimitedSpace {
+    fn page(&self) -> usize {
+        HostAddressSpace.page()
+    }
+    fn reserve_range(&self, size: usize) -> Option<u64> {
+        HostAddressSpace.reserve_range(size)
+    }
+    fn release_range(&self, address: u64, size: usize) {
+        assert_eq!(*self.mapped.lock().unwrap(), 0, "the range is released with nothing mapped");
+        HostAddressSpace.release_range(address, size)
+    }
+    fn map(&self, address: u64, size: usize) -> bool {
+        let mut mapped = self.mapped.lock().unwrap();
+        if *mapped + size > self.limit {
+            return false;
+        }
+        *mapped += size;
+        HostAddressSpace.map(address, size)
+    }
+    fn unmap(&self, address: u64, size: usize) {
+        *self.mapped.lock().unwrap() -= size;
+        HostAddressSpace.unmap(address, size)
+    }
+}
+
+#[test]
+fn a_refusing_device_with_expandable_segments_releases_cache_then_ooms() {
+    let space = std::sync::Arc::new(LimitedSpace { limit: 12 * MIB, mapped: Default::default() });
+    let pool = Pool::with_source("cuda:0", 64 * MIB, space.clone());
+    drop(pool.alloc(8 * MIB, Category::Activations).unwrap());
+    let a = pool.alloc(10 * MIB, Category::Params).expect("cached pages unmapped for the retry");
+    assert!(*space.mapped.lock().unwrap() <= 12 * MIB);
+    assert!(pool.alloc(4 * MIB, Category::Activations).is_err());
+    drop(a);
+    drop(pool);
+    assert_eq!(*space.mapped.lock().unwrap(), 0, "every page given back");
+}

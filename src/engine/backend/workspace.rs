@@ -64,6 +64,25 @@ impl WorkspaceModel {
             WorkspaceModel::Cuda => CudaAttention::of::<E>(b, t, c, nh).backward_peak(),
         }
     }
+
+    /// Buffers live during `sum_squares` over `n` elements: the cuda kernel's per-block partial
+    /// sums (one f32 per block), the cpu none.
+    pub fn sum_squares<E: Elem>(self, n: usize) -> Vec<usize> {
+        match self {
+            WorkspaceModel::Cpu => vec![],
+            WorkspaceModel::Cuda => vec![cuda_norm_blocks(n) * 4],
+        }
+    }
+}
+
+/// Threads per block of the cuda kernels' one-dimensional launches.
+pub const CUDA_THREADS: usize = 256;
+/// The most blocks a cuda reduction (`sum_squares`) launches; each writes one partial sum.
+pub const CUDA_NORM_BLOCKS: usize = 1024;
+
+/// Blocks of the cuda `sum_squares` launch over `n` elements.
+pub fn cuda_norm_blocks(n: usize) -> usize {
+    n.div_ceil(CUDA_THREADS).clamp(1, CUDA_NORM_BLOCKS)
 }
 
 /// The CUDA attention's scratch buffers (bytes), which `cuda::backend` allocates by these

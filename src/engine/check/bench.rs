@@ -120,6 +120,7 @@ pub fn run_on<E: Elem, B: crate::engine::backend::Backend>(
             world_size: 1,
             zero_stage: 0,
             precision: crate::config::Precision::Fp32,
+            expandable_segments: backend.pool().expandable(),
         },
         steps: (warmup + steps) as u64,
         global_batch: case.batch,

@@ -68,7 +68,12 @@ pub(crate) struct DeviceSim {
 
 impl DeviceSim {
     pub(crate) fn new(capacity: usize) -> DeviceSim {
-        let host = Pool::new("sim:0", capacity);
+        DeviceSim::with_segments(capacity, false)
+    }
+
+    /// A simulated device whose pool has expandable segments when `expandable`.
+    pub(crate) fn with_segments(capacity: usize, expandable: bool) -> DeviceSim {
+        let host = Pool::host("sim:0", capacity, expandable);
         DeviceSim {
             pool: host.seen_as(false),
             cpu: CpuBackend::new(host),

@@ -156,6 +156,44 @@ fn measure<E: Elem, B: Backend>(
     Ok((stats.peak_allocated, stats.peak_reserved))
 }
 
+/// The smallest pool capacity (to `resolution` bytes) at which `case` trains two steps on a
+/// backend from `open(capacity)`, searched between the predicted allocated peak (below it
+/// nothing fits) and `ceiling`; `None` when even `ceiling` does not fit. What fragmentation costs
+/// a configuration is this minus its allocated peak.
+pub fn min_capacity<B: Backend>(
+    open: &dyn Fn(Option<usize>) -> Result<B, String>,
+    model: WorkspaceModel,
+    case: &EstimateCase,
+    tokens: &[u32],
+    ceiling: usize,
+    resolution: usize,
+) -> Option<usize> {
+    let fits = |capacity: usize| {
+        let case = EstimateCase { device_memory: Some(capacity), ..case.clone() };
+        match case.knobs.precision {
+            Precision::Fp32 => measure::<f32, B>(open, &case, tokens),
+            Precision::Bf16 => measure::<half::bf16, B>(open, &case, tokens),
+            Precision::Fp16 => measure::<half::f16, B>(open, &case, tokens),
+        }
+        .is_ok()
+    };
+    if !fits(ceiling) {
+        return None;
+    }
+    let floor = estimate_on(model, &case.cfg, &case.knobs).peak_allocated.min(ceiling);
+    // Invariant: `hi` fits; `lo` does not (or is the floor, below which nothing can).
+    let (mut lo, mut hi) = (floor.saturating_sub(resolution), ceiling);
+    while hi - lo > resolution {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Some(hi)
+}
+
 /// The table: predicted and measured peaks side by side.
 pub fn table(rows: &[EstimateRow]) -> String {
     let mut s = format!(
@@ -206,5 +244,40 @@ mod tests {
             assert!(r.passed(), "{}: {:?} vs {:?}", r.case.label, r.estimate.peak_allocated, r.measured);
         }
         assert_eq!(grid().len(), 16, "12 GPT-2-small-like rows, 2 offloaded, 2 at 1.5B");
+    }
+
+    /// Fragmentation, measured: the smallest capacity a job pattern with multi-MiB blocks
+    /// trains in, with fixed segments and with expandable ones. Fixed segments strand free
+    /// bytes in partly used segments (the job OOMs with enough free bytes in total); expandable
+    /// ones fit within about a page of the allocated peak.
+    #[test]
+    fn expandable_segments_fit_where_fixed_segments_strand_free_memory() {
+        use crate::engine::backend::CpuBackend;
+        use crate::memory::{Pool, LARGE_ROUND};
+        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 256, block_size: 128, vocab: 256 };
+        let tokens: Vec<u32> = (0..8192u32).map(|i| (i * 7 + 3) % 256).collect();
+        let mut min = Vec::new();
+        for expandable in [false, true] {
+            let knobs = Knobs { expandable_segments: expandable, ..Knobs::plain(8, 128, 1) };
+            let case = EstimateCase::new(cfg, knobs, None);
+            let open =
+                |memory: Option<usize>| Ok(CpuBackend::new(Pool::host("cpu", memory.unwrap_or(1 << 30), expandable)));
+            let estimate = estimate_on(WorkspaceModel::Cpu, &cfg, &knobs);
+            let fits = min_capacity(&open, WorkspaceModel::Cpu, &case, &tokens, 256 << 20, 256 << 10)
+                .expect("fits in 256 MiB");
+            println!(
+                "expandable {expandable}: allocated peak {}, smallest capacity that trains {}, allowance {}",
+                format_bytes(estimate.peak_allocated),
+                format_bytes(fits),
+                format_bytes(estimate.reserved_allowance)
+            );
+            min.push((estimate.peak_allocated, fits));
+        }
+        let [(allocated, fixed), (_, expandable)] = min[..] else { unreachable!() };
+        assert!(
+            expandable < fixed,
+            "expandable {expandable} vs fixed {fixed}: a capacity in between OOMs only with fixed segments"
+        );
+        assert!(expandable <= allocated + 2 * LARGE_ROUND, "expandable needs {expandable}, allocated peak {allocated}");
     }
 }

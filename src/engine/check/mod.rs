@@ -1,6 +1,7 @@
 //! Verification and measurement: op parity and training parity of a backend against the CPU
-//! reference, finite-difference gradient checks, `DeviceSim` (the device path on CPU), the
-//! ranks tests and the `headroom bench` harness. None of it is on the training path.
+//! reference, finite-difference gradient checks, each op's scratch against its declaration,
+//! `DeviceSim` (the device path on CPU), the ranks tests and the `headroom bench` harness. None
+//! of it is on the training path.
 
 /// Writes the compute ops of a `Backend` that wraps another: each forwards to `self.$to`, every
 /// view argument (and optional one) passed through `$map` (`Expose::exposed`, or
@@ -121,3 +122,4 @@ pub mod parity;
 #[cfg(test)]
 mod ranks_tests;
 pub mod train_parity;
+pub mod workspace_check;

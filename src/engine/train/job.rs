@@ -165,8 +165,9 @@ pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result
             Precision::Fp16 => run.ranks::<half::f16, _>(backends, events),
         };
     }
-    let backends =
-        (0..spec.memory.world_size).map(|rank| CpuBackend::new(Pool::new(&format!("cpu:{rank}"), capacity))).collect();
+    let backends = (0..spec.memory.world_size)
+        .map(|rank| CpuBackend::new(Pool::host(&format!("cpu:{rank}"), capacity, spec.device.expandable_segments())))
+        .collect();
     match spec.memory.precision {
         Precision::Fp32 => run.ranks::<f32, _>(backends, events),
         Precision::Bf16 => run.ranks::<half::bf16, _>(backends, events),
@@ -197,13 +198,15 @@ fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<crate::engine::backend::cuda::C
     let world = spec.memory.world_size as u32;
     let open = |rank: u32, capacity: Option<usize>| {
         let index = spec.device.index + rank;
-        CudaBackend::new(index, capacity).map_err(|e| TrainError::DeviceUnavailable {
-            device: format!("cuda:{index}"),
-            reason: match e {
-                CudaError::NoDriver { .. } => "no CUDA driver found".to_string(),
-                e if world > 1 => format!("rank {rank} of memory.world_size {world} (cuda:{index}): {e}"),
-                e => e.to_string(),
-            },
+        CudaBackend::new(index, capacity, spec.device.expandable_segments()).map_err(|e| {
+            TrainError::DeviceUnavailable {
+                device: format!("cuda:{index}"),
+                reason: match e {
+                    CudaError::NoDriver { .. } => "no CUDA driver found".to_string(),
+                    e if world > 1 => format!("rank {rank} of memory.world_size {world} (cuda:{index}): {e}"),
+                    e => e.to_string(),
+                },
+            }
         })
     };
     let mut backends = (0..world).map(|rank| open(rank, spec.device_capacity())).collect::<Result<Vec<_>, _>>()?;
@@ -216,6 +219,12 @@ fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<crate::engine::backend::cuda::C
         if backend.pool().stats().capacity != smallest {
             drop(std::mem::replace(backend, open(rank as u32, Some(smallest))?));
         }
+    }
+    if spec.device.expandable_segments() && backends.iter().any(|b| !b.pool().expandable()) {
+        tracing::warn!(
+            "device.expandable_segments: this GPU or driver has no virtual memory management; \
+             the pool uses fixed segments (free memory can be stranded between them)"
+        );
     }
     // The ranks' collectives: NCCL on the GPUs when it loads (HEADROOM_NCCL=0: never), else
     // staged through host memory (same results, PCIe traffic in each step's `swap`).

@@ -789,6 +789,7 @@ mod tests {
                 world_size: 1,
                 zero_stage: 0,
                 precision: crate::config::Precision::Fp32,
+                expandable_segments: false,
             },
             steps: 10,
             global_batch: 4,

@@ -33,13 +33,12 @@ use crate::engine::backend::optim::{AdamW, BETA1, BETA2, EPS};
 use crate::engine::backend::workspace::CudaAttention;
 use crate::engine::backend::{shapes, Backend, BackendError, BackendResult, View, ViewMut};
 
-/// Threads per block of the elementwise kernels.
-const THREADS: u32 = 256;
+/// Threads per block of the elementwise kernels (the workspace declarations size reductions'
+/// partial sums by it).
+const THREADS: u32 = crate::engine::backend::workspace::CUDA_THREADS as u32;
 /// The most threads any launch puts in a block (cross-entropy rows, column sums): every
 /// kernel's registers must fit 64K per block at this size (tested from ptxas's report).
 pub(super) const MAX_BLOCK_THREADS: u32 = 512;
-/// Blocks of the sum-of-squares first pass.
-const NORM_BLOCKS: usize = 1024;
 
 /// Segments from cuMemAlloc on one context.
 struct CudaSegments {
@@ -223,8 +222,10 @@ impl std::fmt::Debug for CudaBackend {
 
 impl CudaBackend {
     /// Open device `index`: probe the libraries, create the context and stream, compile and load
-    /// every kernel family, and make a pool of `device_memory` bytes (default: the free memory).
-    pub fn new(index: u32, device_memory: Option<usize>) -> Result<CudaBackend, CudaError> {
+    /// every kernel family, and make a pool of `device_memory` bytes (default: the free memory),
+    /// with expandable segments when `expandable` and the device supports virtual memory
+    /// management (else fixed segments from `cuMemAlloc`).
+    pub fn new(index: u32, device_memory: Option<usize>, expandable: bool) -> Result<CudaBackend, CudaError> {
         if !driver_present() {
             return Err(CudaError::NoDriver { index });
         }
@@ -263,7 +264,11 @@ impl CudaBackend {
         }
         let (free, _total) = ctx.mem_get_info().map_err(|e| err("memory query")(&e))?;
         let capacity = device_memory.unwrap_or(free);
-        let pool = Pool::with_source(&format!("cuda:{index}"), capacity, Arc::new(CudaSegments { ctx: ctx.clone() }));
+        let source: Arc<dyn SegmentSource> = match expandable.then(|| super::vmm::CudaVmm::new(ctx.clone())).flatten() {
+            Some(vmm) => Arc::new(vmm),
+            None => Arc::new(CudaSegments { ctx: ctx.clone() }),
+        };
+        let pool = Pool::with_source(&format!("cuda:{index}"), capacity, source);
         Ok(CudaBackend {
             nccl: None,
             index,
@@ -1027,7 +1032,8 @@ impl Backend for CudaBackend {
     fn sum_squares<E: Elem>(&self, x: View<E>) -> BackendResult<f64> {
         const OP: &str = "sum_squares";
         let dt = suffix::<E>(self, OP)?;
-        let blocks = x.len().div_ceil(THREADS as usize).clamp(1, NORM_BLOCKS);
+        // Scratch sized by the declaration the estimator sums (`WorkspaceModel::sum_squares`).
+        let blocks = crate::engine::backend::workspace::cuda_norm_blocks(x.len());
         let partial = self.scratch(blocks * 4)?;
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         self.launch(

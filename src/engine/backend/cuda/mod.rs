@@ -5,6 +5,7 @@
 
 mod backend;
 pub use backend::CudaBackend;
+mod vmm;
 
 pub mod libraries;
 pub mod nccl;
@@ -493,7 +494,7 @@ ptxas info    : Used 16 registers, used 0 barriers";
         if driver_present() {
             return; // a GPU machine: covered by scripts/gpu-check.sh
         }
-        let err = super::CudaBackend::new(0, None).unwrap_err();
+        let err = super::CudaBackend::new(0, None, false).unwrap_err();
         assert_eq!(err.to_string(), "device cuda:0 requested but no CUDA driver found (libcuda could not be loaded)");
     }
 }
