@@ -65,6 +65,11 @@ pub trait SegmentSource: Send + Sync {
     fn address_space(&self) -> Option<&dyn AddressSpace> {
         None
     }
+    /// Whether a fresh segment (and a freshly mapped page) reads as zeros, so a block carved
+    /// from one needs no zeroing before its first use ([`Buffer::fresh_zero`]).
+    fn zero_filled(&self) -> bool {
+        false
+    }
 }
 
 /// Address space reserved without memory, and memory mapped into it page by page: what
@@ -119,9 +124,13 @@ impl SegmentSource for HostSegments {
     fn host_visible(&self) -> bool {
         true
     }
+
+    fn zero_filled(&self) -> bool {
+        true
+    }
 }
 
-/// Host memory with expandable segments: the `cpu` device's default. The arena is a
+/// Host memory with expandable segments (`device.expandable_segments: true` on cpu). The arena is a
 /// `PROT_NONE`, `MAP_NORESERVE` mapping (address space only); `map` makes pages readable and
 /// writable, `unmap` drops their contents (`MADV_DONTNEED`, so a page mapped again reads as
 /// zeros) and closes them again.
@@ -143,6 +152,10 @@ impl SegmentSource for HostAddressSpace {
 
     fn address_space(&self) -> Option<&dyn AddressSpace> {
         Some(self)
+    }
+
+    fn zero_filled(&self) -> bool {
+        true
     }
 }
 
@@ -338,7 +351,7 @@ impl Pool {
         }
         if inner.expandable && inner.arena_segment().is_some() {
             // Map the arena's first pages: later large requests are carved from them.
-            return inner.map_arena(0, bytes, bytes, Category::Workspace);
+            return inner.map_arena(0, bytes, bytes, Category::Workspace).map(|_| ());
         }
         let seg = inner.new_segment(bytes, false, Category::Workspace)?;
         let key = FreeKey { size: bytes, segment: seg, offset: 0 };
@@ -350,8 +363,9 @@ impl Pool {
     pub fn alloc(&self, bytes: usize, category: Category) -> Result<Buffer, OomError> {
         let size = block_bytes(bytes);
         let mut inner = self.lock();
-        let (segment, offset, address) = inner.alloc_block(size, bytes, category)?;
-        Ok(Buffer { pool: self.clone(), address, len: bytes, size, segment, offset, category })
+        let (segment, offset, address, fresh) = inner.alloc_block(size, bytes, category)?;
+        let fresh_zero = fresh && inner.source.zero_filled();
+        Ok(Buffer { pool: self.clone(), address, len: bytes, size, segment, offset, category, fresh_zero })
     }
 
     /// Release every cached segment that holds no live block.
@@ -450,13 +464,15 @@ impl PoolInner {
 
     /// Map every page of the arena that `offset..offset + len` touches and is not mapped yet,
     /// within capacity: releases the cache first when needed, OOM when it still does not fit.
-    fn map_arena(&mut self, offset: usize, len: usize, requested: usize, category: Category) -> Result<(), OomError> {
+    /// Returns whether every page of the range was mapped by this call (so none was used before).
+    fn map_arena(&mut self, offset: usize, len: usize, requested: usize, category: Category) -> Result<bool, OomError> {
         let arena = self.arena.as_ref().expect("arena reserved before mapping");
         let (page, first, end) = (arena.page, offset / arena.page, (offset + len).div_ceil(arena.page));
         let unmapped = |inner: &PoolInner| {
             let mapped = &inner.arena.as_ref().expect("arena").mapped;
             (first..end).filter(|&p| !mapped[p]).count() * page
         };
+        let fresh = unmapped(self) == (end - first) * page;
         if self.stats.reserved + unmapped(self) > self.capacity {
             self.release_free_segments();
             if self.stats.reserved + unmapped(self) > self.capacity {
@@ -489,7 +505,7 @@ impl PoolInner {
             self.stats.bump_reserved_peak();
             p += run;
         }
-        Ok(())
+        Ok(fresh)
     }
 
     /// Unmap every mapped arena page that lies wholly inside a free block.
@@ -549,7 +565,7 @@ impl PoolInner {
         size: usize,
         requested: usize,
         category: Category,
-    ) -> Result<(usize, usize, u64), OomError> {
+    ) -> Result<(usize, usize, u64, bool), OomError> {
         let small = size <= SMALL_LIMIT;
         let arena = if !small && self.expandable { self.arena_segment() } else { None };
         let probe = FreeKey { size, segment: 0, offset: 0 };
@@ -557,14 +573,15 @@ impl PoolInner {
             let set = if small { &self.free_small } else { &self.free_large };
             set.range(probe..).next().copied()
         };
-        let key = match found {
+        // Whether the block lies in memory no block has used since it was mapped.
+        let (key, fresh) = match found {
             Some(k) if arena.is_some() => {
                 // Carve from the arena: map the pages the block will use first.
                 let used = if k.size - size >= SMALL_LIMIT { size } else { k.size };
-                self.map_arena(k.offset, used, requested, category)?;
-                k
+                let fresh = self.map_arena(k.offset, used, requested, category)?;
+                (k, fresh)
             }
-            Some(k) => k,
+            Some(k) => (k, false),
             // The arena's address span is exhausted by holes: nothing to map into.
             None if arena.is_some() => return Err(self.oom(requested, category)),
             None => {
@@ -573,7 +590,7 @@ impl PoolInner {
                     e.requested_bytes = requested;
                     e
                 })?;
-                FreeKey { size: seg_size, segment: seg, offset: 0 }
+                (FreeKey { size: seg_size, segment: seg, offset: 0 }, true)
             }
         };
         let set = if small { &mut self.free_small } else { &mut self.free_large };
@@ -596,7 +613,7 @@ impl PoolInner {
         // Allocated counts the rounded request; an unsplit tail shows up as fragmentation.
         self.stats.add(category, size);
         self.stats.num_allocs += 1;
-        Ok((key.segment, key.offset, address))
+        Ok((key.segment, key.offset, address, fresh))
     }
 
     fn free_block(&mut self, segment: usize, offset: usize, size: usize, category: Category) {
@@ -692,6 +709,8 @@ pub struct Buffer {
     segment: usize,
     offset: usize,
     category: Category,
+    /// Carved from memory that reads as zeros and that no block used before.
+    fresh_zero: bool,
 }
 
 // SAFETY: a Buffer is the unique owner of its block; access goes through &self / &mut self.
@@ -737,6 +756,13 @@ impl Buffer {
     /// Whether the buffer lives in host memory.
     pub fn host_visible(&self) -> bool {
         self.pool.host_visible
+    }
+
+    /// Whether the buffer was carved from memory that reads as zeros and no block had used
+    /// (a fresh host segment or freshly mapped pages): it needs no zeroing before its first
+    /// write. Says nothing once the holder has written it.
+    pub fn fresh_zero(&self) -> bool {
+        self.fresh_zero
     }
 
     /// View as a slice of plain-old-data elements (f32, bf16, u16...).

@@ -333,3 +333,28 @@ fn a_refusing_device_with_expandable_segments_releases_cache_then_ooms() {
     drop(pool);
     assert_eq!(*space.mapped.lock().unwrap(), 0, "every page given back");
 }
+
+#[test]
+fn only_never_used_zero_memory_is_handed_out_as_fresh_zero() {
+    for expandable in [false, true] {
+        let pool = Pool::host("cpu", 64 * MIB, expandable);
+        let mut a = pool.alloc(4 * MIB, Category::Optimizer).unwrap();
+        assert!(a.fresh_zero(), "expandable {expandable}: a new segment or newly mapped pages");
+        assert!(a.as_slice::<u32>().iter().all(|&x| x == 0));
+        a.as_mut_slice::<u32>().fill(7);
+        drop(a);
+        // The same bytes again, from the cache: they hold what the last holder wrote.
+        let b = pool.alloc(4 * MIB, Category::Optimizer).unwrap();
+        assert!(!b.fresh_zero(), "expandable {expandable}: a reused block");
+        assert!(b.as_slice::<u32>().contains(&7));
+        drop(b);
+        // Released to the OS and taken again: zero pages once more.
+        pool.empty_cache();
+        let c = pool.alloc(4 * MIB, Category::Optimizer).unwrap();
+        assert!(c.fresh_zero(), "expandable {expandable}: after the cache was released");
+        assert!(c.as_slice::<u32>().iter().all(|&x| x == 0));
+    }
+    // A device whose fresh memory is not known to be zero never says so.
+    let device = Pool::with_source("cuda:0", 64 * MIB, std::sync::Arc::new(OpaqueDevice));
+    assert!(!device.alloc(4 * MIB, Category::Optimizer).unwrap().fresh_zero());
+}

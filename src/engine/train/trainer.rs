@@ -248,7 +248,8 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             master
         });
         let mut values = vec![0.0f32; INIT_CHUNK.min(kept.len())];
-        let mut narrowed = vec![E::default(); if params_buf.is_some() { values.len() } else { 0 }];
+        let staged = params_buf.as_ref().is_some_and(|b| !b.host_visible());
+        let mut narrowed = vec![E::default(); if staged { values.len() } else { 0 }];
         for lo in kept.clone().step_by(INIT_CHUNK.max(1)) {
             let chunk = lo..(lo + INIT_CHUNK).min(kept.end);
             let vals = &mut values[..chunk.len()];
@@ -258,8 +259,13 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                 narrow::<E>(&mut host[at.clone()], vals);
             }
             if let Some(buf) = params_buf.as_mut() {
-                narrow::<E>(&mut narrowed[..chunk.len()], vals);
-                backend.upload(ViewMut::range(buf, at), &narrowed[..chunk.len()])?;
+                if buf.host_visible() {
+                    // Host memory (the cpu device): narrowed straight into the pool.
+                    narrow::<E>(&mut buf.as_mut_slice::<E>()[at], vals);
+                } else {
+                    narrow::<E>(&mut narrowed[..chunk.len()], vals);
+                    backend.upload(ViewMut::range(buf, at), &narrowed[..chunk.len()])?;
+                }
             }
             // The master weights: the part of this chunk in the rank's shard.
             let (slo, shi) = (chunk.start.max(shard.start), chunk.end.min(shard.end));
@@ -279,8 +285,13 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         };
         let opt = match (device_state.take(), host_master) {
             (Some((master, mut m, mut v)), _) => {
-                backend.zero::<f32>(ViewMut::of(&mut m))?;
-                backend.zero::<f32>(ViewMut::of(&mut v))?;
+                // Fresh host pages already read as zero: touching them here would only move
+                // their first-touch cost from the first optimizer step to the start.
+                for moments in [&mut m, &mut v] {
+                    if !moments.fresh_zero() {
+                        backend.zero::<f32>(ViewMut::of(moments))?;
+                    }
+                }
                 OptimizerState::Device { master, m, v }
             }
             (None, Some(master)) => {
