@@ -253,6 +253,9 @@ pub enum Control {
     CheckpointAndExit = 1,
     /// Checkpoint and exit [`ExitCode::Preempted`] for good (a cancelled job).
     Stop = 2,
+    /// Give every cached segment that holds no live block back to the device, then go on
+    /// training (the supervisor's answer to a full cache, where live memory is not).
+    ReleaseCache = 3,
 }
 
 impl Control {
@@ -271,7 +274,7 @@ impl Control {
     }
 
     pub fn from_code(code: u8) -> Option<Control> {
-        [Control::CheckpointAndExit, Control::Stop].into_iter().find(|c| c.code() == code)
+        [Control::CheckpointAndExit, Control::Stop, Control::ReleaseCache].into_iter().find(|c| c.code() == code)
     }
 }
 
@@ -472,7 +475,8 @@ mod tests {
     fn control_lines_and_exit_codes_are_the_documented_ones() {
         assert_eq!(Control::CheckpointAndExit.to_line(), "{\"cmd\":\"checkpoint_and_exit\"}\n");
         assert_eq!(Control::Stop.to_line(), "{\"cmd\":\"stop\"}\n");
-        for c in [Control::CheckpointAndExit, Control::Stop] {
+        assert_eq!(Control::ReleaseCache.to_line(), "{\"cmd\":\"release_cache\"}\n");
+        for c in [Control::CheckpointAndExit, Control::Stop, Control::ReleaseCache] {
             assert_eq!(Control::parse(c.to_line().trim()), Some(c));
             assert_eq!(Control::from_code(c.code()), Some(c));
         }

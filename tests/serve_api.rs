@@ -107,8 +107,12 @@ fn kinds(events: &Value) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oom_steps_down_the_ladder_resumes_and_finishes() {
     let h = Harness::new();
+    // The default ladder walked one attempt per rung (`strategy: ladder`), so the OOMs happen.
+    let default = std::fs::read_to_string(h.policies.join("default.yaml")).unwrap();
+    std::fs::write(h.policies.join("ladder.yaml"), default.replace("name: default", "name: ladder\nstrategy: ladder"))
+        .unwrap();
     let s = h.start(None).await;
-    let id = submit(&s, &squeezed_job("squeeze", 20, 32, "default", 10)).await;
+    let id = submit(&s, &squeezed_job("squeeze", 20, 32, "ladder", 10)).await;
     let job = wait_terminal(&s, id).await;
     assert_eq!(job["status"], "finished", "{job}");
     assert_eq!(job["rung"], "halve-micro-batch");
@@ -187,16 +191,43 @@ async fn oom_steps_down_the_ladder_resumes_and_finishes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_fit_starts_on_the_first_rung_predicted_to_fit_with_no_oom() {
+    let h = Harness::new();
+    let s = h.start(None).await;
+    // The same squeezed job on the default policy (first_fit): fp32 and bf16 at micro-batch 32
+    // are predicted not to fit 12 MiB, so the first attempt is already bf16 at micro-batch 16.
+    let id = submit(&s, &squeezed_job("planned", 12, 32, "default", 0)).await;
+    let job = wait_terminal(&s, id).await;
+    assert_eq!(job["status"], "finished", "{job}");
+    assert_eq!(job["rung"], "halve-micro-batch");
+    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    let a = attempts.as_array().unwrap();
+    assert_eq!(a.len(), 1, "no attempt spent on a configuration predicted not to fit: {attempts}");
+    assert_eq!(a[0]["outcome"], "finished");
+    let cfg: Value = serde_json::from_str(a[0]["config_json"].as_str().unwrap()).unwrap();
+    assert_eq!((cfg["memory"]["precision"].as_str(), cfg["train"]["micro_batch"].as_i64()), (Some("bf16"), Some(16)));
+    let events = get(&s, &format!("/api/jobs/{id}/events")).await;
+    let k = kinds(&events);
+    assert_eq!(k.iter().filter(|k| *k == "skip").count(), 2, "{k:?}");
+    assert!(!k.contains(&"oom".to_string()), "{k:?}");
+    let text = events.to_string();
+    assert!(text.contains("rung base skipped: predicted") && text.contains("rung bf16 skipped: predicted"), "{text}");
+    assert!(text.contains("the first configuration predicted to fit"), "{text}");
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crossing_preempt_checkpoints_and_steps_down_without_an_oom() {
     let h = Harness::new();
     std::fs::write(
         h.policies.join("tight.yaml"),
-        "name: tight\nthresholds: { warn: 0.75, preempt: 0.8, sustain: 3 }\n\
+        "name: tight\nstrategy: ladder\nthresholds: { warn: 0.65, preempt: 0.7, sustain: 3 }\n\
          rungs:\n  - { name: halve-micro-batch, set: { micro_batch: half }, repeat: true }\n",
     )
     .unwrap();
     let s = h.start(None).await;
-    // micro_batch 8 reserves 10 MiB of 12 MiB: 83%, above the 80% preempt line.
+    // micro_batch 8 holds 8.74 MiB live of 12 MiB: 73%, above the 70% preempt line (the monitor
+    // compares live memory, not the 10 MiB reserved).
     let id = submit(&s, &squeezed_job("preempt", 12, 8, "tight", 0)).await;
     let job = wait_terminal(&s, id).await;
     assert_eq!(job["status"], "finished", "{job}");
@@ -361,7 +392,7 @@ async fn a_swap_bound_offload_rung_is_backed_off() {
     let h = Harness::new();
     std::fs::write(
         h.policies.join("swappy.yaml"),
-        "name: swappy\nthresholds: { warn: 0.99, preempt: 1.0, sustain: 3 }\n\
+        "name: swappy\nstrategy: ladder\nthresholds: { warn: 0.99, preempt: 1.0, sustain: 3 }\n\
          rungs:\n  - { name: offload-optimizer, set: { offload: { optimizer: cpu } } }\n\
          \x20 - { name: halve-micro-batch, set: { micro_batch: half }, repeat: true }\n\
          swap_bound: { transfer_fraction: 0.0001, action: step_back }\n",
@@ -395,7 +426,7 @@ async fn two_ranks_climb_the_zero_stages_until_the_state_fits() {
     let h = Harness::new();
     std::fs::write(
         h.policies.join("zero.yaml"),
-        "name: zero\nthresholds: { warn: 0.99, preempt: 1.0, sustain: 1000 }\n\
+        "name: zero\nstrategy: ladder\nthresholds: { warn: 0.99, preempt: 1.0, sustain: 1000 }\n\
          rungs:\n  - { name: zero-1, set: { zero_stage: 1 } }\n\
          \x20 - { name: zero-2, set: { zero_stage: 2 } }\n\
          \x20 - { name: zero-3, set: { zero_stage: 3 } }\n",

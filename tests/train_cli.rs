@@ -108,6 +108,45 @@ fn gradient_accumulation_matches_one_big_batch() {
 }
 
 #[test]
+fn release_cache_on_stdin_empties_the_cache_and_training_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = write_job(dir.path(), &job_yaml("cache", 6, 8, 8, "64MiB"));
+    let mut child = Command::new(bin())
+        .args(["train", "--config"])
+        .arg(&job)
+        .arg("--run-dir")
+        .arg(dir.path().join("run"))
+        .env("HEADROOM_LOG", "info")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut steps = 0;
+    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+        let v: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+        if v["event"] == "step" {
+            steps += 1;
+            if steps == 1 {
+                writeln!(stdin, "{{\"cmd\":\"release_cache\"}}").unwrap();
+                stdin.flush().unwrap();
+            }
+        }
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_eq!(steps, 6, "every step trained");
+    // Between steps the activations are free: their segments go back.
+    let line = stderr.lines().find(|l| l.contains("released the cache on request")).expect("logged");
+    // "... reserved 6.00 MiB -> 2.00 MiB step=1"
+    let w: Vec<&str> = line.rsplit("reserved ").next().unwrap().split_whitespace().collect();
+    let parse = |n: &str, unit: &str| headroom::memory::parse_bytes(&format!("{n}{unit}")).unwrap();
+    assert!(parse(w[3], w[4]) < parse(w[0], w[1]), "{line}");
+}
+
+#[test]
 fn checkpoint_and_exit_on_stdin_exits_4_after_a_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let job = write_job(dir.path(), &job_yaml("ctl", 100_000, 8, 8, "64MiB"));

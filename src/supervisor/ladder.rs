@@ -4,9 +4,11 @@
 //! events.
 
 use crate::config::{serde_name, JobSpec};
+use crate::engine::estimate;
+use crate::memory::format_bytes;
 
 use super::outcome::{Notice, Outcome};
-use super::policy::{self, LadderPosition, Policy, StepDown, SwapAction};
+use super::policy::{self, LadderPosition, Policy, StepDown, Strategy, SwapAction};
 
 /// Where a job stands on its ladder between attempts.
 #[derive(Debug, Clone, PartialEq)]
@@ -135,6 +137,58 @@ pub fn decide(policy: &Policy, state: &LadderState, outcome: &Outcome) -> Action
             }
         }
         Outcome::Oom { .. } | Outcome::Preempted { .. } => step_down(policy, state, &state.spec, None),
+    }
+}
+
+/// Under [`Strategy::FirstFit`], the first configuration from `state` on (itself, else the
+/// rungs after it in order) that the estimator does not rule out on the job's device — its
+/// allocated peak stays under the preempt threshold's share of capacity, where the monitor
+/// would not stop it — with a `skip` notice per configuration passed over
+/// ("rung base skipped: predicted 29.0 MiB > 12.0 MiB"). Unchanged under `ladder`, without a
+/// known capacity (cuda with no `device_memory`), or when nothing is predicted to fit (the
+/// attempt then runs and its OOM decides, as on the ladder).
+pub fn first_fit(policy: &Policy, state: &LadderState) -> (LadderState, Vec<Notice>) {
+    let unchanged = (state.clone(), Vec::new());
+    let Some(capacity) = state.spec.device_capacity() else { return unchanged };
+    if policy.strategy != Strategy::FirstFit {
+        return unchanged;
+    }
+    let limit = (capacity as f64 * policy.thresholds.preempt) as usize;
+    let fits = |spec: &JobSpec| {
+        let e = estimate::estimate_job(spec);
+        (e.peak_allocated <= limit, e)
+    };
+    let mut notices = Vec::new();
+    let mut current = state.clone();
+    loop {
+        let (ok, e) = fits(&current.spec);
+        if ok {
+            return (current, notices);
+        }
+        notices.push((
+            "skip",
+            format!(
+                "rung {} skipped: predicted {} allocated > {} ({:.0}% of {} capacity, the preempt threshold)",
+                current.rung_name,
+                format_bytes(e.peak_allocated),
+                format_bytes(limit),
+                policy.thresholds.preempt * 100.0,
+                format_bytes(capacity)
+            ),
+        ));
+        match policy::step_down(policy, &current.spec, LadderPosition { rung_index: current.rung_index }) {
+            Ok(down) => {
+                notices.extend(skip_events(&down.skipped));
+                current = LadderState {
+                    spec: down.spec,
+                    rung_name: down.rung_name,
+                    rung_index: down.rung_index,
+                    crashes: 0,
+                    before_rung: Some(current.spec.clone()),
+                };
+            }
+            Err(_) => return unchanged,
+        }
     }
 }
 
@@ -328,6 +382,43 @@ mod tests {
             let policy = policy(swap_bound, 2);
             let state = LadderState { crashes, ..state_after(&policy, rungs) };
             assert_eq!(seen(&decide(&policy, &state, &outcome)), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn first_fit_passes_over_what_the_estimator_rules_out() {
+        let demo = JobSpec::parse(include_str!("../../data/demo-job.yaml")).unwrap();
+        let default = Policy::parse(include_str!("../../policies/default.yaml")).unwrap();
+        let ladder = Policy { strategy: Strategy::Ladder, ..default.clone() };
+        let cuda_unbounded = {
+            let mut s = demo.clone();
+            s.device.kind = crate::config::DeviceKind::Cuda;
+            s.device.device_memory = None;
+            s
+        };
+        let roomy = JobSpec {
+            device: crate::config::DeviceSpec {
+                device_memory: Some(crate::config::Bytes::from("64MiB".to_string())),
+                ..demo.device.clone()
+            },
+            ..demo.clone()
+        };
+        // (case, policy, job, rung it starts on, micro-batch, skip notices)
+        let cases: Vec<(&str, &Policy, &JobSpec, &str, i64, usize)> = vec![
+            ("the demo on 12 MiB: fp32 and bf16 at 32 ruled out", &default, &demo, "halve-micro-batch", 16, 2),
+            ("ladder strategy: unchanged", &ladder, &demo, "base", 32, 0),
+            ("no known capacity: unchanged", &default, &cuda_unbounded, "base", 32, 0),
+            ("fits as submitted: unchanged", &default, &roomy, "base", 32, 0),
+        ];
+        for (name, policy, spec, rung, micro, skips) in cases {
+            let (state, notices) = first_fit(policy, &LadderState::new(spec.clone(), "base".into(), -1));
+            assert_eq!((state.rung_name.as_str(), state.spec.train.micro_batch), (rung, micro), "{name}");
+            assert_eq!(notices.iter().filter(|n| n.0 == "skip").count(), skips, "{name}: {notices:?}");
+            if skips > 0 {
+                assert!(notices[0].1.starts_with("rung base skipped: predicted "), "{notices:?}");
+                let e = estimate::estimate_job(&state.spec);
+                assert!(e.peak_allocated as f64 <= 0.95 * (12 << 20) as f64, "{name}: the chosen one fits");
+            }
         }
     }
 

@@ -1,6 +1,8 @@
 //! The monitor: reads one attempt's protocol events, keeps its samples and peaks, and decides
-//! when memory pressure (or offload traffic) has lasted long enough to preempt it. Pure: the
-//! runner feeds it events and executes what it asks for.
+//! when memory pressure (or offload traffic) has lasted long enough to preempt it. Pressure is
+//! live memory — the step's allocated bytes, plus on cuda what other processes hold on the GPU
+//! (NVML) — never the pool's cache: a full cache with live bytes below the line is answered with
+//! `release_cache`, not a preemption. Pure: the runner feeds it events and executes what it asks.
 
 use crate::protocol::{Event, Line};
 
@@ -17,6 +19,10 @@ pub struct Monitor {
     sustain: u32,
     /// Steps in a row at or above the preempt threshold.
     above: u32,
+    /// Steps in a row whose cache (reserved) is above the preempt threshold while live memory
+    /// is not; at `sustain` the trainer is asked to release its cache.
+    cache_above: u32,
+    release_cache_wanted: bool,
     warned: bool,
     preempt_sent: bool,
     preempt_reason: Option<String>,
@@ -47,6 +53,8 @@ impl Monitor {
             preempt: t.preempt,
             sustain: t.sustain,
             above: 0,
+            cache_above: 0,
+            release_cache_wanted: false,
             warned: false,
             preempt_sent: false,
             preempt_reason: None,
@@ -75,6 +83,17 @@ impl Monitor {
     /// The runner sent the preempt request.
     pub fn preempt_sent(&mut self) {
         self.preempt_sent = true;
+    }
+
+    /// Whether the trainer should be sent `release_cache` now.
+    pub fn wants_release_cache(&self) -> bool {
+        self.release_cache_wanted && !self.preempt_sent
+    }
+
+    /// The runner sent `release_cache`; the count starts again.
+    pub fn release_cache_sent(&mut self) {
+        self.release_cache_wanted = false;
+        self.cache_above = 0;
     }
 
     /// Why the monitor preempted the attempt (None: it did not ask).
@@ -151,13 +170,19 @@ impl Monitor {
                     fragmentation: g(mem.fragmentation),
                     capacity: g(mem.capacity),
                 });
-                let fraction = mem.reserved as f64 / mem.capacity.max(1) as f64;
+                let capacity = mem.capacity.max(1) as f64;
+                let mut fraction = mem.allocated as f64 / capacity;
+                // Memory other processes hold on the GPU is pressure too.
+                if let Some(n) = ev.nvml.as_ref().filter(|n| n.total_bytes > 0) {
+                    let others = n.used_bytes.saturating_sub(n.process_bytes.unwrap_or(mem.reserved as u64));
+                    fraction = fraction.max((mem.allocated as u64 + others) as f64 / n.total_bytes as f64);
+                }
                 if fraction >= self.warn && !self.warned {
                     self.warned = true;
                     out.push((
                         "warn",
                         format!(
-                            "step {step}: device memory at {:.1}% of capacity (warn threshold {:.0}%)",
+                            "step {step}: live device memory at {:.1}% of capacity (warn threshold {:.0}%)",
                             fraction * 100.0,
                             self.warn * 100.0
                         ),
@@ -165,8 +190,24 @@ impl Monitor {
                 }
                 if fraction >= self.preempt {
                     self.above += 1;
+                    self.cache_above = 0;
                 } else {
                     self.above = 0;
+                    let cached = mem.reserved as f64 / capacity;
+                    self.cache_above = if cached >= self.preempt { self.cache_above + 1 } else { 0 };
+                    if self.cache_above >= self.sustain && !self.release_cache_wanted {
+                        self.release_cache_wanted = true;
+                        out.push((
+                            "release_cache",
+                            format!(
+                                "step {step}: the pool's cache holds {:.1}% of capacity but live memory is {:.1}% \
+                                 (preempt threshold {:.0}%): asking the trainer to release its cache",
+                                cached * 100.0,
+                                fraction * 100.0,
+                                self.preempt * 100.0
+                            ),
+                        ));
+                    }
                 }
                 if let (Some(limit), Some(swap)) = (self.swap_limit, &ev.swap) {
                     let frac = swap.fraction;
@@ -184,7 +225,7 @@ impl Monitor {
                 }
                 if self.above >= self.sustain && self.preempt_reason.is_none() && self.swap_reason.is_none() {
                     let reason = format!(
-                        "device memory at {:.1}% of capacity for {} steps in a row (preempt threshold {:.0}%, sustain {})",
+                        "live device memory at {:.1}% of capacity for {} steps in a row (preempt threshold {:.0}%, sustain {})",
                         fraction * 100.0,
                         self.above,
                         self.preempt * 100.0,
@@ -331,6 +372,52 @@ mod tests {
                 assert_eq!(m.stop_reason(), None, "case {i}");
             }
         }
+    }
+
+    #[test]
+    fn a_full_cache_over_live_memory_below_the_line_asks_for_release_not_preemption() {
+        // (allocated, reserved) per step, percent of capacity; notice kinds per step; whether
+        // release_cache is wanted after. Preempt 0.95, sustain 2.
+        type CacheCase = (&'static [(usize, usize)], &'static [&'static [&'static str]], bool);
+        let cases: &[CacheCase] = &[
+            // Cache at 98%, live at 80%: release after 2 steps, never preempt.
+            (&[(80, 98), (80, 98), (80, 98)], &[&[], &["release_cache"], &[]], true),
+            // Live memory itself above the line: preempt (the cache is not the problem).
+            (&[(96, 98), (96, 98)], &[&["warn"], &["preempt"]], false),
+            // Cache below the line: nothing.
+            (&[(80, 90), (80, 90)], &[&[], &[]], false),
+        ];
+        for (i, &(steps, kinds, release)) in cases.iter().enumerate() {
+            let mut m = Monitor::new(&policy(0.85, 0.95, 2, None), 1);
+            let got: Vec<Vec<&str>> = steps
+                .iter()
+                .enumerate()
+                .map(|(n, &(allocated, reserved))| {
+                    let mut line = step(n as u64 + 1, reserved, None);
+                    if let Event::Step(s) = &mut line.event {
+                        s.mem.allocated = allocated;
+                    }
+                    m.observe(&line).into_iter().map(|(k, _)| k).collect()
+                })
+                .collect();
+            assert_eq!(got, kinds.iter().map(|k| k.to_vec()).collect::<Vec<_>>(), "case {i}");
+            assert_eq!(m.wants_release_cache(), release, "case {i}");
+            assert_eq!(m.wants_preempt(), !release && steps[0].0 >= 95, "case {i}");
+            m.release_cache_sent();
+            assert!(!m.wants_release_cache(), "asked once");
+        }
+    }
+
+    #[test]
+    fn memory_other_processes_hold_on_the_gpu_is_pressure() {
+        let mut m = Monitor::new(&policy(0.85, 0.95, 1, None), 1);
+        let mut line = step(1, 50, None);
+        if let Event::Step(s) = &mut line.event {
+            // The pool at 50% of its capacity; another process holds 48 of the GPU's 100.
+            s.nvml = Some(protocol::NvmlReading { used_bytes: 98, total_bytes: 100, process_bytes: Some(50) });
+        }
+        let kinds: Vec<_> = m.observe(&line).into_iter().map(|(k, _)| k).collect();
+        assert_eq!(kinds, ["warn", "preempt"]);
     }
 
     #[test]

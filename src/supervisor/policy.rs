@@ -26,6 +26,9 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> PolicyError 
 #[serde(deny_unknown_fields)]
 pub struct Policy {
     pub name: String,
+    /// How the next configuration is chosen (default `first_fit`).
+    #[serde(default)]
+    pub strategy: Strategy,
     #[serde(default)]
     pub thresholds: Thresholds,
     pub rungs: Vec<Rung>,
@@ -33,6 +36,19 @@ pub struct Policy {
     pub swap_bound: Option<SwapBound>,
     #[serde(default)]
     pub retries: Retries,
+}
+
+/// How the supervisor moves along the ladder.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Strategy {
+    /// Before each attempt, pass over every rung whose configuration the estimator predicts
+    /// cannot fit the device (not even its allocated bytes), recording each with its figures:
+    /// the first attempt is the first configuration predicted to fit.
+    #[default]
+    FirstFit,
+    /// One attempt per rung in order, each moved on by an OOM or a preemption.
+    Ladder,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -188,6 +188,22 @@ impl Runner {
         let result = async {
             loop {
                 self.db.set_job_status(job, "running", None).await?;
+                // Pass over what the estimator rules out before spending an attempt on it.
+                let (planned, skipped) = ladder::first_fit(&policy, &state);
+                if !skipped.is_empty() {
+                    for (kind, message) in &skipped {
+                        self.db.event(job, None, kind, message).await?;
+                    }
+                    let message = format!(
+                        "starting on rung {} ({}): the first configuration predicted to fit",
+                        planned.rung_name,
+                        ladder::describe_change(&state.spec, &planned.spec)
+                    );
+                    self.db.event(job, None, "step_down", &message).await?;
+                    let spec_json = serde_json::to_string(&planned.spec)?;
+                    self.db.set_job_rung(job, &planned.rung_name, planned.rung_index, &spec_json).await?;
+                    state = planned;
+                }
                 let outcome = self.run_attempt(job, &state.rung_name, &state.spec, &policy, &mut control_rx).await?;
                 let action = ladder::decide(&policy, &state, &outcome);
                 for (kind, message) in action.events(&state) {
@@ -317,6 +333,9 @@ impl Runner {
                     if monitor.wants_preempt() && requested.is_none() {
                         send_control(&mut stdin, Control::CheckpointAndExit).await;
                         monitor.preempt_sent();
+                    } else if monitor.wants_release_cache() && requested.is_none() {
+                        send_control(&mut stdin, Control::ReleaseCache).await;
+                        monitor.release_cache_sent();
                     }
                     if monitor.pending_samples() >= 64 || last_flush.elapsed() > Duration::from_secs(1) {
                         self.flush(job, &mut monitor).await?;

@@ -405,7 +405,20 @@ impl Run<'_> {
             // Rank 0 reads the control line; every rank acts on its decision together.
             let local = control.as_ref().map_or(CONTROL_NONE, |f| f.load(Ordering::SeqCst));
             let cmd = comm.as_ref().map_or(local as u64, |c| c.broadcast(local as u64)) as u8;
-            if let Some(cmd) = Control::from_code(cmd) {
+            if Control::from_code(cmd) == Some(Control::ReleaseCache) {
+                // Handled once: rank 0 clears the flag (unless a later line replaced it).
+                if let Some(flag) = &control {
+                    let _ = flag.compare_exchange(cmd, CONTROL_NONE, Ordering::SeqCst, Ordering::SeqCst);
+                }
+                let before = pool.stats().reserved;
+                pool.empty_cache();
+                tracing::info!(
+                    step = trainer.step,
+                    "released the cache on request: reserved {} -> {}",
+                    crate::memory::format_bytes(before),
+                    crate::memory::format_bytes(pool.stats().reserved)
+                );
+            } else if let Some(cmd) = Control::from_code(cmd) {
                 let path = save(&trainer, run_dir, events)?;
                 tracing::info!(step = trainer.step, ?cmd, "exiting on request");
                 return Err(TrainError::Preempted { step: trainer.step, path });
