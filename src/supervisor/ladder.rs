@@ -163,6 +163,28 @@ pub fn first_fit(policy: &Policy, state: &LadderState) -> (LadderState, Vec<Noti
     loop {
         let (ok, e) = fits(&current.spec);
         if ok {
+            // Reached through a rung that freed memory some other way (checkpointing, ZeRO,
+            // offload): the micro-batch goes back up to the largest that is predicted to fit.
+            let sets_micro_batch = |i: i64| i >= 0 && policy.rungs[i as usize].set.micro_batch.is_some();
+            // Only on a configuration just reached (by passing over rungs here, or a step-down
+            // the attempt before), never on a retry or a resumed job.
+            let just_reached = !notices.is_empty() || (state.before_rung.is_some() && state.crashes == 0);
+            if just_reached && !sets_micro_batch(current.rung_index) {
+                if let Some((raised, e)) = largest_fitting_micro_batch(&current.spec, limit) {
+                    notices.push((
+                        "plan",
+                        format!(
+                            "micro_batch {} → {} on rung {}: the largest predicted to fit ({} allocated of {} allowed)",
+                            current.spec.train.micro_batch,
+                            raised.train.micro_batch,
+                            current.rung_name,
+                            format_bytes(e.peak_allocated),
+                            format_bytes(limit)
+                        ),
+                    ));
+                    current.spec = raised;
+                }
+            }
             return (current, notices);
         }
         notices.push((
@@ -190,6 +212,19 @@ pub fn first_fit(policy: &Policy, state: &LadderState) -> (LadderState, Vec<Noti
             Err(_) => return unchanged,
         }
     }
+}
+
+/// `spec` with the largest micro-batch above its own (a divisor of the sequences per rank and
+/// step, so the global batch is unchanged) whose predicted allocated peak is within `limit`.
+fn largest_fitting_micro_batch(spec: &JobSpec, limit: usize) -> Option<(JobSpec, estimate::Estimate)> {
+    let per_rank = spec.train.global_batch / spec.memory.world_size.max(1);
+    (spec.train.micro_batch + 1..=per_rank).rev().filter(|m| per_rank % m == 0).find_map(|m| {
+        let mut raised = spec.clone();
+        raised.train.micro_batch = m;
+        raised.validate().ok()?;
+        let e = estimate::estimate_job(&raised);
+        (e.peak_allocated <= limit).then_some((raised, e))
+    })
 }
 
 /// The next applicable rung applied to `from`, or the failure naming the last rung.
@@ -420,6 +455,43 @@ mod tests {
                 assert!(e.peak_allocated as f64 <= 0.95 * (12 << 20) as f64, "{name}: the chosen one fits");
             }
         }
+
+        // A scaled-down copy of the XL case: 8 layers, T 512 on 20 MiB. Every micro-batch
+        // without checkpointing is ruled out (micro-batch 1: 32.18 MiB allocated); with full
+        // checkpointing the micro-batch goes back up to the largest predicted to fit (2:
+        // 15.90 MiB; 4 would be 24.96 MiB).
+        let mut long = demo.clone();
+        long.model.block_size = 512;
+        long.model.n_layer = 8;
+        long.device.device_memory = Some(crate::config::Bytes::from("20MiB".to_string()));
+        let (state, notices) = first_fit(&default, &LadderState::new(long.clone(), "base".into(), -1));
+        assert_eq!(state.rung_name, "checkpointing", "{notices:?}");
+        let micro = state.spec.train.micro_batch;
+        assert!(micro > 1, "{notices:?}");
+        let limit = (0.95 * (20 << 20) as f64) as usize;
+        let at = |m: i64| {
+            let mut s = state.spec.clone();
+            s.train.micro_batch = m;
+            estimate::estimate_job(&s).peak_allocated
+        };
+        assert!(at(micro) <= limit && at(micro * 2) > limit, "micro {micro}: the largest that fits");
+        assert!(notices.last().unwrap().1.starts_with("micro_batch 1 → "), "{notices:?}");
+        let predicted = notices.iter().filter(|n| n.0 == "skip" && n.1.contains("predicted")).count();
+        assert_eq!(predicted, 7, "base, bf16, five halvings: {notices:?}");
+        // Reached by a step-down (an OOM on micro-batch 1 without checkpointing), the same.
+        let stepped = LadderState { rung_name: "checkpointing".into(), rung_index: 2, ..state.clone() };
+        let stepped = LadderState {
+            spec: JobSpec {
+                train: crate::config::TrainSpec { micro_batch: 1, ..long.train.clone() },
+                ..state.spec.clone()
+            },
+            before_rung: Some(long.clone()),
+            ..stepped
+        };
+        assert_eq!(first_fit(&default, &stepped).0.spec.train.micro_batch, micro);
+        // A retry (or a resumed job) keeps its micro-batch.
+        let retried = LadderState { crashes: 1, ..stepped.clone() };
+        assert_eq!(first_fit(&default, &retried).0.spec.train.micro_batch, 1);
     }
 
     #[test]

@@ -194,12 +194,14 @@ impl Runner {
                     for (kind, message) in &skipped {
                         self.db.event(job, None, kind, message).await?;
                     }
-                    let message = format!(
-                        "starting on rung {} ({}): the first configuration predicted to fit",
-                        planned.rung_name,
-                        ladder::describe_change(&state.spec, &planned.spec)
-                    );
-                    self.db.event(job, None, "step_down", &message).await?;
+                    if planned.rung_index != state.rung_index {
+                        let message = format!(
+                            "starting on rung {} ({}): the first configuration predicted to fit",
+                            planned.rung_name,
+                            ladder::describe_change(&state.spec, &planned.spec)
+                        );
+                        self.db.event(job, None, "step_down", &message).await?;
+                    }
                     let spec_json = serde_json::to_string(&planned.spec)?;
                     self.db.set_job_rung(job, &planned.rung_name, planned.rung_index, &spec_json).await?;
                     state = planned;
