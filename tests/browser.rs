@@ -29,6 +29,13 @@ async fn history_page_in_headless_chromium() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
+    // The page is checked on a job that OOMs and steps down: the default ladder walked one
+    // attempt per rung (`strategy: ladder`; the shipped default would skip the OOMs).
+    let policies = dir.path().join("policies");
+    std::fs::create_dir_all(&policies).unwrap();
+    let default = std::fs::read_to_string(root.join("policies/default.yaml")).unwrap();
+    std::fs::write(policies.join("ladder.yaml"), default.replace("name: default", "name: ladder\nstrategy: ladder"))
+        .unwrap();
     let server = supervisor::start(ServeConfig {
         addr: "127.0.0.1:0".parse().unwrap(),
         db_path: dir.path().join("headroom.db"),
@@ -36,7 +43,7 @@ async fn history_page_in_headless_chromium() {
         token: None,
         max_device_memory: None,
         runner: RunnerConfig {
-            policies_dir: root.join("policies"),
+            policies_dir: policies,
             runs_dir: dir.path().join("runs"),
             trainer_exe: common::bin(),
             slots: 1,
@@ -46,7 +53,7 @@ async fn history_page_in_headless_chromium() {
     .unwrap();
     let base = format!("http://{}", server.addr);
     let job = common::job_yaml("squeeze", 40, 32, 32, "12MiB").replace("eval_every: 50", "eval_every: 10")
-        + "policy: default\n";
+        + "policy: ladder\n";
     let client = reqwest::Client::new();
     let resp = client.post(format!("{base}/api/jobs")).body(job).send().await.unwrap();
     assert_eq!(resp.status().as_u16(), 201);

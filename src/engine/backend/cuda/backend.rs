@@ -41,8 +41,8 @@ const THREADS: u32 = crate::engine::backend::workspace::CUDA_THREADS as u32;
 pub(super) const MAX_BLOCK_THREADS: u32 = 512;
 
 /// Segments from cuMemAlloc on one context.
-struct CudaSegments {
-    ctx: Arc<CudaContext>,
+pub(super) struct CudaSegments {
+    pub(super) ctx: Arc<CudaContext>,
 }
 
 impl SegmentSource for CudaSegments {

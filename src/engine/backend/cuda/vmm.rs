@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result as drv, sys, CudaContext};
 
+use super::backend::CudaSegments;
 use crate::memory::{AddressSpace, SegmentSource, LARGE_ROUND};
 
 /// Segments and pages of one device's context. Small segments still come from `cuMemAlloc`.
@@ -16,6 +17,8 @@ pub(super) struct CudaVmm {
     page: usize,
     /// The physical allocation behind each mapped page, by the page's address.
     handles: Mutex<HashMap<u64, sys::CUmemGenericAllocationHandle>>,
+    /// Small segments (and any fixed one), from cuMemAlloc.
+    small: CudaSegments,
 }
 
 impl CudaVmm {
@@ -51,7 +54,8 @@ impl CudaVmm {
         // Pages at least as large as the pool's large-segment rounding, so the estimator's
         // allowance (2 MiB pages) holds.
         let page = granularity.max(LARGE_ROUND);
-        Some(CudaVmm { ctx, ordinal, page, handles: Mutex::new(HashMap::new()) })
+        let small = CudaSegments { ctx: ctx.clone() };
+        Some(CudaVmm { ctx, ordinal, page, handles: Mutex::new(HashMap::new()), small })
     }
 
     fn prop(ordinal: i32) -> sys::CUmemAllocationProp {
@@ -81,16 +85,11 @@ impl CudaVmm {
 
 impl SegmentSource for CudaVmm {
     fn reserve(&self, size: usize) -> Option<u64> {
-        self.ctx.bind_to_thread().ok()?;
-        // SAFETY: a plain allocation; a failure (out of memory included) is None, i.e. an OOM.
-        unsafe { drv::malloc_sync(size) }.ok()
+        self.small.reserve(size)
     }
 
-    fn release(&self, address: u64, _size: usize) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: `address` came from `reserve` and the pool holds no live block in it.
-            let _ = unsafe { drv::free_sync(address) };
-        }
+    fn release(&self, address: u64, size: usize) {
+        self.small.release(address, size)
     }
 
     fn host_visible(&self) -> bool {
