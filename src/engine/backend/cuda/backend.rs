@@ -40,32 +40,6 @@ const THREADS: u32 = crate::engine::backend::workspace::CUDA_THREADS as u32;
 /// kernel's registers must fit 64K per block at this size (tested from ptxas's report).
 pub(super) const MAX_BLOCK_THREADS: u32 = 512;
 
-/// Segments from cuMemAlloc on one context.
-pub(super) struct CudaSegments {
-    pub(super) ctx: Arc<CudaContext>,
-}
-
-impl SegmentSource for CudaSegments {
-    fn reserve(&self, size: usize) -> Option<u64> {
-        self.ctx.bind_to_thread().ok()?;
-        // SAFETY: a plain allocation; a failure (out of memory included) is None, i.e. an OOM.
-        unsafe { drv::malloc_sync(size) }.ok()
-    }
-
-    fn release(&self, address: u64, _size: usize) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: `address` came from `reserve` and the pool holds no live block in it.
-            // cuMemFree waits for work still using it. An error here (context torn down) leaks
-            // nothing the process keeps.
-            let _ = unsafe { drv::free_sync(address) };
-        }
-    }
-
-    fn host_visible(&self) -> bool {
-        false
-    }
-}
-
 /// Page-locked host memory that copies ahead are staged through; reused once the copy that
 /// last read it has completed.
 struct Staging {
@@ -266,7 +240,7 @@ impl CudaBackend {
         let capacity = device_memory.unwrap_or(free);
         let source: Arc<dyn SegmentSource> = match expandable.then(|| super::vmm::CudaVmm::new(ctx.clone())).flatten() {
             Some(vmm) => Arc::new(vmm),
-            None => Arc::new(CudaSegments { ctx: ctx.clone() }),
+            None => Arc::new(super::vmm::CudaSegments { ctx: ctx.clone() }),
         };
         let pool = Pool::with_source(&format!("cuda:{index}"), capacity, source);
         Ok(CudaBackend {

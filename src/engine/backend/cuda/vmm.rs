@@ -1,4 +1,5 @@
-//! Expandable segments on a CUDA device: address space from `cuMemAddressReserve`, one physical
+//! The CUDA pool's segment sources: fixed segments from `cuMemAlloc` ([`CudaSegments`]), and
+//! expandable segments on a CUDA device: address space from `cuMemAddressReserve`, one physical
 //! allocation per page (`cuMemCreate`) mapped into it on demand and unmapped when the pool
 //! releases its cache — PyTorch's `expandable_segments:True`, for [`crate::memory::Pool`].
 
@@ -7,8 +8,33 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result as drv, sys, CudaContext};
 
-use super::backend::CudaSegments;
 use crate::memory::{AddressSpace, SegmentSource, LARGE_ROUND};
+
+/// Segments from cuMemAlloc on one context.
+pub(super) struct CudaSegments {
+    pub(super) ctx: Arc<CudaContext>,
+}
+
+impl SegmentSource for CudaSegments {
+    fn reserve(&self, size: usize) -> Option<u64> {
+        self.ctx.bind_to_thread().ok()?;
+        // SAFETY: a plain allocation; a failure (out of memory included) is None, i.e. an OOM.
+        unsafe { drv::malloc_sync(size) }.ok()
+    }
+
+    fn release(&self, address: u64, _size: usize) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `address` came from `reserve` and the pool holds no live block in it.
+            // cuMemFree waits for work still using it. An error here (context torn down) leaks
+            // nothing the process keeps.
+            let _ = unsafe { drv::free_sync(address) };
+        }
+    }
+
+    fn host_visible(&self) -> bool {
+        false
+    }
+}
 
 /// Segments and pages of one device's context. Small segments still come from `cuMemAlloc`.
 pub(super) struct CudaVmm {
