@@ -34,6 +34,7 @@ pub struct Monitor {
     samples: Vec<SampleRow>,
     first_step: Option<i64>,
     last_step: Option<i64>,
+    finished_at: Option<i64>,
     resumed_from: Option<i64>,
     capacity: Option<i64>,
     peaks: [Option<i64>; 7],
@@ -64,6 +65,7 @@ impl Monitor {
             samples: Vec::new(),
             first_step: None,
             last_step: None,
+            finished_at: None,
             resumed_from: None,
             capacity: None,
             peaks: [None; 7],
@@ -118,6 +120,12 @@ impl Monitor {
 
     pub fn last_step(&self) -> Option<i64> {
         self.last_step
+    }
+
+    /// The job's progress as this attempt knows it: its last step, else the step it resumed
+    /// from or finished at (an attempt resumed from its final checkpoint trains no step).
+    pub fn steps_done(&self) -> Option<i64> {
+        self.last_step.max(self.resumed_from).max(self.finished_at)
     }
 
     /// What an OOM asked for: (category, requested bytes), from the trainer's `oom` event.
@@ -255,6 +263,7 @@ impl Monitor {
                 self.bump_peaks(ev.mem.peak_columns());
             }
             Event::Finished(ev) => {
+                self.finished_at = Some(ev.step as i64);
                 self.mean_tokens_per_s = ev.mean_tokens_per_s.filter(|v| v.is_finite());
                 self.bump_peaks(ev.mem.peak_columns());
             }
@@ -479,6 +488,7 @@ mod tests {
         assert_eq!(end.peaks[6], Some(60), "reserved peak");
         assert_eq!(end.mean_tokens_per_s, Some(200.0));
         assert_eq!(end.outcome, "finished");
+        assert_eq!(m.steps_done(), Some(4), "resumed from step 4, above the steps trained here");
     }
 
     #[test]

@@ -389,7 +389,7 @@ impl Runner {
     async fn flush(&self, job: i64, monitor: &mut Monitor) -> anyhow::Result<()> {
         let batch = monitor.take_samples();
         self.db.insert_samples(&batch).await?;
-        if let Some(step) = monitor.last_step() {
+        if let Some(step) = monitor.steps_done() {
             self.db.set_steps_done(job, step).await?;
         }
         Ok(())
