@@ -508,43 +508,45 @@ impl PoolInner {
         Ok(fresh)
     }
 
-    /// Unmap every mapped arena page that lies wholly inside a free block.
-    fn release_arena_pages(&mut self) {
-        let Some(arena) = self.arena.as_mut() else { return };
+    /// The arena's mapped pages that lie wholly inside free blocks, as runs (first page,
+    /// pages): what releasing the cache unmaps, and what a request can reuse without growing.
+    fn free_mapped_runs(&self) -> Vec<(usize, usize)> {
+        let Some(arena) = &self.arena else { return Vec::new() };
         let seg = self.segments[arena.segment].as_ref().expect("arena segment");
-        let space = self.source.address_space().expect("an arena has an address space");
         let page = arena.page;
+        let mut runs = Vec::new();
         for (&offset, block) in seg.blocks.iter().filter(|(_, b)| b.category.is_none()) {
             let (first, end) = (offset.div_ceil(page), (offset + block.size) / page);
             let mut p = first;
             while p < end {
-                if !arena.mapped[p] {
-                    p += 1;
-                    continue;
-                }
                 let run = (p..end).take_while(|&q| arena.mapped[q]).count();
-                space.unmap(seg.address + (p * page) as u64, run * page);
-                arena.mapped[p..p + run].fill(false);
-                self.stats.reserved -= run * page;
-                p += run;
+                if run > 0 {
+                    runs.push((p, run));
+                }
+                p += run.max(1);
             }
+        }
+        runs
+    }
+
+    /// Unmap every mapped arena page that lies wholly inside a free block.
+    fn release_arena_pages(&mut self) {
+        let runs = self.free_mapped_runs();
+        let Some(arena) = self.arena.as_mut() else { return };
+        let address = self.segments[arena.segment].as_ref().expect("arena segment").address;
+        let space = self.source.address_space().expect("an arena has an address space");
+        for (p, run) in runs {
+            space.unmap(address + (p * arena.page) as u64, run * arena.page);
+            arena.mapped[p..p + run].fill(false);
+            self.stats.reserved -= run * arena.page;
         }
     }
 
     /// Mapped arena bytes wholly inside free blocks: what a request can reuse without the
     /// pool growing (its pages move to wherever the request lands).
     fn arena_cached(&self) -> usize {
-        let Some(arena) = &self.arena else { return 0 };
-        let seg = self.segments[arena.segment].as_ref().expect("arena segment");
-        let page = arena.page;
-        seg.blocks
-            .iter()
-            .filter(|(_, b)| b.category.is_none())
-            .map(|(&offset, b)| {
-                let (first, end) = (offset.div_ceil(page), (offset + b.size) / page);
-                (first..end.max(first)).filter(|&p| arena.mapped[p]).count() * page
-            })
-            .sum()
+        let page = self.arena.as_ref().map_or(0, |a| a.page);
+        self.free_mapped_runs().iter().map(|&(_, run)| run * page).sum()
     }
 
     fn place_segment(&mut self, seg: Segment) -> usize {
