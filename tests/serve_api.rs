@@ -193,10 +193,17 @@ async fn oom_steps_down_the_ladder_resumes_and_finishes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn first_fit_starts_on_the_first_rung_predicted_to_fit_with_no_oom() {
     let h = Harness::new();
+    let default = std::fs::read_to_string(h.policies.join("default.yaml")).unwrap();
+    std::fs::write(
+        h.policies.join("first-fit.yaml"),
+        default.replace("name: default", "name: first-fit\nstrategy: first_fit"),
+    )
+    .unwrap();
     let s = h.start(None).await;
-    // The same squeezed job on the default policy (first_fit): fp32 and bf16 at micro-batch 32
-    // are predicted not to fit 12 MiB, so the first attempt is already bf16 at micro-batch 16.
-    let id = submit(&s, &squeezed_job("planned", 12, 32, "default", 0)).await;
+    // The same squeezed job on the default ladder with `strategy: first_fit`: fp32 and bf16 at
+    // micro-batch 32 are predicted not to fit 12 MiB, so the first attempt is already bf16 at
+    // micro-batch 16.
+    let id = submit(&s, &squeezed_job("planned", 12, 32, "first-fit", 0)).await;
     let job = wait_terminal(&s, id).await;
     assert_eq!(job["status"], "finished", "{job}");
     assert_eq!(job["rung"], "halve-micro-batch");
@@ -213,6 +220,64 @@ async fn first_fit_starts_on_the_first_rung_predicted_to_fit_with_no_oom() {
     let text = events.to_string();
     assert!(text.contains("rung base skipped: predicted") && text.contains("rung bf16 skipped: predicted"), "{text}");
     assert!(text.contains("the first configuration predicted to fit"), "{text}");
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fastest_fit_starts_a_scaled_down_xl_case_on_its_fastest_fitting_configuration() {
+    let h = Harness::new();
+    let s = h.start(None).await;
+    // The seed's headline case scaled down (4 layers, T 128 on 5 MiB): base, bf16, the
+    // halvings and checkpointing are predicted not to fit at any micro-batch; the default policy
+    // (fastest_fit) starts directly on offload-optimizer with the largest micro-batch predicted
+    // to fit there — no attempt is spent on an OOM.
+    let yaml = common::job_yaml("xl-scaled", 12, 32, 32, "5MiB")
+        .replace("n_layer: 2", "n_layer: 4")
+        .replace("block_size: 64", "block_size: 128")
+        .replace("eval_every: 50", "eval_every: 6")
+        .replace("checkpoint_every: 50", "checkpoint_every: 6");
+    let id = submit(&s, &yaml).await;
+    let job = wait_terminal(&s, id).await;
+    assert_eq!(job["status"], "finished", "{job}");
+    assert_eq!(job["rung"], "offload-optimizer", "{job}");
+    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    let a = attempts.as_array().unwrap();
+    assert_eq!(a.len(), 1, "zero OOM attempts: {attempts}");
+    assert_eq!(a[0]["outcome"], "finished");
+    assert_eq!(a[0]["last_step"], 12);
+    // The attempt carries its plan: the chosen candidate is the largest micro-batch on its rung
+    // predicted to fit, and every configuration on an earlier rung is too big.
+    let plan = &a[0]["plan"];
+    let candidates = plan["candidates"].as_array().unwrap();
+    let chosen = &candidates[plan["chosen"].as_u64().unwrap() as usize];
+    assert_eq!(chosen["verdict"], "chosen");
+    let cfg: Value = serde_json::from_str(a[0]["config_json"].as_str().unwrap()).unwrap();
+    assert_eq!(cfg["train"]["micro_batch"], chosen["micro_batch"]);
+    assert!(chosen["micro_batch"].as_i64().unwrap() > 1, "{chosen}");
+    for c in candidates {
+        let same_rung = c["rung_index"] == chosen["rung_index"];
+        if same_rung && c["micro_batch"].as_i64() > chosen["micro_batch"].as_i64() {
+            assert_eq!(c["verdict"], "too_big", "{c}");
+        }
+        if c["rung_index"].as_i64() < chosen["rung_index"].as_i64() {
+            assert_eq!(c["verdict"], "too_big", "{c}");
+        }
+    }
+    // Predicted against measured, recorded on the attempt: the cpu estimator is exact to the
+    // byte on this shape, the measured peak within the plan's limit.
+    let (predicted, measured) =
+        (a[0]["predicted_allocated"].as_i64().unwrap(), a[0]["peak_allocated"].as_i64().unwrap());
+    assert_eq!(predicted, chosen["predicted_allocated"].as_i64().unwrap());
+    assert!(measured <= plan["limit"].as_i64().unwrap(), "{measured} > {}", plan["limit"]);
+    assert!(a[0]["predicted_tokens_per_s"].as_f64().unwrap() > 0.0 && a[0]["device_kind"] == "cpu");
+    let events = get(&s, &format!("/api/jobs/{id}/events")).await;
+    let k = kinds(&events);
+    assert!(!k.contains(&"oom".to_string()), "{k:?}");
+    let text = events.to_string();
+    for rung in ["base", "bf16", "checkpointing"] {
+        assert!(text.contains(&format!("rung {rung} skipped: predicted")), "{rung}: {text}");
+    }
+    assert!(text.contains("fastest fit: rung offload-optimizer ("), "{text}");
     s.shutdown().await.unwrap();
 }
 

@@ -248,11 +248,35 @@ async function jobPage(id) {
         el('td', { class: 'num' }, bytes(a.peak_allocated)), el('td', { class: 'num' }, bytes(a.peak_reserved)),
         el('td', { class: 'num' }, num(a.mean_tokens_per_s)),
         el('td', {}, prev ? configDiff(prev, cfg) : el('span', { class: 'muted' }, 'as submitted')),
+        el('td', { class: 'num' }, bytes(a.predicted_allocated)), el('td', { class: 'num' }, num(a.predicted_tokens_per_s)),
         el('td', {}, cmp));
     });
     container.appendChild(el('table', { id: 'attempts' },
-      el('tr', {}, ['#', 'rung', 'outcome', 'why it ended', 'steps', 'micro × accum', 'peak alloc', 'peak reserved', 'tokens/s', 'config change', 'compare'].map((h) => el('th', {}, h))),
+      el('tr', {}, ['#', 'rung', 'outcome', 'why it ended', 'steps', 'micro × accum', 'peak alloc', 'peak reserved', 'tokens/s', 'config change', 'predicted alloc', 'predicted tokens/s', 'compare'].map((h) => el('th', {}, h))),
       rows));
+    drawPlans(container, attempts);
+  }
+
+  // Each attempt's plan (supervisor/planner.rs): every configuration considered before it, its
+  // predicted peak and tokens/s, and the verdict; the newest one open.
+  function drawPlans(container, attempts) {
+    const planned = attempts.filter((a) => a.plan && a.plan.candidates);
+    if (!planned.length) return;
+    container.appendChild(el('h2', {}, 'Plans'));
+    planned.forEach((a, i) => {
+      const p = a.plan;
+      const c = p.calibration || {};
+      const details = el('details', { class: 'plan', 'data-attempt': String(a.number) },
+        el('summary', {}, `attempt ${a.number} (${p.strategy}): ${p.candidates.filter((x) => x.verdict === 'fits' || x.verdict === 'chosen').length} of ${p.candidates.length} configurations predicted to fit · limit ${bytes(p.limit)} of ${bytes(p.capacity)} · margin ${num(100 * c.margin, 1)}% (${c.margin_from}) · tokens/s × ${num(c.speed_scale, 3)} (${c.speed_from})`),
+        el('table', {},
+          el('tr', {}, ['rung', 'micro × accum', 'knobs', 'predicted alloc', 'predicted tokens/s', 'verdict'].map((h) => el('th', {}, h))),
+          p.candidates.map((x) => el('tr', { class: `verdict-${x.verdict}` },
+            el('td', {}, x.rung), el('td', { class: 'num' }, `${x.micro_batch} × ${x.grad_accum}`), el('td', {}, x.knobs),
+            el('td', { class: 'num' }, bytes(x.predicted_allocated)), el('td', { class: 'num' }, num(x.predicted_tokens_per_s)),
+            el('td', {}, x.verdict)))));
+      if (i === planned.length - 1) details.open = true;
+      container.appendChild(details);
+    });
   }
 
   function drawCharts(container, attempts, samples, job) {
@@ -311,7 +335,7 @@ async function jobPage(id) {
   const source = new EventSource(`/api/jobs/${id}/events`);
   let timer = null;
   const kick = () => { if (!timer) timer = setTimeout(() => { timer = null; render(); }, 500); };
-  for (const kind of ['attempt_started', 'attempt_ended', 'oom', 'preempt', 'step_down', 'warn', 'finished', 'failed', 'cancelled', 'retry', 'end']) {
+  for (const kind of ['attempt_started', 'attempt_ended', 'oom', 'preempt', 'step_down', 'plan', 'warm_start', 'warn', 'finished', 'failed', 'cancelled', 'retry', 'end']) {
     source.addEventListener(kind, kind === 'end' ? () => { source.close(); kick(); } : kick);
   }
   const iv = setInterval(() => { if (document.querySelector('.status-running')) render(); }, 3000);

@@ -185,12 +185,23 @@ pub fn show(args: ShowArgs) -> anyhow::Result<()> {
             job["reason"].as_str().map(|r| format!(" — {r}")).unwrap_or_default()
         );
         println!(
-            "\n{:>3}  {:<20} {:<10} {:>5} {:>11} {:>12} {:>12} {:>12} {:>10}",
-            "#", "rung", "outcome", "exit", "steps", "activations", "allocated", "reserved", "tokens/s"
+            "\n{:>3}  {:<20} {:<10} {:>5} {:>11} {:>12} {:>12} {:>12} {:>10} {:>12} {:>10}",
+            "#",
+            "rung",
+            "outcome",
+            "exit",
+            "steps",
+            "activations",
+            "allocated",
+            "reserved",
+            "tokens/s",
+            "predicted",
+            "tokens/s"
         );
-        for a in api.get(&format!("/api/jobs/{id}/attempts")).await?.as_array().cloned().unwrap_or_default() {
+        let attempts = api.get(&format!("/api/jobs/{id}/attempts")).await?.as_array().cloned().unwrap_or_default();
+        for a in &attempts {
             println!(
-                "{:>3}  {:<20} {:<10} {:>5} {:>11} {:>12} {:>12} {:>12} {:>10}",
+                "{:>3}  {:<20} {:<10} {:>5} {:>11} {:>12} {:>12} {:>12} {:>10} {:>12} {:>10}",
                 a["number"].as_i64().unwrap_or(0),
                 a["rung"].as_str().unwrap_or(""),
                 a["outcome"].as_str().unwrap_or("running"),
@@ -202,8 +213,18 @@ pub fn show(args: ShowArgs) -> anyhow::Result<()> {
                 opt_bytes(&a["peak_activations"]),
                 opt_bytes(&a["peak_allocated"]),
                 opt_bytes(&a["peak_reserved"]),
-                a["mean_tokens_per_s"].as_f64().map(|t| format!("{t:.0}")).unwrap_or_default()
+                a["mean_tokens_per_s"].as_f64().map(|t| format!("{t:.0}")).unwrap_or_default(),
+                opt_bytes(&a["predicted_allocated"]),
+                a["predicted_tokens_per_s"].as_f64().map(|t| format!("{t:.0}")).unwrap_or_default()
             );
+        }
+        // The newest attempt's plan: what was considered, skipped and chosen.
+        if let Some((number, plan)) = attempts.iter().rev().find_map(|a| {
+            let plan: crate::supervisor::planner::Plan = serde_json::from_value(a["plan"].clone()).ok()?;
+            Some((a["number"].as_i64().unwrap_or(0), plan))
+        }) {
+            println!("\nplan of attempt {number} (strategy {}):", crate::config::serde_name(&plan.strategy));
+            print!("{}", plan.table());
         }
         println!();
         for e in api.get(&format!("/api/jobs/{id}/events")).await?.as_array().cloned().unwrap_or_default() {

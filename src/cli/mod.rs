@@ -12,6 +12,7 @@ use crate::protocol::ExitCode;
 
 mod client;
 mod gpu_check;
+mod plan_bench;
 mod serve;
 
 #[derive(Debug, Parser)]
@@ -134,6 +135,11 @@ pub struct EstimateArgs {
     /// Directory of policy files.
     #[arg(long, default_value = "policies")]
     pub policies: PathBuf,
+    /// Print the plan instead: every configuration the policy allows (its rungs applied in
+    /// order, the micro-batch free), predicted peak and tokens/s, and the one the policy's
+    /// strategy runs first (needs --policy; uncalibrated: the daemon calibrates from its DB).
+    #[arg(long, requires = "policy")]
+    pub plan: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -163,6 +169,23 @@ pub struct BenchArgs {
     /// Print the ranks / ZeRO / offload table (trains a d4-128 job on data/shakespeare-tiny.txt).
     #[arg(long)]
     pub parallel: bool,
+    /// Check the planner by brute force: train every configuration of this job's plan that is
+    /// predicted to fit (--steps each, --rounds times) and compare the fastest-fit choice with
+    /// the best measured (exit 1 below 0.9×). Needs --config; --policy picks the ladder.
+    #[arg(long, requires = "config")]
+    pub plan: bool,
+    /// The job of --plan.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// The policy of --plan.
+    #[arg(long, default_value = "default")]
+    pub policy: String,
+    /// Directory of policy files (--plan).
+    #[arg(long, default_value = "policies")]
+    pub policies: PathBuf,
+    /// Interleaved rounds of --plan (each configuration keeps its best median).
+    #[arg(long, default_value_t = 2)]
+    pub rounds: usize,
 }
 
 pub fn init_logging() {
@@ -213,6 +236,9 @@ fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     use crate::memory::format_bytes;
     use crate::supervisor::policy::{self, LadderPosition};
     let spec = JobSpec::load(&args.config)?;
+    if args.plan {
+        return print_plan(&args, &spec);
+    }
     let capacity = spec.device_capacity();
     let mut rows = vec![("base".to_string(), spec.clone())];
     if let Some(name) = &args.policy {
@@ -283,6 +309,47 @@ fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `headroom estimate --plan`: the planner's table for the job's first attempt.
+fn print_plan(args: &EstimateArgs, spec: &JobSpec) -> anyhow::Result<()> {
+    use crate::supervisor::ladder::{self, LadderState};
+    use crate::supervisor::planner::{self, Calibration};
+    use crate::supervisor::policy::{self, Strategy};
+    let name = args.policy.as_deref().unwrap_or("default");
+    let (pol, _) = policy::load(&args.policies, name)
+        .map_err(|e| ConfigError { field: "--policy".into(), message: e.to_string() })?;
+    let state = LadderState::new(spec.clone(), "base".into(), -1);
+    let calibration = Calibration::uncalibrated(&pol, &crate::config::serde_name(&spec.device.kind));
+    let Some(mut plan) = planner::plan(&pol, &state, &[], &calibration) else {
+        return Err(ConfigError {
+            field: "device.device_memory".into(),
+            message: "the device's capacity is unknown (cuda without device_memory): nothing to plan against".into(),
+        }
+        .into());
+    };
+    match pol.strategy {
+        Strategy::FastestFit => {}
+        Strategy::FirstFit => plan.mark_chosen(&ladder::first_fit(&pol, &state).0.spec),
+        Strategy::Ladder => plan.mark_chosen(spec),
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&plan)?);
+        return Ok(());
+    }
+    print!("{}", plan.table());
+    match plan.chosen() {
+        Some(c) => println!(
+            "{}: rung {}, micro_batch {} × {} accumulation, {}",
+            crate::config::serde_name(&pol.strategy),
+            c.rung,
+            c.micro_batch,
+            c.grad_accum,
+            c.knobs
+        ),
+        None => println!("nothing the policy allows is predicted to fit"),
+    }
+    Ok(())
+}
+
 fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     let mut cases = bench::preset(&args.preset).ok_or_else(|| ConfigError {
         field: "--preset".into(),
@@ -298,6 +365,15 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         }
     }
     println!("threads: {}", rayon::current_num_threads());
+    if let (true, Some(config)) = (args.plan, &args.config) {
+        let spec = JobSpec::load(config)?;
+        let (pol, _) = crate::supervisor::policy::load(&args.policies, &args.policy)
+            .map_err(|e| ConfigError { field: "--policy".into(), message: e.to_string() })?;
+        let (table, ok) = plan_bench::plan_bench(&spec, &pol, args.steps.max(4) as i64, args.rounds)?;
+        print!("{table}");
+        anyhow::ensure!(ok, "the planner's choice is below {}× the best measured", plan_bench::TARGET);
+        return Ok(());
+    }
     if args.parallel {
         print!("{}", bench::parallel_table(std::path::Path::new("data/shakespeare-tiny.txt"), args.steps)?);
         return Ok(());

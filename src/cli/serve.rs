@@ -38,8 +38,8 @@ pub struct ServeArgs {
     /// Jobs run at once.
     #[arg(long, default_value_t = 1)]
     pub slots: usize,
-    /// Submit the shipped demo job (data/demo-job.yaml) on start: the rungs predicted not to fit
-    /// are skipped, it starts on the first that fits and finishes.
+    /// Submit the shipped demo job (data/demo-job.yaml) on start: planned before its first
+    /// attempt, it starts on the fastest configuration predicted to fit and finishes.
     #[arg(long)]
     pub demo: bool,
 }

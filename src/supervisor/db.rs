@@ -109,6 +109,53 @@ pub struct AttemptRow {
     pub oom_category: Option<String>,
     pub oom_requested: Option<i64>,
     pub message: Option<String>,
+    /// The planner's record (migration 0003; absent on attempts recorded before it).
+    pub device_kind: Option<String>,
+    pub predicted_allocated: Option<i64>,
+    pub predicted_tokens_per_s: Option<f64>,
+    pub model_tokens_per_s: Option<f64>,
+    /// The plan (`planner::Plan`) as a JSON object in the API (`plan`), not a string.
+    #[serde(rename = "plan", serialize_with = "json_text")]
+    pub plan_json: Option<String>,
+}
+
+/// A JSON column written as the value it holds (null when absent or unreadable).
+fn json_text<S: serde::Serializer>(text: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
+    let value: Option<serde_json::Value> = text.as_deref().and_then(|t| serde_json::from_str(t).ok());
+    serde::Serialize::serialize(&value, s)
+}
+
+/// What an attempt is started with besides its configuration: the planner's predictions.
+#[derive(Debug, Clone, Default)]
+pub struct AttemptPlan {
+    pub device_kind: String,
+    pub predicted_allocated: Option<i64>,
+    pub predicted_tokens_per_s: Option<f64>,
+    pub model_tokens_per_s: Option<f64>,
+    pub plan_json: Option<String>,
+}
+
+/// One ended attempt of a device's history: predictions and measurements (`planner::learn`).
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct HistoryRow {
+    pub outcome: Option<String>,
+    pub predicted_allocated: i64,
+    pub peak_allocated: Option<i64>,
+    pub oom_requested: Option<i64>,
+    pub last_step: Option<i64>,
+    pub model_tokens_per_s: Option<f64>,
+    pub mean_tokens_per_s: Option<f64>,
+}
+
+/// A finished job a new one may start from (`planner::warm_start`).
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct FinishedJob {
+    pub id: i64,
+    pub policy: String,
+    pub spec_yaml: String,
+    pub current_spec: String,
+    pub rung: String,
+    pub rung_index: i64,
 }
 
 #[derive(Debug, Clone, Default, Serialize, sqlx::FromRow)]
@@ -392,19 +439,32 @@ impl Db {
         .await
     }
 
-    pub async fn start_attempt(&self, job: i64, rung: &str, config_json: &str) -> DbResult<(i64, i64)> {
+    pub async fn start_attempt(
+        &self,
+        job: i64,
+        rung: &str,
+        config_json: &str,
+        plan: &AttemptPlan,
+    ) -> DbResult<(i64, i64)> {
         self.retry("start_attempt", || async move {
             let mut tx = self.write_tx().await?;
             let (n,): (i64,) =
                 sqlx::query_as("SELECT COUNT(*) FROM attempts WHERE job_id = ?").bind(job).fetch_one(&mut *tx).await?;
             let (id,): (i64,) = sqlx::query_as(
-                "INSERT INTO attempts (job_id, number, rung, config_json, started_at) VALUES (?, ?, ?, ?, ?) RETURNING id",
+                "INSERT INTO attempts (job_id, number, rung, config_json, started_at, device_kind, \
+                 predicted_allocated, predicted_tokens_per_s, model_tokens_per_s, plan_json) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
             )
             .bind(job)
             .bind(n + 1)
             .bind(rung)
             .bind(config_json)
             .bind(now())
+            .bind(&plan.device_kind)
+            .bind(plan.predicted_allocated)
+            .bind(plan.predicted_tokens_per_s)
+            .bind(plan.model_tokens_per_s)
+            .bind(&plan.plan_json)
             .fetch_one(&mut *tx)
             .await?;
             tx.commit().await?;
@@ -565,6 +625,52 @@ impl Db {
                 .bind(job)
                 .fetch_all(&self.pool)
                 .await
+        })
+        .await
+    }
+
+    /// The newest `limit` ended attempts on `device_kind` that recorded a prediction.
+    pub async fn device_history(&self, device_kind: &str, limit: i64) -> DbResult<Vec<HistoryRow>> {
+        self.retry("device_history", || async move {
+            sqlx::query_as(
+                "SELECT outcome, predicted_allocated, peak_allocated, oom_requested, last_step, model_tokens_per_s, \
+                 mean_tokens_per_s FROM attempts WHERE device_kind = ? AND ended_at IS NOT NULL \
+                 AND predicted_allocated IS NOT NULL ORDER BY id DESC LIMIT ?",
+            )
+            .bind(device_kind)
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await
+        })
+        .await
+    }
+
+    /// The configurations of job `job`'s attempts that ran out of memory or were preempted.
+    pub async fn failed_configs(&self, job: i64) -> DbResult<Vec<String>> {
+        self.retry("failed_configs", || async move {
+            let rows: Vec<(String,)> = sqlx::query_as(
+                "SELECT config_json FROM attempts WHERE job_id = ? AND outcome IN ('oom', 'preempted') ORDER BY id",
+            )
+            .bind(job)
+            .fetch_all(&self.pool)
+            .await?;
+            Ok(rows.into_iter().map(|r| r.0).collect())
+        })
+        .await
+    }
+
+    /// The newest finished jobs on `policy` other than `job` (warm-start candidates).
+    pub async fn finished_jobs(&self, policy: &str, job: i64, limit: i64) -> DbResult<Vec<FinishedJob>> {
+        self.retry("finished_jobs", || async move {
+            sqlx::query_as(
+                "SELECT id, policy, spec_yaml, current_spec, rung, rung_index FROM jobs \
+                 WHERE status = 'finished' AND policy = ? AND id != ? ORDER BY id DESC LIMIT ?",
+            )
+            .bind(policy)
+            .bind(job)
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await
         })
         .await
     }

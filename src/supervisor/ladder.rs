@@ -423,7 +423,8 @@ mod tests {
     #[test]
     fn first_fit_passes_over_what_the_estimator_rules_out() {
         let demo = JobSpec::parse(include_str!("../../data/demo-job.yaml")).unwrap();
-        let default = Policy::parse(include_str!("../../policies/default.yaml")).unwrap();
+        let shipped = Policy::parse(include_str!("../../policies/default.yaml")).unwrap();
+        let default = Policy { strategy: Strategy::FirstFit, ..shipped };
         let ladder = Policy { strategy: Strategy::Ladder, ..default.clone() };
         let cuda_unbounded = {
             let mut s = demo.clone();

@@ -9,6 +9,7 @@ pub mod http;
 pub mod ladder;
 pub mod monitor;
 pub mod outcome;
+pub mod planner;
 pub mod policy;
 pub mod run_dirs;
 pub mod runner;

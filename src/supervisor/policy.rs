@@ -26,9 +26,14 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> PolicyError 
 #[serde(deny_unknown_fields)]
 pub struct Policy {
     pub name: String,
-    /// How the next configuration is chosen (default `first_fit`).
+    /// How the next configuration is chosen (default `fastest_fit`).
     #[serde(default)]
     pub strategy: Strategy,
+    /// Headroom the planner keeps under the preempt threshold, as a fraction of the predicted
+    /// peak (a configuration fits when `predicted × (1 + margin) ≤ preempt × capacity`).
+    /// Absent: learned from the database's measured/predicted peaks on the device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub margin: Option<f64>,
     #[serde(default)]
     pub thresholds: Thresholds,
     pub rungs: Vec<Rung>,
@@ -42,10 +47,14 @@ pub struct Policy {
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Strategy {
+    /// Before each attempt, plan: every configuration the policy allows from where the job
+    /// stands (its rungs applied cumulatively, the micro-batch free), with predicted peak and
+    /// step time; the attempt runs the fastest predicted to fit (`supervisor::planner`).
+    #[default]
+    FastestFit,
     /// Before each attempt, pass over every rung whose configuration the estimator predicts
     /// cannot fit the device (not even its allocated bytes), recording each with its figures:
     /// the first attempt is the first configuration predicted to fit.
-    #[default]
     FirstFit,
     /// One attempt per rung in order, each moved on by an OOM or a preemption.
     Ladder,
@@ -180,6 +189,11 @@ impl Policy {
         }
         if t.sustain == 0 || t.sustain > 1000 {
             return Err(invalid("thresholds.sustain", format!("{} must be in [1, 1000]", t.sustain)));
+        }
+        if let Some(m) = self.margin {
+            if !(0.0..=1.0).contains(&m) {
+                return Err(invalid("margin", format!("{m} must be in [0, 1]")));
+            }
         }
         if self.rungs.is_empty() {
             return Err(invalid("rungs", "must list at least one rung (a ladder with none cannot step down)"));

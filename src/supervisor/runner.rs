@@ -16,11 +16,14 @@ use crate::config::{serde_name, JobSpec};
 use crate::memory::format_bytes;
 use crate::protocol::{Control, Line};
 
-use super::db::{AttemptEnd, Db, RUNNER_PATIENCE};
+use crate::engine::estimate;
+
+use super::db::{AttemptEnd, AttemptPlan, Db, HistoryRow, RUNNER_PATIENCE};
 use super::ladder::{self, Action, LadderState};
 use super::monitor::Monitor;
 use super::outcome::{self, Exit, Outcome, Request};
-use super::policy::{self, Policy};
+use super::planner;
+use super::policy::{self, Policy, Strategy};
 use super::run_dirs;
 
 #[derive(Debug, Clone)]
@@ -183,30 +186,106 @@ impl Runner {
         };
         let spec: JobSpec = serde_json::from_str(&detail.current_spec)?;
         let mut state = LadderState::new(spec, detail.core.rung.clone(), detail.core.rung_index);
+        let device_kind = serde_name(&state.spec.device.kind);
+        // What already failed in this job is not planned again (a daemon restart included).
+        let mut failed: Vec<JobSpec> =
+            self.db.failed_configs(job).await?.iter().filter_map(|c| serde_json::from_str(c).ok()).collect();
+        let mut first_attempt = self.db.attempts(job).await?.is_empty();
+        if first_attempt && state.rung_index == -1 && policy.strategy != Strategy::Ladder {
+            let finished: Vec<planner::Finished> = self
+                .db
+                .finished_jobs(&policy.name, job, 50)
+                .await?
+                .into_iter()
+                .filter_map(|f| {
+                    Some(planner::Finished {
+                        id: f.id,
+                        submitted: JobSpec::parse(&f.spec_yaml).ok()?,
+                        last: serde_json::from_str(&f.current_spec).ok()?,
+                        rung_name: f.rung,
+                        rung_index: f.rung_index,
+                    })
+                })
+                .collect();
+            if let Some((warm, (kind, message))) = planner::warm_start(&state.spec, &finished) {
+                self.db.event(job, None, kind, &message).await?;
+                let spec_json = serde_json::to_string(&warm.spec)?;
+                self.db.set_job_rung(job, &warm.rung_name, warm.rung_index, &spec_json).await?;
+                state = warm;
+            }
+        }
         let (control_tx, mut control_rx) = mpsc::unbounded_channel();
         self.running.lock().await.insert(job, control_tx);
         let result = async {
             loop {
                 self.db.set_job_status(job, "running", None).await?;
-                // Pass over what the estimator rules out before spending an attempt on it.
-                let (planned, skipped) = ladder::first_fit(&policy, &state);
-                if !skipped.is_empty() {
-                    for (kind, message) in &skipped {
+                let history: Vec<planner::Observed> =
+                    self.db.device_history(&device_kind, planner::HISTORY).await?.iter().map(observed).collect();
+                let calibration = planner::learn(&policy, &device_kind, &history);
+                let mut plan = planner::plan(&policy, &state, &failed, &calibration);
+                let before = state.clone();
+                let notices = match policy.strategy {
+                    Strategy::FastestFit => match plan.as_ref().map(|p| planner::apply(p, &state)) {
+                        Some(Some((next, notices))) => {
+                            state = next;
+                            notices
+                        }
+                        Some(None) => vec![(
+                            "plan",
+                            format!(
+                                "no configuration the policy allows is predicted to fit; running rung {} as it stands",
+                                state.rung_name
+                            ),
+                        )],
+                        None => vec![],
+                    },
+                    // Pass over what the estimator rules out before spending an attempt on it.
+                    Strategy::FirstFit => {
+                        let (planned, notices) = ladder::first_fit(&policy, &state);
+                        if planned.rung_index != state.rung_index {
+                            let message = format!(
+                                "starting on rung {} ({}): the first configuration predicted to fit",
+                                planned.rung_name,
+                                ladder::describe_change(&state.spec, &planned.spec)
+                            );
+                            state = planned;
+                            notices.into_iter().chain([("step_down", message)]).collect()
+                        } else {
+                            state = planned;
+                            notices
+                        }
+                    }
+                    Strategy::Ladder => vec![],
+                };
+                if policy.strategy != Strategy::FastestFit {
+                    if let Some(p) = plan.as_mut() {
+                        p.mark_chosen(&state.spec);
+                    }
+                }
+                if state.spec != before.spec || first_attempt {
+                    for (kind, message) in &notices {
                         self.db.event(job, None, kind, message).await?;
                     }
-                    if planned.rung_index != state.rung_index {
-                        let message = format!(
-                            "starting on rung {} ({}): the first configuration predicted to fit",
-                            planned.rung_name,
-                            ladder::describe_change(&state.spec, &planned.spec)
-                        );
-                        self.db.event(job, None, "step_down", &message).await?;
-                    }
-                    let spec_json = serde_json::to_string(&planned.spec)?;
-                    self.db.set_job_rung(job, &planned.rung_name, planned.rung_index, &spec_json).await?;
-                    state = planned;
                 }
-                let outcome = self.run_attempt(job, &state.rung_name, &state.spec, &policy, &mut control_rx).await?;
+                if state.spec != before.spec {
+                    let spec_json = serde_json::to_string(&state.spec)?;
+                    self.db.set_job_rung(job, &state.rung_name, state.rung_index, &spec_json).await?;
+                }
+                first_attempt = false;
+                let model = estimate::step_time_job(&state.spec);
+                let attempt_plan = AttemptPlan {
+                    device_kind: device_kind.clone(),
+                    predicted_allocated: Some(estimate::estimate_job(&state.spec).peak_allocated as i64),
+                    predicted_tokens_per_s: Some(model.tokens_per_s * calibration.speed_scale),
+                    model_tokens_per_s: Some(model.tokens_per_s),
+                    plan_json: plan.as_ref().map(serde_json::to_string).transpose()?,
+                };
+                let outcome = self
+                    .run_attempt(job, &state.rung_name, &state.spec, &attempt_plan, &policy, &mut control_rx)
+                    .await?;
+                if matches!(outcome, Outcome::Oom { .. } | Outcome::Preempted { .. }) {
+                    failed.push(state.spec.clone());
+                }
                 let action = ladder::decide(&policy, &state, &outcome);
                 for (kind, message) in action.events(&state) {
                     self.db.event(job, None, kind, &message).await?;
@@ -247,12 +326,13 @@ impl Runner {
         job: i64,
         rung: &str,
         spec: &JobSpec,
+        plan: &AttemptPlan,
         policy: &Policy,
         control: &mut mpsc::UnboundedReceiver<Request>,
     ) -> anyhow::Result<Outcome> {
         let run_dir = self.prepare_run_dir(job).await?;
         let config_json = serde_json::to_string(spec)?;
-        let (attempt, number) = self.db.start_attempt(job, rung, &config_json).await?;
+        let (attempt, number) = self.db.start_attempt(job, rung, &config_json, plan).await?;
         match self.supervise(job, attempt, number, &run_dir, rung, spec, policy, control).await {
             Ok(outcome) => Ok(outcome),
             Err(e) => {
@@ -408,4 +488,20 @@ fn last_log_line(run_dir: &Path, number: i64) -> String {
         .ok()
         .and_then(|s| s.lines().rev().find(|l| !l.trim().is_empty()).map(|l| l.trim().to_string()))
         .unwrap_or_else(|| "no log output".into())
+}
+
+/// An ended attempt as the planner learns from it: an OOM needed at least its peak plus the
+/// request that failed; an attempt that never stepped measured no peak.
+fn observed(row: &HistoryRow) -> planner::Observed {
+    let measured_allocated = match (row.outcome.as_deref(), row.peak_allocated, row.oom_requested) {
+        (Some("oom"), Some(peak), Some(req)) => Some(peak + req),
+        (_, Some(peak), _) if row.last_step.is_some() => Some(peak),
+        _ => None,
+    };
+    planner::Observed {
+        predicted_allocated: row.predicted_allocated,
+        measured_allocated,
+        predicted_tokens_per_s: row.model_tokens_per_s,
+        measured_tokens_per_s: row.mean_tokens_per_s.filter(|_| row.last_step.is_some()),
+    }
 }

@@ -53,6 +53,12 @@ try {
   const diff = await page.$$eval('#attempts tr.attempt', (trs) => trs.map((tr) => tr.children[9].textContent));
   check(diff[1].includes('memory.precision: "fp32" → "bf16"') && !diff[1].includes('micro_batch'), `config diff shows only what changed: ${diff[1]}`);
   check(diff[2].includes('train.micro_batch: 32 → 16'), `config diff of the next step-down: ${diff[2]}`);
+  // Each attempt's plan: the configurations considered, the one that ran marked, the newest open.
+  const plans = await page.$$eval('details.plan', (ds) => ds.map((d) => ({
+    open: d.open, chosen: d.querySelectorAll('tr.verdict-chosen').length, rows: d.querySelectorAll('tr').length,
+  })));
+  check(plans.length === 3 && plans[2].open && !plans[0].open, `a plan per attempt, the newest open: ${JSON.stringify(plans)}`);
+  check(plans.every((p) => p.chosen === 1 && p.rows > 10), `each plan marks the configuration that ran: ${JSON.stringify(plans)}`);
   const legend = await page.$$eval('#chart-memory .u-legend .u-label', (ls) => ls.map((l) => l.textContent));
   for (const c of Object.keys(CATEGORIES)) check(legend.includes(c), `memory chart has a series for ${c}`);
   check(legend.includes('capacity') && legend.some((l) => l.startsWith('preempt')), 'capacity and threshold lines');

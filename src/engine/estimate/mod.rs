@@ -13,6 +13,8 @@
 
 use serde::Serialize;
 
+pub mod step_time;
+
 use crate::config::{JobSpec, Knobs, OffloadTarget, Precision};
 use crate::memory::{block_bytes, Category, LARGE_ROUND, SMALL_LIMIT, SMALL_SEGMENT};
 
@@ -296,6 +298,12 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
 /// The peak of a job as configured, on its device kind's backend.
 pub fn estimate_job(spec: &JobSpec) -> Estimate {
     estimate_on(WorkspaceModel::of(spec.device.kind), &gpt_config(spec), &spec.knobs())
+}
+
+/// The predicted step of a job as configured, with its device kind's uncalibrated constants.
+pub fn step_time_job(spec: &JobSpec) -> step_time::StepTime {
+    let speed = step_time::DeviceSpeed::default_for(spec.device.kind);
+    step_time::step_time(&gpt_config(spec), &spec.knobs(), &speed)
 }
 
 /// Whether an estimate fits a capacity: "yes" (even the reserved allowance fits), "tight"

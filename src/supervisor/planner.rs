@@ -1,0 +1,621 @@
+//! The planner: before an attempt, every configuration the policy allows from where the job
+//! stands — its rungs applied cumulatively in ladder order, each with the micro-batch free
+//! between 1 and the sequences per rank — with its predicted allocated peak and step time,
+//! which fit the device within the margin, and which one runs (`strategy: fastest_fit`: the
+//! fastest that fits). Also what the database's history teaches: the margin (measured over
+//! predicted peaks) and the speed calibration (measured over predicted tokens/s). Pure.
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{serde_name, JobSpec, OffloadTarget};
+use crate::engine::estimate::{estimate_job, step_time_job};
+use crate::memory::format_bytes;
+
+use super::ladder::{describe_change, LadderState};
+use super::outcome::Notice;
+use super::policy::{self, LadderPosition, Policy, Strategy};
+
+/// The margin when neither the policy nor any history sets one: predicted peaks are planned
+/// to stay 3% under the preempt threshold.
+pub const DEFAULT_MARGIN: f64 = 0.03;
+/// The learned margin is the worst measured/predicted ratio seen, plus this, within
+/// [0, [`MAX_MARGIN`]].
+pub const MARGIN_SLACK: f64 = 0.01;
+pub const MAX_MARGIN: f64 = 0.5;
+/// Predicted step rates this close (a fraction of the best) count as a tie, which the earlier
+/// rung wins: the step-time model is not finer than that.
+pub const CLOSE_ENOUGH: f64 = 0.05;
+/// Attempts of the device's history the calibration reads (newest first).
+pub const HISTORY: i64 = 200;
+
+/// One finished attempt as the history records it: what was predicted, what was measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Observed {
+    pub predicted_allocated: i64,
+    /// The attempt's measured allocated peak; for an OOM, the peak plus the request that
+    /// failed (what it needed at least).
+    pub measured_allocated: Option<i64>,
+    pub predicted_tokens_per_s: Option<f64>,
+    pub measured_tokens_per_s: Option<f64>,
+}
+
+/// How the planner turns predictions into decisions on one device kind.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Calibration {
+    /// A configuration fits when `predicted allocated × (1 + margin) ≤ preempt × capacity`.
+    pub margin: f64,
+    /// Where the margin comes from ("policy", "learned from 12 attempts on cpu: worst measured/
+    /// predicted peak 1.004", "default: no history on cuda").
+    pub margin_from: String,
+    /// Predicted tokens/s are multiplied by this (measured/predicted on the device, median).
+    pub speed_scale: f64,
+    pub speed_from: String,
+}
+
+impl Calibration {
+    /// No history: the policy's margin or the default, device constants as they are.
+    pub fn uncalibrated(policy: &Policy, device: &str) -> Calibration {
+        learn(policy, device, &[])
+    }
+}
+
+/// The calibration a device's history gives (`history`: its newest attempts with predictions).
+pub fn learn(policy: &Policy, device: &str, history: &[Observed]) -> Calibration {
+    let ratios: Vec<f64> = history
+        .iter()
+        .filter(|o| o.predicted_allocated > 0)
+        .filter_map(|o| o.measured_allocated.map(|m| m as f64 / o.predicted_allocated as f64))
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .collect();
+    let (margin, margin_from) = match policy.margin {
+        Some(m) => (m, "policy".to_string()),
+        None if ratios.is_empty() => (DEFAULT_MARGIN, format!("default: no measured peaks on {device} yet")),
+        None => {
+            let worst = ratios.iter().cloned().fold(f64::MIN, f64::max);
+            (
+                (worst - 1.0 + MARGIN_SLACK).clamp(0.0, MAX_MARGIN),
+                format!("learned from {} attempts on {device}: worst measured/predicted peak {worst:.3}", ratios.len()),
+            )
+        }
+    };
+    let mut speeds: Vec<f64> = history
+        .iter()
+        .filter_map(|o| Some(o.measured_tokens_per_s? / o.predicted_tokens_per_s?))
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .collect();
+    speeds.sort_by(f64::total_cmp);
+    let (speed_scale, speed_from) = match speeds.len() {
+        0 => (1.0, format!("device defaults: no measured throughput on {device} yet")),
+        n => {
+            let median = if n % 2 == 1 { speeds[n / 2] } else { (speeds[n / 2 - 1] + speeds[n / 2]) / 2.0 };
+            (median, format!("median measured/predicted tokens/s of {n} attempts on {device}"))
+        }
+    };
+    Calibration { margin, margin_from, speed_scale, speed_from }
+}
+
+/// Why a candidate is or is not the one that runs.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    Chosen,
+    /// Predicted to fit, not chosen.
+    Fits,
+    /// Predicted not to fit: its allocated peak above the limit, or its live set not placeable
+    /// in the pool's segments within the capacity (the estimator's reserved allowance).
+    TooBig,
+    /// This configuration, or the same one with a smaller micro-batch, already ran out of
+    /// memory (or was preempted for it) in this job.
+    FailedBefore,
+}
+
+/// One configuration the plan considered.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Candidate {
+    pub rung: String,
+    pub rung_index: i64,
+    pub micro_batch: i64,
+    pub grad_accum: usize,
+    /// The memory knobs in words ("bf16, checkpointing full, offload optimizer").
+    pub knobs: String,
+    pub predicted_allocated: usize,
+    pub predicted_tokens_per_s: f64,
+    pub verdict: Verdict,
+    #[serde(skip)]
+    pub spec: Option<JobSpec>,
+}
+
+/// The plan of one attempt: what was considered and what runs.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Plan {
+    pub strategy: Strategy,
+    pub capacity: usize,
+    /// `preempt × capacity / (1 + margin)`: the predicted allocated peak a configuration may have.
+    pub limit: usize,
+    pub calibration: Calibration,
+    pub candidates: Vec<Candidate>,
+    /// Index into `candidates`; None when nothing is predicted to fit.
+    pub chosen: Option<usize>,
+}
+
+impl Plan {
+    pub fn chosen(&self) -> Option<&Candidate> {
+        self.chosen.map(|i| &self.candidates[i])
+    }
+
+    /// Mark the candidate whose configuration is `spec` as the one that runs (what `first_fit`
+    /// or the ladder picked, for the record).
+    pub fn mark_chosen(&mut self, spec: &JobSpec) {
+        self.chosen = None;
+        for (i, c) in self.candidates.iter_mut().enumerate() {
+            if c.verdict == Verdict::Chosen {
+                c.verdict = Verdict::Fits;
+            }
+            if c.spec.as_ref() == Some(spec) && self.chosen.is_none() {
+                c.verdict = Verdict::Chosen;
+                self.chosen = Some(i);
+            }
+        }
+    }
+
+    /// The plan as a table (for `headroom estimate --plan` and `headroom show`).
+    pub fn table(&self) -> String {
+        let mut out = format!(
+            "{:<22} {:>5} {:>5} {:<40} {:>12} {:>12}  {}\n",
+            "rung", "micro", "accum", "knobs", "allocated", "tokens/s", "verdict"
+        );
+        for c in &self.candidates {
+            out.push_str(&format!(
+                "{:<22} {:>5} {:>5} {:<40} {:>12} {:>12.0}  {}\n",
+                c.rung,
+                c.micro_batch,
+                c.grad_accum,
+                c.knobs,
+                format_bytes(c.predicted_allocated),
+                c.predicted_tokens_per_s,
+                serde_name(&c.verdict)
+            ));
+        }
+        out.push_str(&format!(
+            "limit {} ({} capacity; margin {:.1}%: {}); tokens/s × {:.3} ({})\n",
+            format_bytes(self.limit),
+            format_bytes(self.capacity),
+            self.calibration.margin * 100.0,
+            self.calibration.margin_from,
+            self.calibration.speed_scale,
+            self.calibration.speed_from
+        ));
+        out
+    }
+}
+
+/// "bf16, checkpointing full, zero 1, offload optimizer+params".
+pub fn describe_knobs(spec: &JobSpec) -> String {
+    let m = &spec.memory;
+    let mut parts = vec![serde_name(&m.precision)];
+    if m.checkpointing != crate::config::Checkpointing::None {
+        parts.push(format!("checkpointing {}", serde_name(&m.checkpointing)));
+    }
+    if m.zero_stage > 0 {
+        parts.push(format!("zero {}", m.zero_stage));
+    }
+    let off: Vec<String> =
+        [("optimizer", m.offload.optimizer), ("params", m.offload.params), ("activations", m.offload.activations)]
+            .iter()
+            .filter(|(_, t)| *t != OffloadTarget::None)
+            .map(|(n, t)| if *t == OffloadTarget::Cpu { n.to_string() } else { format!("{n} ({})", serde_name(t)) })
+            .collect();
+    if !off.is_empty() {
+        parts.push(format!("offload {}", off.join("+")));
+    }
+    parts.join(", ")
+}
+
+/// Whether `candidate` is `failed` or the same memory configuration at a larger micro-batch.
+fn failed_before(candidate: &JobSpec, failed: &[JobSpec]) -> bool {
+    failed.iter().any(|f| f.memory == candidate.memory && candidate.train.micro_batch >= f.train.micro_batch)
+}
+
+/// The configurations the policy allows from `state`, in ladder order: the current rung's and
+/// each later one's (cumulatively applied), deduplicated by memory knobs, each paired with its
+/// ladder position.
+fn levels(policy: &Policy, state: &LadderState) -> Vec<(String, i64, JobSpec)> {
+    let mut out: Vec<(String, i64, JobSpec)> = vec![(state.rung_name.clone(), state.rung_index, state.spec.clone())];
+    let mut at = (state.rung_index, state.spec.clone());
+    while let Ok(down) = policy::step_down(policy, &at.1, LadderPosition { rung_index: at.0 }) {
+        if !out.iter().any(|(_, _, s)| s.memory == down.spec.memory) {
+            out.push((down.rung_name.clone(), down.rung_index, down.spec.clone()));
+        }
+        at = (down.rung_index, down.spec);
+    }
+    out
+}
+
+/// Every candidate with its predictions, and the choice under `policy.strategy`
+/// (`fastest_fit`: the highest predicted tokens/s among those that fit — on the earliest rung
+/// whose best is within [`CLOSE_ENOUGH`] of it; other strategies: left for the caller to mark). None when the capacity is unknown
+/// (cuda with no `device_memory`).
+pub fn plan(policy: &Policy, state: &LadderState, failed: &[JobSpec], calibration: &Calibration) -> Option<Plan> {
+    let capacity = state.spec.device_capacity()?;
+    let limit = (capacity as f64 * policy.thresholds.preempt / (1.0 + calibration.margin)) as usize;
+    let mut candidates = Vec::new();
+    for (rung, rung_index, spec) in levels(policy, state) {
+        let per_rank = spec.train.global_batch / spec.memory.world_size.max(1);
+        for micro in (1..=per_rank).filter(|m| per_rank % m == 0) {
+            let mut s = spec.clone();
+            s.train.micro_batch = micro;
+            if s.validate().is_err() {
+                continue;
+            }
+            let e = estimate_job(&s);
+            let t = step_time_job(&s);
+            let verdict = if failed_before(&s, failed) {
+                Verdict::FailedBefore
+            } else if e.peak_allocated <= limit && e.reserved_allowance <= capacity {
+                Verdict::Fits
+            } else {
+                Verdict::TooBig
+            };
+            candidates.push(Candidate {
+                rung: rung.clone(),
+                rung_index,
+                micro_batch: micro,
+                grad_accum: s.grad_accum(),
+                knobs: describe_knobs(&s),
+                predicted_allocated: e.peak_allocated,
+                predicted_tokens_per_s: t.tokens_per_s * calibration.speed_scale,
+                verdict,
+                spec: Some(s),
+            });
+        }
+    }
+    let mut plan =
+        Plan { strategy: policy.strategy, capacity, limit, calibration: calibration.clone(), candidates, chosen: None };
+    if policy.strategy == Strategy::FastestFit {
+        let fitting = || plan.candidates.iter().enumerate().filter(|(_, c)| c.verdict == Verdict::Fits);
+        let best = fitting().map(|(_, c)| c.predicted_tokens_per_s).fold(0.0, f64::max);
+        // The earliest rung whose fastest fitting configuration is within the model's
+        // resolution of the best: fewer techniques in play for a prediction that close.
+        let earliest =
+            fitting().find(|(_, c)| c.predicted_tokens_per_s >= best * (1.0 - CLOSE_ENOUGH)).map(|(_, c)| c.rung_index);
+        let chosen = fitting()
+            .filter(|(_, c)| Some(c.rung_index) == earliest)
+            .max_by(|a, b| a.1.predicted_tokens_per_s.total_cmp(&b.1.predicted_tokens_per_s))
+            .map(|(i, _)| i);
+        if let Some(b) = chosen {
+            plan.candidates[b].verdict = Verdict::Chosen;
+            plan.chosen = Some(b);
+        }
+    }
+    Some(plan)
+}
+
+/// The state the chosen candidate puts the job in, and the events that say why: a `skip` for
+/// every rung passed over (none of its configurations fit, or its fastest fitting one is
+/// slower), and a `plan` naming the choice with its figures. `None` when nothing fits (the
+/// attempt then runs as the ladder stands and its OOM decides).
+pub fn apply(plan: &Plan, state: &LadderState) -> Option<(LadderState, Vec<Notice>)> {
+    let chosen = plan.chosen()?;
+    let spec = chosen.spec.clone()?;
+    let mut notices = Vec::new();
+    let chosen_tps = chosen.predicted_tokens_per_s;
+    let mut seen: Vec<i64> = Vec::new();
+    for c in &plan.candidates {
+        if c.rung_index == chosen.rung_index {
+            break;
+        }
+        if seen.contains(&c.rung_index) {
+            continue;
+        }
+        seen.push(c.rung_index);
+        let level: Vec<&Candidate> = plan.candidates.iter().filter(|x| x.rung_index == c.rung_index).collect();
+        let fitting = level
+            .iter()
+            .filter(|x| x.verdict == Verdict::Fits)
+            .max_by(|a, b| a.predicted_tokens_per_s.total_cmp(&b.predicted_tokens_per_s));
+        let smallest = level.iter().min_by_key(|x| x.predicted_allocated).expect("a level has candidates");
+        let why = match fitting {
+            Some(f) => format!(
+                "its fastest fitting configuration (micro_batch {}) is predicted at {:.0} tokens/s, below {:.0}",
+                f.micro_batch, f.predicted_tokens_per_s, chosen_tps
+            ),
+            None if level.iter().all(|x| x.verdict == Verdict::FailedBefore) => {
+                "it ran out of memory before in this job".to_string()
+            }
+            None => format!(
+                "predicted {} allocated even at micro_batch {} > {} (preempt threshold less the {:.1}% margin, of {} capacity)",
+                format_bytes(smallest.predicted_allocated),
+                smallest.micro_batch,
+                format_bytes(plan.limit),
+                plan.calibration.margin * 100.0,
+                format_bytes(plan.capacity)
+            ),
+        };
+        notices.push(("skip", format!("rung {} skipped: {why}", c.rung)));
+    }
+    let fits = plan.candidates.iter().filter(|c| matches!(c.verdict, Verdict::Fits | Verdict::Chosen)).count();
+    let change = if spec == state.spec {
+        "the configuration as it stands".to_string()
+    } else {
+        format!("rung {} ({})", chosen.rung, describe_change(&state.spec, &spec))
+    };
+    notices.push((
+        "plan",
+        format!(
+            "fastest fit: {change} — micro_batch {} × {}, {}: predicted {:.0} tokens/s, {} allocated of {} allowed; \
+             {fits} of {} configurations predicted to fit",
+            chosen.micro_batch,
+            chosen.grad_accum,
+            chosen.knobs,
+            chosen_tps,
+            format_bytes(chosen.predicted_allocated),
+            format_bytes(plan.limit),
+            plan.candidates.len()
+        ),
+    ));
+    // Undoing the chosen rung (a swap-bound step back) returns to the level before it at the
+    // same micro-batch.
+    let before_rung = if chosen.rung_index == state.rung_index {
+        state.before_rung.clone()
+    } else {
+        seen.last().and_then(|&r| {
+            plan.candidates
+                .iter()
+                .find(|x| x.rung_index == r && x.micro_batch == chosen.micro_batch)
+                .and_then(|x| x.spec.clone())
+        })
+    };
+    let next = LadderState {
+        spec: spec.clone(),
+        rung_name: chosen.rung.clone(),
+        rung_index: chosen.rung_index,
+        crashes: if spec == state.spec { state.crashes } else { 0 },
+        before_rung,
+    };
+    Some((next, notices))
+}
+
+/// A finished job of the same policy a new job may start from.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    pub id: i64,
+    /// As it was submitted, and as it finished.
+    pub submitted: JobSpec,
+    pub last: JobSpec,
+    pub rung_name: String,
+    pub rung_index: i64,
+}
+
+/// Warm start: a job whose model shape, memory options, global batch and device match a job
+/// that finished (newest first in `finished`) starts from that job's final configuration —
+/// its memory knobs and micro-batch on the new job's other settings — with the reason.
+pub fn warm_start(spec: &JobSpec, finished: &[Finished]) -> Option<(LadderState, Notice)> {
+    let same = |f: &Finished| {
+        f.submitted.model == spec.model
+            && f.submitted.train.global_batch == spec.train.global_batch
+            && f.submitted.train.micro_batch == spec.train.micro_batch
+            && f.submitted.memory == spec.memory
+            && f.submitted.device == spec.device
+    };
+    let f = finished.iter().find(|f| same(f))?;
+    let mut start = spec.clone();
+    start.memory = f.last.memory.clone();
+    start.train.micro_batch = f.last.train.micro_batch;
+    start.validate().ok()?;
+    if start == *spec {
+        return None;
+    }
+    let message = format!(
+        "warm start from job {}: it finished with the same model, global batch, memory options and device on rung {} \
+         ({}); starting there ({})",
+        f.id,
+        f.rung_name,
+        describe_knobs(&f.last),
+        describe_change(spec, &start)
+    );
+    let state = LadderState::new(start, f.rung_name.clone(), f.rung_index);
+    Some((LadderState { before_rung: None, ..state }, ("warm_start", message)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Bytes, Checkpointing, DeviceKind, Precision};
+
+    fn default_policy() -> Policy {
+        Policy::parse(include_str!("../../policies/default.yaml")).unwrap()
+    }
+
+    fn demo(device_memory: &str) -> JobSpec {
+        let mut s = JobSpec::parse(include_str!("../../data/demo-job.yaml")).unwrap();
+        s.device.device_memory = Some(Bytes::from(device_memory.to_string()));
+        s
+    }
+
+    fn base(spec: &JobSpec) -> LadderState {
+        LadderState::new(spec.clone(), "base".into(), -1)
+    }
+
+    fn fastest_fitting(plan: &Plan) -> f64 {
+        plan.candidates
+            .iter()
+            .filter(|c| matches!(c.verdict, Verdict::Fits | Verdict::Chosen))
+            .map(|c| c.predicted_tokens_per_s)
+            .fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn fastest_fit_runs_the_fastest_configuration_predicted_to_fit() {
+        let policy = default_policy();
+        let cal = Calibration::uncalibrated(&policy, "cpu");
+        // (case, device memory, expected knobs of the choice)
+        let cases = [
+            ("roomy: the job as submitted", "256MiB", "fp32"),
+            ("12 MiB: fp32 still fits at a smaller micro-batch, faster on cpu than bf16", "12MiB", "fp32"),
+            ("2.5 MiB: only with a host optimizer", "2560KiB", "bf16, checkpointing full, offload optimizer"),
+        ];
+        for (name, mem, knobs) in cases {
+            let spec = demo(mem);
+            let plan = plan(&policy, &base(&spec), &[], &cal).unwrap();
+            let chosen = plan.chosen().unwrap_or_else(|| panic!("{name}: nothing chosen\n{}", plan.table()));
+            assert_eq!(chosen.knobs, knobs, "{name}\n{}", plan.table());
+            let best = fastest_fitting(&plan);
+            assert!(chosen.predicted_tokens_per_s >= best * (1.0 - CLOSE_ENOUGH), "{name}");
+            for c in &plan.candidates {
+                let e = estimate_job(c.spec.as_ref().unwrap());
+                let fits = c.predicted_allocated <= plan.limit && e.reserved_allowance <= plan.capacity;
+                assert_eq!(fits, c.verdict != Verdict::TooBig, "{name}: {c:?}");
+            }
+            // On its level, the largest micro-batch that fits (the model prefers larger ones).
+            let level_max = plan
+                .candidates
+                .iter()
+                .filter(|c| c.rung_index == chosen.rung_index && c.verdict != Verdict::TooBig)
+                .map(|c| c.micro_batch)
+                .max();
+            assert_eq!(Some(chosen.micro_batch), level_max, "{name}\n{}", plan.table());
+        }
+    }
+
+    #[test]
+    fn the_scaled_down_xl_case_starts_on_a_fitting_configuration_at_its_largest_micro_batch() {
+        // 8 layers, T 512 on 20 MiB: nothing without checkpointing fits at any micro-batch, so
+        // base, bf16 and the halvings are skipped; the choice is checkpointed with the largest
+        // micro-batch predicted to fit there.
+        let policy = default_policy();
+        let mut spec = demo("20MiB");
+        spec.model.block_size = 512;
+        spec.model.n_layer = 8;
+        let state = base(&spec);
+        let plan = plan(&policy, &state, &[], &Calibration::uncalibrated(&policy, "cpu")).unwrap();
+        let chosen = plan.chosen().unwrap().clone();
+        assert_eq!(chosen.rung, "checkpointing", "{}", plan.table());
+        let raised = |m: i64| {
+            let mut s = chosen.spec.clone().unwrap();
+            s.train.micro_batch = m;
+            estimate_job(&s).peak_allocated
+        };
+        assert!(chosen.micro_batch > 1 && raised(chosen.micro_batch * 2) > plan.limit, "{}", plan.table());
+        let (next, notices) = apply(&plan, &state).unwrap();
+        assert_eq!((next.rung_name.as_str(), next.spec.memory.checkpointing), ("checkpointing", Checkpointing::Full));
+        let kinds: Vec<&str> = notices.iter().map(|n| n.0).collect();
+        // halve-micro-batch changes no memory knob: with the micro-batch free it is bf16's level.
+        assert_eq!(kinds, ["skip", "skip", "plan"], "base, bf16: {notices:?}");
+        assert!(notices[0].1.starts_with("rung base skipped: predicted "), "{notices:?}");
+        assert!(notices[2].1.starts_with("fastest fit: rung checkpointing ("), "{notices:?}");
+        assert_eq!(next.before_rung.as_ref().map(|s| s.memory.precision), Some(Precision::Bf16));
+    }
+
+    #[test]
+    fn what_failed_is_not_planned_again_and_nothing_fitting_changes_nothing() {
+        let policy = default_policy();
+        let cal = Calibration::uncalibrated(&policy, "cpu");
+        let spec = demo("12MiB");
+        let first = plan(&policy, &base(&spec), &[], &cal).unwrap();
+        let chosen = first.chosen().unwrap().spec.clone().unwrap();
+        let again = plan(&policy, &base(&spec), std::slice::from_ref(&chosen), &cal).unwrap();
+        let next = again.chosen().unwrap();
+        assert!(
+            next.spec.as_ref().unwrap().memory != chosen.memory || next.micro_batch < chosen.train.micro_batch,
+            "{}",
+            again.table()
+        );
+        assert!(again
+            .candidates
+            .iter()
+            .filter(|c| c.spec.as_ref().unwrap().memory == chosen.memory && c.micro_batch >= chosen.train.micro_batch)
+            .all(|c| c.verdict == Verdict::FailedBefore));
+        // Nothing fits on 64 KiB: no choice, the ladder stands.
+        let tiny = plan(&policy, &base(&demo("64KiB")), &[], &cal).unwrap();
+        assert_eq!(tiny.chosen, None);
+        assert!(apply(&tiny, &base(&demo("64KiB"))).is_none());
+        // No known capacity: no plan.
+        let mut unbounded = demo("12MiB");
+        unbounded.device.kind = DeviceKind::Cuda;
+        unbounded.device.device_memory = None;
+        assert!(plan(&policy, &base(&unbounded), &[], &cal).is_none());
+        // Other strategies leave the choice to the caller, who marks it.
+        let ladder = Policy { strategy: Strategy::Ladder, ..policy.clone() };
+        let mut p = plan(&ladder, &base(&spec), &[], &cal).unwrap();
+        assert_eq!(p.chosen, None);
+        p.mark_chosen(&spec);
+        assert_eq!(p.chosen().map(|c| (c.rung.as_str(), c.micro_batch)), Some(("base", 32)));
+    }
+
+    #[test]
+    fn the_margin_and_speed_are_learned_from_history() {
+        let policy = default_policy();
+        let o = |pred: i64, meas: Option<i64>, tps: Option<(f64, f64)>| Observed {
+            predicted_allocated: pred,
+            measured_allocated: meas,
+            predicted_tokens_per_s: tps.map(|t| t.0),
+            measured_tokens_per_s: tps.map(|t| t.1),
+        };
+        // (case, policy margin, history, margin, speed scale)
+        type Case = (&'static str, Option<f64>, Vec<Observed>, f64, f64);
+        let cases: Vec<Case> = vec![
+            ("no history", None, vec![], DEFAULT_MARGIN, 1.0),
+            ("the policy's margin wins", Some(0.2), vec![o(100, Some(150), None)], 0.2, 1.0),
+            ("exact predictions: the slack", None, vec![o(100, Some(100), None), o(200, Some(190), None)], 0.01, 1.0),
+            ("the worst ratio", None, vec![o(100, Some(104), None), o(100, Some(110), None)], 0.11, 1.0),
+            ("bounded", None, vec![o(100, Some(400), None)], MAX_MARGIN, 1.0),
+            ("no measured peak: ignored", None, vec![o(100, None, None)], DEFAULT_MARGIN, 1.0),
+            (
+                "speed: the median ratio",
+                None,
+                vec![o(1, None, Some((100.0, 50.0))), o(1, None, Some((100.0, 80.0))), o(1, None, Some((10.0, 90.0)))],
+                DEFAULT_MARGIN,
+                0.8,
+            ),
+        ];
+        for (name, margin, history, want_margin, want_speed) in cases {
+            let p = Policy { margin, ..policy.clone() };
+            let c = learn(&p, "cpu", &history);
+            assert!((c.margin - want_margin).abs() < 1e-9, "{name}: {c:?}");
+            assert!((c.speed_scale - want_speed).abs() < 1e-9, "{name}: {c:?}");
+        }
+        // A larger margin plans smaller: the 12 MiB demo at 50% margin cannot keep fp32's
+        // micro-batch.
+        let spec = demo("12MiB");
+        let tight = Calibration { margin: 0.5, ..Calibration::uncalibrated(&policy, "cpu") };
+        let loose = plan(&policy, &base(&spec), &[], &Calibration::uncalibrated(&policy, "cpu")).unwrap();
+        let tight = plan(&policy, &base(&spec), &[], &tight).unwrap();
+        assert!(tight.limit < loose.limit);
+        let pick = |p: &Plan| p.chosen().map(|c| (c.knobs.clone(), c.micro_batch));
+        assert_ne!(pick(&tight), pick(&loose), "{}\n{}", loose.table(), tight.table());
+    }
+
+    #[test]
+    fn warm_start_resumes_where_a_matching_finished_job_ended() {
+        let spec = demo("12MiB");
+        let mut last = spec.clone();
+        last.memory.precision = Precision::Bf16;
+        last.train.micro_batch = 16;
+        let finished = |submitted: JobSpec| Finished {
+            id: 7,
+            submitted,
+            last: last.clone(),
+            rung_name: "halve-micro-batch".into(),
+            rung_index: 1,
+        };
+        let (state, (kind, message)) = warm_start(&spec, &[finished(spec.clone())]).unwrap();
+        assert_eq!((state.rung_index, state.spec.train.micro_batch), (1, 16));
+        assert_eq!(state.spec.memory.precision, Precision::Bf16);
+        assert_eq!(state.spec.train.steps, spec.train.steps, "the new job's own settings stay");
+        assert_eq!(kind, "warm_start");
+        assert!(message.starts_with("warm start from job 7:"), "{message}");
+        // (case, how the finished job's submission differs) → no warm start
+        type Change = Box<dyn Fn(&mut JobSpec)>;
+        let differs: Vec<(&str, Change)> = vec![
+            ("model", Box::new(|s| s.model.n_layer = 3)),
+            ("global batch", Box::new(|s| s.train.global_batch = 64)),
+            ("device", Box::new(|s| s.device.device_memory = Some(Bytes::from("13MiB".to_string())))),
+            ("memory options", Box::new(|s| s.memory.checkpointing = Checkpointing::Full)),
+        ];
+        for (name, change) in differs {
+            let mut other = spec.clone();
+            change(&mut other);
+            assert!(warm_start(&spec, &[finished(other)]).is_none(), "{name}");
+        }
+    }
+}
