@@ -17,6 +17,46 @@ pub struct GpuReading {
     pub processes: Vec<(u32, u64)>,
 }
 
+/// Where a trainer's step events get the device-wide view of its GPU's memory (other
+/// processes included): NVML ([`GpuMonitor`]), or in tests [`SimulatedGpu`].
+pub trait GpuReadings: Send {
+    /// The reading of GPU `index` (None when it cannot be read).
+    fn reading(&self, index: u32) -> Option<GpuReading>;
+}
+
+impl GpuReadings for GpuMonitor {
+    fn reading(&self, index: u32) -> Option<GpuReading> {
+        GpuMonitor::reading(self, index)
+    }
+}
+
+/// The variable that names a [`SimulatedGpu`]'s file (a test hook: set only by tests).
+pub const SIMULATED_GPU_ENV: &str = "HEADROOM_SIMULATED_GPU";
+
+/// A test provider: a GPU of `total_bytes` on which this process holds what `own` says (the
+/// trainer's pool) and other processes hold the number of bytes written in `path` (re-read at
+/// every reading; a missing or unreadable file is 0) — so a test can make another process take
+/// memory and give it back while a real trainer runs.
+pub struct SimulatedGpu {
+    pub path: std::path::PathBuf,
+    pub total_bytes: u64,
+    pub own: Box<dyn Fn() -> u64 + Send>,
+}
+
+impl GpuReadings for SimulatedGpu {
+    fn reading(&self, index: u32) -> Option<GpuReading> {
+        let others: u64 = std::fs::read_to_string(&self.path).ok().and_then(|t| t.trim().parse().ok()).unwrap_or(0);
+        let own = (self.own)();
+        Some(GpuReading {
+            index,
+            name: "simulated".into(),
+            used_bytes: own + others,
+            total_bytes: self.total_bytes,
+            processes: vec![(std::process::id(), own)],
+        })
+    }
+}
+
 pub struct GpuMonitor {
     nvml: Option<Nvml>,
 }
@@ -80,6 +120,19 @@ impl GpuMonitor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_simulated_gpu_reads_other_processes_from_its_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("others");
+        let gpu = SimulatedGpu { path: path.clone(), total_bytes: 100, own: Box::new(|| 30) };
+        let r = gpu.reading(0).unwrap();
+        assert_eq!((r.used_bytes, r.total_bytes, r.processes[0].1), (30, 100, 30), "no file: nobody else");
+        std::fs::write(&path, "45\n").unwrap();
+        assert_eq!(gpu.reading(0).unwrap().used_bytes, 75);
+        std::fs::write(&path, "0").unwrap();
+        assert_eq!(gpu.reading(0).unwrap().used_bytes, 30);
+    }
 
     #[test]
     fn a_machine_without_nvml_falls_back_cleanly() {

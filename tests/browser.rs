@@ -47,6 +47,7 @@ async fn history_page_in_headless_chromium() {
             runs_dir: dir.path().join("runs"),
             trainer_exe: common::bin(),
             slots: 1,
+            trainer_env: Vec::new(),
         },
     })
     .await

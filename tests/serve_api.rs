@@ -11,6 +11,8 @@ use serde_json::Value;
 struct Harness {
     dir: tempfile::TempDir,
     policies: PathBuf,
+    /// Extra environment of the daemon's trainer children.
+    trainer_env: Vec<(String, String)>,
 }
 
 impl Harness {
@@ -23,7 +25,7 @@ impl Harness {
             let p = e.unwrap().path();
             std::fs::copy(&p, policies.join(p.file_name().unwrap())).unwrap();
         }
-        Harness { dir, policies }
+        Harness { dir, policies, trainer_env: Vec::new() }
     }
 
     async fn start(&self, token: Option<&str>) -> RunningServer {
@@ -38,6 +40,7 @@ impl Harness {
                 runs_dir: self.dir.path().join("runs"),
                 trainer_exe: common::bin(),
                 slots: 1,
+                trainer_env: self.trainer_env.clone(),
             },
         })
         .await
@@ -278,6 +281,87 @@ async fn fastest_fit_starts_a_scaled_down_xl_case_on_its_fastest_fitting_configu
         assert!(text.contains(&format!("rung {rung} skipped: predicted")), "{rung}: {text}");
     }
     assert!(text.contains("fastest fit: rung offload-optimizer ("), "{text}");
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_taken_by_another_process_steps_the_job_down_and_its_release_steps_it_back_up() {
+    // A simulated GPU (gpu::SimulatedGpu, the fake NVML provider): the trainers' step events
+    // report what "other processes" hold as written in a file, on a GPU as large as the pool.
+    let mut h = Harness::new();
+    let others = h.dir.path().join("others-bytes");
+    std::fs::write(&others, "0").unwrap();
+    h.trainer_env = vec![(headroom::gpu::SIMULATED_GPU_ENV.to_string(), others.display().to_string())];
+    let s = h.start(None).await;
+    let steps = 400;
+    let yaml = squeezed_job("shared-gpu", steps, 32, "default", 5).replace("eval_every: 10", "eval_every: 100");
+    let id = submit(&s, &yaml).await;
+    let wait_steps = |n: i64| {
+        let s = &s;
+        async move {
+            for _ in 0..1200 {
+                if max_step(s, id).await >= n {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            panic!("job {id} did not reach step {n}");
+        }
+    };
+    // The plan runs fp32 at micro-batch 8 (8.74 MiB of 12 MiB live). Another process takes
+    // 3 MiB: live + theirs is above the 95% line, the attempt is preempted, and the job
+    // re-plans for the memory left to it.
+    wait_steps(20).await;
+    std::fs::write(&others, (3u64 << 20).to_string()).unwrap();
+    let mut seen = 0;
+    for _ in 0..1200 {
+        let a = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+        if a.as_array().unwrap().len() >= 2 {
+            seen = max_step(&s, id).await;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(seen > 0, "the job never got a second attempt");
+    // It gives the memory back: the job steps back up at its next checkpoint.
+    wait_steps(seen + 15).await;
+    std::fs::write(&others, "0").unwrap();
+    let job = wait_terminal(&s, id).await;
+    assert_eq!(job["status"], "finished", "{job}");
+    assert_eq!(job["steps_done"], steps);
+    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    let a = attempts.as_array().unwrap();
+    let micro = |i: usize| {
+        let cfg: Value = serde_json::from_str(a[i]["config_json"].as_str().unwrap()).unwrap();
+        cfg["train"]["micro_batch"].as_i64().unwrap()
+    };
+    let outcomes: Vec<&str> = a.iter().map(|x| x["outcome"].as_str().unwrap()).collect();
+    assert_eq!(outcomes, ["preempted", "stepped_up", "finished"], "{attempts}");
+    assert!(micro(1) < micro(0), "stepped down: {} → {}", micro(0), micro(1));
+    assert_eq!(micro(2), micro(0), "back up to the configuration it had before");
+    // One continuous run: each attempt resumes from the checkpoint the last one stopped at.
+    for i in 1..a.len() {
+        assert_eq!(a[i]["resumed_from_step"], a[i - 1]["last_step"], "{attempts}");
+        assert_eq!(a[i]["first_step"].as_i64(), a[i - 1]["last_step"].as_i64().map(|s| s + 1), "{attempts}");
+    }
+    let samples = get(&s, &format!("/api/jobs/{id}/samples")).await;
+    let mut trained: Vec<i64> = samples
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["loss"].is_number())
+        .map(|x| x["step"].as_i64().unwrap())
+        .collect();
+    trained.sort_unstable();
+    trained.dedup();
+    assert_eq!(trained, (1..=steps as i64).collect::<Vec<_>>(), "a loss for every step");
+    let events = get(&s, &format!("/api/jobs/{id}/events")).await;
+    let text = events.to_string();
+    assert!(text.contains("re-planning from rung base other processes hold 3.00 MiB of 12.00 MiB"), "{text}");
+    let k = kinds(&events);
+    assert_eq!(k.iter().filter(|k| *k == "step_up").count(), 1, "{k:?}");
+    assert!(text.contains("other processes now hold 0 B of 12.00 MiB: stepping back up to rung base"), "{text}");
+    assert!(!k.contains(&"oom".to_string()), "{k:?}");
     s.shutdown().await.unwrap();
 }
 

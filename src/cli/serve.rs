@@ -73,6 +73,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 runs_dir: args.runs,
                 trainer_exe: std::env::current_exe()?,
                 slots: args.slots,
+                trainer_env: Vec::new(),
             },
         };
         // A daemon that cannot start as configured (database in use or unwritable, address

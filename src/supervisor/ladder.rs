@@ -44,6 +44,12 @@ pub enum Action {
     Fail { reason: String, before: Vec<Notice> },
     /// Run the same configuration again from the newest checkpoint.
     Retry { crashes: u32, message: String },
+    /// Stopped to step back up: the next attempt runs the configuration the planner chose
+    /// when the memory other processes held came back (`planner::step_up`).
+    StepUp { reason: String },
+    /// Plan again from where the job stands (`fastest_fit` after an OOM or a preemption: what
+    /// failed is excluded, or what other processes hold is left to them), saying why.
+    Replan { message: String },
     /// Run the next rung's configuration (`from` is the configuration it applies to: the
     /// current one, or the one before the current rung when stepping back).
     StepDown { from: Box<JobSpec>, step_back: Option<String>, down: Box<StepDown> },
@@ -57,7 +63,7 @@ impl Action {
             Action::Requeue => "queued",
             Action::Cancel => "cancelled",
             Action::Fail { .. } => "failed",
-            Action::Retry { .. } | Action::StepDown { .. } => "running",
+            Action::Retry { .. } | Action::StepDown { .. } | Action::StepUp { .. } | Action::Replan { .. } => "running",
         }
     }
 
@@ -69,6 +75,8 @@ impl Action {
             Action::Cancel => vec![("cancelled", "stopped after a checkpoint on request".into())],
             Action::Fail { reason, before } => before.iter().cloned().chain([("failed", reason.clone())]).collect(),
             Action::Retry { message, .. } => vec![("retry", message.clone())],
+            Action::StepUp { reason } => vec![("step_up", reason.clone())],
+            Action::Replan { message } => vec![("step_down", message.clone())],
             Action::StepDown { from, step_back, down } => {
                 let mut out: Vec<Notice> = step_back.iter().map(|m| ("swap_bound", m.clone())).collect();
                 out.extend(skip_events(&down.skipped));
@@ -107,6 +115,7 @@ pub fn decide(policy: &Policy, state: &LadderState, outcome: &Outcome) -> Action
     let fail = |reason: String| Action::Fail { reason, before: vec![] };
     match outcome {
         Outcome::Finished => Action::Finish,
+        Outcome::SteppedUp { reason } => Action::StepUp { reason: reason.clone() },
         Outcome::Suspended => Action::Requeue,
         Outcome::Cancelled => Action::Cancel,
         Outcome::Invalid { message } => fail(format!("trainer rejected the configuration: {message}")),
@@ -310,6 +319,7 @@ mod tests {
         Cancel,
         Fail(&'static str),
         Retry(u32),
+        StepUp,
         /// Rung name, micro-batch and whether it stepped back.
         Down(&'static str, i64, bool),
     }
@@ -321,6 +331,8 @@ mod tests {
             Action::Cancel => Want::Cancel,
             Action::Fail { reason, .. } => Want::Fail(Box::leak(reason.clone().into_boxed_str())),
             Action::Retry { crashes, .. } => Want::Retry(*crashes),
+            Action::StepUp { .. } => Want::StepUp,
+            Action::Replan { .. } => unreachable!("decide never replans (the planner does): {action:?}"),
             Action::StepDown { step_back, down, .. } => Want::Down(
                 Box::leak(down.rung_name.clone().into_boxed_str()),
                 down.spec.train.micro_batch,
@@ -338,6 +350,7 @@ mod tests {
         // (case, swap_bound, rungs applied, crashes so far, outcome, expected)
         let cases: Vec<(&str, &str, usize, u32, Outcome, Want)> = vec![
             ("finished", "", 0, 0, Outcome::Finished, Want::Finish),
+            ("stopped to step back up", "", 3, 0, Outcome::SteppedUp { reason: "freed".into() }, Want::StepUp),
             ("suspended", "", 2, 0, Outcome::Suspended, Want::Requeue),
             ("cancelled", "", 1, 0, Outcome::Cancelled, Want::Cancel),
             ("oom at the base", "", 0, 0, oom(), Want::Down("bf16", 8, false)),

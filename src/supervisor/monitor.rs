@@ -43,6 +43,17 @@ pub struct Monitor {
     oom_category: Option<String>,
     oom_requested: Option<i64>,
     oom_message: Option<String>,
+    /// What other processes hold on the GPU at the last step, and its total (NVML).
+    others: Option<(u64, u64)>,
+    /// The preemption was caused by other processes' memory (the attempt's own live bytes
+    /// were below the line).
+    external: bool,
+    /// Watching for other processes' memory to fall to this level: steps in a row at or
+    /// below it, and whether `sustain` of them have been seen (once).
+    release_level: Option<u64>,
+    release_below: u32,
+    released: bool,
+    step_up_reason: Option<String>,
 }
 
 impl Monitor {
@@ -74,12 +85,47 @@ impl Monitor {
             oom_category: None,
             oom_requested: None,
             oom_message: None,
+            others: None,
+            external: false,
+            release_level: None,
+            release_below: 0,
+            released: false,
+            step_up_reason: None,
         }
+    }
+
+    /// (bytes other processes held, GPU total) when the attempt was preempted because of them.
+    pub fn external_pressure(&self) -> Option<(u64, u64)> {
+        self.others.filter(|_| self.external && self.preempt_reason.is_some())
+    }
+
+    /// Report once other processes' memory has stayed at or below `level` bytes for `sustain`
+    /// steps ([`Monitor::memory_released`]); a new call re-arms it.
+    pub fn watch_for_release(&mut self, level: u64) {
+        self.release_level = Some(level);
+        self.release_below = 0;
+        self.released = false;
+    }
+
+    /// (bytes other processes hold now, GPU total), once, after the watched release.
+    pub fn memory_released(&mut self) -> Option<(u64, u64)> {
+        if !self.released {
+            return None;
+        }
+        self.released = false;
+        self.release_level = None;
+        self.others
+    }
+
+    /// The runner decided to step back up: the attempt is checkpointed and stopped for it.
+    pub fn stop_for_step_up(&mut self, reason: String) {
+        self.step_up_reason = Some(reason);
     }
 
     /// Whether the attempt should be sent `checkpoint_and_exit` now (asked once).
     pub fn wants_preempt(&self) -> bool {
-        (self.preempt_reason.is_some() || self.swap_reason.is_some()) && !self.preempt_sent
+        (self.preempt_reason.is_some() || self.swap_reason.is_some() || self.step_up_reason.is_some())
+            && !self.preempt_sent
     }
 
     /// The runner sent the preempt request.
@@ -102,6 +148,9 @@ impl Monitor {
     pub fn stop_reason(&self) -> Option<StopReason> {
         if !self.preempt_sent {
             return None;
+        }
+        if let Some(r) = &self.step_up_reason {
+            return Some(StopReason::StepUp(r.clone()));
         }
         match (&self.swap_reason, &self.preempt_reason) {
             (Some(r), _) => Some(StopReason::SwapBound(r.clone())),
@@ -181,9 +230,17 @@ impl Monitor {
                 let capacity = mem.capacity.max(1) as f64;
                 let mut fraction = mem.allocated as f64 / capacity;
                 // Memory other processes hold on the GPU is pressure too.
+                let own_fraction = fraction;
                 if let Some(n) = ev.nvml.as_ref().filter(|n| n.total_bytes > 0) {
                     let others = n.used_bytes.saturating_sub(n.process_bytes.unwrap_or(mem.reserved as u64));
                     fraction = fraction.max((mem.allocated as u64 + others) as f64 / n.total_bytes as f64);
+                    self.others = Some((others, n.total_bytes));
+                    if let Some(level) = self.release_level {
+                        self.release_below = if others <= level { self.release_below + 1 } else { 0 };
+                        if self.release_below >= self.sustain {
+                            self.released = true;
+                        }
+                    }
                 }
                 if fraction >= self.warn && !self.warned {
                     self.warned = true;
@@ -241,6 +298,7 @@ impl Monitor {
                     );
                     out.push(("preempt", format!("step {step}: {reason}; checkpointing and stepping down")));
                     self.preempt_reason = Some(reason);
+                    self.external = own_fraction < self.preempt;
                 }
             }
             Event::Eval(ev) => {
@@ -510,5 +568,53 @@ mod tests {
             (end.capacity, end.peaks[0], end.message.as_deref()),
             (Some(64), Some(10), Some("out of device memory"))
         );
+    }
+
+    /// A step at `allocated` live bytes of 100 while other processes hold `others` (NVML).
+    fn shared_step(n: u64, allocated: usize, others: u64) -> Line {
+        let mut line = step(n, allocated, None);
+        if let Event::Step(ev) = &mut line.event {
+            ev.nvml = Some(protocol::NvmlReading {
+                used_bytes: allocated as u64 + others,
+                total_bytes: 100,
+                process_bytes: Some(allocated as u64),
+            });
+        }
+        line
+    }
+
+    #[test]
+    fn other_processes_memory_preempts_as_external_pressure_and_its_release_is_reported_once() {
+        // (case, (allocated, others) for 3 steps, external pressure)
+        let cases = [
+            ("own memory above the line: not external", (97, 0), None),
+            ("others push it over: external", (70, 30), Some((30, 100))),
+            ("below the line: no preemption", (70, 10), None),
+        ];
+        for (name, at, external) in cases {
+            let steps = [at; 3];
+            let mut m = Monitor::new(&policy(0.9, 0.95, 3, None), 1);
+            for (i, (alloc, others)) in steps.iter().enumerate() {
+                m.observe(&shared_step(i as u64 + 1, *alloc, *others));
+            }
+            assert_eq!(m.external_pressure(), external, "{name}");
+        }
+        // The release watch: reported after `sustain` steps at or below the level, once; a
+        // step above it starts the count again.
+        let mut m = Monitor::new(&policy(0.9, 0.95, 3, None), 1);
+        m.watch_for_release(10);
+        for (i, others) in [30, 5, 5, 40, 5, 5].iter().enumerate() {
+            m.observe(&shared_step(i as u64 + 1, 50, *others));
+            assert_eq!(m.memory_released(), None, "step {}", i + 1);
+        }
+        m.observe(&shared_step(7, 50, 8));
+        assert_eq!(m.memory_released(), Some((8, 100)));
+        assert_eq!(m.memory_released(), None, "once");
+        // Stopping for a step up is a stop the runner asked for, with its reason.
+        assert!(!m.wants_preempt());
+        m.stop_for_step_up("freed".into());
+        assert!(m.wants_preempt());
+        m.preempt_sent();
+        assert_eq!(m.stop_reason(), Some(StopReason::StepUp("freed".into())));
     }
 }

@@ -14,6 +14,8 @@ pub enum StopReason {
     Pressure(String),
     /// Offload transfers above the policy's `swap_bound` for `sustain` steps.
     SwapBound(String),
+    /// Memory other processes held is free again: stopped to step back up (the reason).
+    StepUp(String),
 }
 
 /// How one child process ended.
@@ -30,6 +32,11 @@ pub enum Outcome {
     },
     /// Checkpointed and stopped: offload transfers took more than the policy's `swap_bound`.
     SwapBound {
+        reason: String,
+    },
+    /// Checkpointed and stopped to step back up to a better configuration, the memory other
+    /// processes took being free again.
+    SteppedUp {
         reason: String,
     },
     /// Checkpointed and stopped because the daemon is shutting down.
@@ -52,6 +59,7 @@ impl Outcome {
             Outcome::Oom { .. } => "oom",
             Outcome::Preempted { .. } | Outcome::Suspended => "preempted",
             Outcome::SwapBound { .. } => "swap_bound",
+            Outcome::SteppedUp { .. } => "stepped_up",
             Outcome::Cancelled => "cancelled",
             Outcome::Invalid { .. } | Outcome::Crashed { .. } => "crashed",
         }
@@ -91,6 +99,7 @@ pub fn classify(exit: &Exit) -> Outcome {
         (Some(Ok(ExitCode::Preempted)), None) => match &exit.stopped_by_monitor {
             Some(StopReason::SwapBound(reason)) => Outcome::SwapBound { reason: reason.clone() },
             Some(StopReason::Pressure(reason)) => Outcome::Preempted { reason: reason.clone() },
+            Some(StopReason::StepUp(reason)) => Outcome::SteppedUp { reason: reason.clone() },
             None => Outcome::Preempted { reason: "trainer stopped itself after a checkpoint".into() },
         },
         (Some(Ok(ExitCode::Invalid)), _) => Outcome::Invalid { message: exit.last_log_line.clone() },
@@ -125,6 +134,10 @@ mod tests {
             (exit(Some(4), Some(Request::Shutdown), None), Outcome::Suspended),
             (exit(Some(4), None, pressure), Outcome::Preempted { reason: "at 97%".into() }),
             (exit(Some(4), None, swap), Outcome::SwapBound { reason: "80%".into() }),
+            (
+                exit(Some(4), None, Some(StopReason::StepUp("freed".into()))),
+                Outcome::SteppedUp { reason: "freed".into() },
+            ),
             (
                 exit(Some(4), None, None),
                 Outcome::Preempted { reason: "trainer stopped itself after a checkpoint".into() },

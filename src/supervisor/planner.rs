@@ -125,11 +125,25 @@ pub struct Candidate {
     pub spec: Option<JobSpec>,
 }
 
+/// Memory other processes hold on the job's GPU (NVML; a simulated GPU in tests).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Others {
+    pub bytes: u64,
+    /// The GPU's total.
+    pub total: u64,
+}
+
+/// How many times a job steps back up when other processes give memory back.
+pub const MAX_STEP_UPS: u32 = 3;
+
 /// The plan of one attempt: what was considered and what runs.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Plan {
     pub strategy: Strategy,
     pub capacity: usize,
+    /// What other processes held when it was planned (the limit leaves it to them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub others: Option<Others>,
     /// `preempt × capacity / (1 + margin)`: the predicted allocated peak a configuration may have.
     pub limit: usize,
     pub calibration: Calibration,
@@ -176,8 +190,15 @@ impl Plan {
                 serde_name(&c.verdict)
             ));
         }
+        let others = self.others.map_or(String::new(), |o| {
+            format!(
+                ", other processes holding {} of {}",
+                format_bytes(o.bytes as usize),
+                format_bytes(o.total as usize)
+            )
+        });
         out.push_str(&format!(
-            "limit {} ({} capacity; margin {:.1}%: {}); tokens/s × {:.3} ({})\n",
+            "limit {} ({} capacity{others}; margin {:.1}%: {}); tokens/s × {:.3} ({})\n",
             format_bytes(self.limit),
             format_bytes(self.capacity),
             self.calibration.margin * 100.0,
@@ -235,9 +256,21 @@ fn levels(policy: &Policy, state: &LadderState) -> Vec<(String, i64, JobSpec)> {
 /// (`fastest_fit`: the highest predicted tokens/s among those that fit — on the earliest rung
 /// whose best is within [`CLOSE_ENOUGH`] of it; other strategies: left for the caller to mark). None when the capacity is unknown
 /// (cuda with no `device_memory`).
-pub fn plan(policy: &Policy, state: &LadderState, failed: &[JobSpec], calibration: &Calibration) -> Option<Plan> {
+pub fn plan(
+    policy: &Policy,
+    state: &LadderState,
+    failed: &[JobSpec],
+    calibration: &Calibration,
+    others: Option<Others>,
+) -> Option<Plan> {
     let capacity = state.spec.device_capacity()?;
-    let limit = (capacity as f64 * policy.thresholds.preempt / (1.0 + calibration.margin)) as usize;
+    // The monitor's line: allocated under `preempt × capacity`, and allocated plus what other
+    // processes hold under `preempt × total`.
+    let preempt = policy.thresholds.preempt;
+    let line = others.map_or(capacity as f64 * preempt, |o| {
+        (capacity as f64 * preempt).min(o.total as f64 * preempt - o.bytes as f64).max(0.0)
+    });
+    let limit = (line / (1.0 + calibration.margin)) as usize;
     let mut candidates = Vec::new();
     for (rung, rung_index, spec) in levels(policy, state) {
         let per_rank = spec.train.global_batch / spec.memory.world_size.max(1);
@@ -269,8 +302,15 @@ pub fn plan(policy: &Policy, state: &LadderState, failed: &[JobSpec], calibratio
             });
         }
     }
-    let mut plan =
-        Plan { strategy: policy.strategy, capacity, limit, calibration: calibration.clone(), candidates, chosen: None };
+    let mut plan = Plan {
+        strategy: policy.strategy,
+        capacity,
+        others,
+        limit,
+        calibration: calibration.clone(),
+        candidates,
+        chosen: None,
+    };
     if policy.strategy == Strategy::FastestFit {
         let fitting = || plan.candidates.iter().enumerate().filter(|(_, c)| c.verdict == Verdict::Fits);
         let best = fitting().map(|(_, c)| c.predicted_tokens_per_s).fold(0.0, f64::max);
@@ -375,6 +415,66 @@ pub fn apply(plan: &Plan, state: &LadderState) -> Option<(LadderState, Vec<Notic
     Some((next, notices))
 }
 
+/// Stepping back up: a job that stepped down because other processes took memory (`from`: where
+/// it stood before) and now runs `current`; they hold `others` now. The fastest configuration
+/// planned from `from` with what they hold now, when it is predicted faster than `current` by
+/// more than [`CLOSE_ENOUGH`] (hysteresis: a move costs a restart), with the reason.
+pub fn step_up(
+    policy: &Policy,
+    from: &LadderState,
+    current: &LadderState,
+    failed: &[JobSpec],
+    calibration: &Calibration,
+    others: Others,
+) -> Option<(LadderState, String)> {
+    let fastest = Policy { strategy: Strategy::FastestFit, ..policy.clone() };
+    let plan = plan(&fastest, from, failed, calibration, Some(others))?;
+    let (target, _) = apply(&plan, from)?;
+    let chosen = plan.chosen()?;
+    let now = step_time_job(&current.spec).tokens_per_s * calibration.speed_scale;
+    if target.spec == current.spec || chosen.predicted_tokens_per_s <= now * (1.0 + CLOSE_ENOUGH) {
+        return None;
+    }
+    let reason = format!(
+        "other processes now hold {} of {}: stepping back up to rung {} ({}) — predicted {:.0} tokens/s, was {:.0}",
+        format_bytes(others.bytes as usize),
+        format_bytes(others.total as usize),
+        target.rung_name,
+        describe_change(&current.spec, &target.spec),
+        chosen.predicted_tokens_per_s,
+        now
+    );
+    Some((target, reason))
+}
+
+/// Under `fastest_fit`, after an attempt ran out of memory or was preempted: whether planning
+/// again from where the job stands (`failed` now holding that configuration, or `others` what
+/// other processes took) finds a configuration that fits — then the job re-plans instead of
+/// taking the ladder's next rung — with the message that says so.
+pub fn replan_after(
+    policy: &Policy,
+    state: &LadderState,
+    failed: &[JobSpec],
+    calibration: &Calibration,
+    others: Option<Others>,
+) -> Option<String> {
+    if policy.strategy != Strategy::FastestFit {
+        return None;
+    }
+    let plan = plan(policy, state, failed, calibration, others)?;
+    let chosen = plan.chosen()?;
+    let why = match others {
+        Some(o) => {
+            format!("other processes hold {} of {}", format_bytes(o.bytes as usize), format_bytes(o.total as usize))
+        }
+        None => "without the configurations that failed".to_string(),
+    };
+    Some(format!(
+        "re-planning from rung {} {why}: the fastest that fits is micro_batch {} × {} on rung {} ({})",
+        state.rung_name, chosen.micro_batch, chosen.grad_accum, chosen.rung, chosen.knobs
+    ))
+}
+
 /// A finished job of the same policy a new job may start from.
 #[derive(Debug, Clone)]
 pub struct Finished {
@@ -456,7 +556,7 @@ mod tests {
         ];
         for (name, mem, knobs) in cases {
             let spec = demo(mem);
-            let plan = plan(&policy, &base(&spec), &[], &cal).unwrap();
+            let plan = plan(&policy, &base(&spec), &[], &cal, None).unwrap();
             let chosen = plan.chosen().unwrap_or_else(|| panic!("{name}: nothing chosen\n{}", plan.table()));
             assert_eq!(chosen.knobs, knobs, "{name}\n{}", plan.table());
             let best = fastest_fitting(&plan);
@@ -487,7 +587,7 @@ mod tests {
         spec.model.block_size = 512;
         spec.model.n_layer = 8;
         let state = base(&spec);
-        let plan = plan(&policy, &state, &[], &Calibration::uncalibrated(&policy, "cpu")).unwrap();
+        let plan = plan(&policy, &state, &[], &Calibration::uncalibrated(&policy, "cpu"), None).unwrap();
         let chosen = plan.chosen().unwrap().clone();
         assert_eq!(chosen.rung, "checkpointing", "{}", plan.table());
         let raised = |m: i64| {
@@ -511,9 +611,9 @@ mod tests {
         let policy = default_policy();
         let cal = Calibration::uncalibrated(&policy, "cpu");
         let spec = demo("12MiB");
-        let first = plan(&policy, &base(&spec), &[], &cal).unwrap();
+        let first = plan(&policy, &base(&spec), &[], &cal, None).unwrap();
         let chosen = first.chosen().unwrap().spec.clone().unwrap();
-        let again = plan(&policy, &base(&spec), std::slice::from_ref(&chosen), &cal).unwrap();
+        let again = plan(&policy, &base(&spec), std::slice::from_ref(&chosen), &cal, None).unwrap();
         let next = again.chosen().unwrap();
         assert!(
             next.spec.as_ref().unwrap().memory != chosen.memory || next.micro_batch < chosen.train.micro_batch,
@@ -526,17 +626,17 @@ mod tests {
             .filter(|c| c.spec.as_ref().unwrap().memory == chosen.memory && c.micro_batch >= chosen.train.micro_batch)
             .all(|c| c.verdict == Verdict::FailedBefore));
         // Nothing fits on 64 KiB: no choice, the ladder stands.
-        let tiny = plan(&policy, &base(&demo("64KiB")), &[], &cal).unwrap();
+        let tiny = plan(&policy, &base(&demo("64KiB")), &[], &cal, None).unwrap();
         assert_eq!(tiny.chosen, None);
         assert!(apply(&tiny, &base(&demo("64KiB"))).is_none());
         // No known capacity: no plan.
         let mut unbounded = demo("12MiB");
         unbounded.device.kind = DeviceKind::Cuda;
         unbounded.device.device_memory = None;
-        assert!(plan(&policy, &base(&unbounded), &[], &cal).is_none());
+        assert!(plan(&policy, &base(&unbounded), &[], &cal, None).is_none());
         // Other strategies leave the choice to the caller, who marks it.
         let ladder = Policy { strategy: Strategy::Ladder, ..policy.clone() };
-        let mut p = plan(&ladder, &base(&spec), &[], &cal).unwrap();
+        let mut p = plan(&ladder, &base(&spec), &[], &cal, None).unwrap();
         assert_eq!(p.chosen, None);
         p.mark_chosen(&spec);
         assert_eq!(p.chosen().map(|c| (c.rung.as_str(), c.micro_batch)), Some(("base", 32)));
@@ -578,8 +678,8 @@ mod tests {
         // micro-batch.
         let spec = demo("12MiB");
         let tight = Calibration { margin: 0.5, ..Calibration::uncalibrated(&policy, "cpu") };
-        let loose = plan(&policy, &base(&spec), &[], &Calibration::uncalibrated(&policy, "cpu")).unwrap();
-        let tight = plan(&policy, &base(&spec), &[], &tight).unwrap();
+        let loose = plan(&policy, &base(&spec), &[], &Calibration::uncalibrated(&policy, "cpu"), None).unwrap();
+        let tight = plan(&policy, &base(&spec), &[], &tight, None).unwrap();
         assert!(tight.limit < loose.limit);
         let pick = |p: &Plan| p.chosen().map(|c| (c.knobs.clone(), c.micro_batch));
         assert_ne!(pick(&tight), pick(&loose), "{}\n{}", loose.table(), tight.table());
@@ -617,5 +717,40 @@ mod tests {
             change(&mut other);
             assert!(warm_start(&spec, &[finished(other)]).is_none(), "{name}");
         }
+    }
+
+    #[test]
+    fn other_processes_memory_shrinks_the_plan_and_its_release_steps_back_up() {
+        let policy = default_policy();
+        let cal = Calibration::uncalibrated(&policy, "cpu");
+        let spec = demo("12MiB");
+        let total = 12u64 << 20;
+        let free = plan(&policy, &base(&spec), &[], &cal, None).unwrap();
+        let taken = Others { bytes: 3 << 20, total };
+        let squeezed = plan(&policy, &base(&spec), &[], &cal, Some(taken)).unwrap();
+        let shrink = (free.limit - squeezed.limit) as f64;
+        assert!((shrink - (3u64 << 20) as f64 / (1.0 + cal.margin)).abs() <= 1.0, "{shrink}");
+        let (big, small) = (free.chosen().unwrap(), squeezed.chosen().unwrap());
+        assert!(small.predicted_allocated <= squeezed.limit && big.predicted_allocated > squeezed.limit);
+        let message = replan_after(&policy, &base(&spec), &[], &cal, Some(taken)).unwrap();
+        assert!(
+            message.starts_with("re-planning from rung base other processes hold 3.00 MiB of 12.00 MiB"),
+            "{message}"
+        );
+        // Running the squeezed choice, from the state before the pressure: back up once they
+        // give the memory back, not while they still hold it, and not for a gain within the
+        // model's resolution.
+        let from = base(&spec);
+        let current = apply(&squeezed, &from).unwrap().0;
+        let up = step_up(&policy, &from, &current, &[], &cal, Others { bytes: 0, total });
+        let (target, reason) = up.expect("steps back up");
+        assert_eq!(target.spec, free.chosen().unwrap().spec.clone().unwrap());
+        assert!(reason.contains("stepping back up to rung base"), "{reason}");
+        assert!(step_up(&policy, &from, &current, &[], &cal, taken).is_none(), "still held");
+        let nearly = apply(&free, &from).unwrap().0;
+        assert!(step_up(&policy, &from, &nearly, &[], &cal, Others { bytes: 0, total }).is_none(), "already there");
+        // Under the other strategies an OOM takes the ladder's next rung, never a re-plan.
+        let ladder = Policy { strategy: Strategy::Ladder, ..policy.clone() };
+        assert!(replan_after(&ladder, &base(&spec), &[], &cal, Some(taken)).is_none());
     }
 }

@@ -34,7 +34,31 @@ pub struct RunnerConfig {
     pub trainer_exe: PathBuf,
     /// Jobs run at once (device slots).
     pub slots: usize,
+    /// Extra environment of every trainer child (tests: `HEADROOM_SIMULATED_GPU`).
+    pub trainer_env: Vec<(String, String)>,
 }
+
+/// What one attempt came to: its outcome; the configuration to step up to when the runner
+/// stopped it for that; what other processes held when they caused its preemption.
+struct AttemptResult {
+    outcome: Outcome,
+    step_up_to: Option<(LadderState, planner::Others)>,
+    external: Option<planner::Others>,
+}
+
+/// Armed on attempts of a job that stepped down because other processes took memory: when they
+/// give enough back, the planner is asked whether to step back up.
+struct StepUpWatch {
+    from: LadderState,
+    current: LadderState,
+    failed: Vec<JobSpec>,
+    calibration: planner::Calibration,
+    /// Other processes' bytes at or below which the planner is asked.
+    level: u64,
+}
+
+/// Other processes must give back this share of the GPU before a step up is considered.
+const RELEASE_STEP: u64 = 20;
 
 /// The daemon's job runner, shared by the HTTP handlers.
 pub struct Runner {
@@ -214,6 +238,11 @@ impl Runner {
                 state = warm;
             }
         }
+        // Other processes' memory the plans leave to them, where the job stood before they took
+        // it, and how often it stepped back up.
+        let mut others: Option<planner::Others> = None;
+        let mut pressure_from: Option<LadderState> = None;
+        let mut step_ups = 0u32;
         let (control_tx, mut control_rx) = mpsc::unbounded_channel();
         self.running.lock().await.insert(job, control_tx);
         let result = async {
@@ -222,7 +251,7 @@ impl Runner {
                 let history: Vec<planner::Observed> =
                     self.db.device_history(&device_kind, planner::HISTORY).await?.iter().map(observed).collect();
                 let calibration = planner::learn(&policy, &device_kind, &history);
-                let mut plan = planner::plan(&policy, &state, &failed, &calibration);
+                let mut plan = planner::plan(&policy, &state, &failed, &calibration, others);
                 let before = state.clone();
                 let notices = match policy.strategy {
                     Strategy::FastestFit => match plan.as_ref().map(|p| planner::apply(p, &state)) {
@@ -280,18 +309,50 @@ impl Runner {
                     model_tokens_per_s: Some(model.tokens_per_s),
                     plan_json: plan.as_ref().map(serde_json::to_string).transpose()?,
                 };
-                let outcome = self
-                    .run_attempt(job, &state.rung_name, &state.spec, &attempt_plan, &policy, &mut control_rx)
-                    .await?;
-                if matches!(outcome, Outcome::Oom { .. } | Outcome::Preempted { .. }) {
-                    failed.push(state.spec.clone());
+                let watch = match (&pressure_from, others) {
+                    (Some(from), Some(o)) if step_ups < planner::MAX_STEP_UPS => Some(StepUpWatch {
+                        from: from.clone(),
+                        current: state.clone(),
+                        failed: failed.clone(),
+                        calibration: calibration.clone(),
+                        level: o.bytes.saturating_sub(o.total / RELEASE_STEP),
+                    }),
+                    _ => None,
+                };
+                let AttemptResult { outcome, step_up_to, external } =
+                    self.run_attempt(job, &state, &attempt_plan, &policy, watch, &mut control_rx).await?;
+                let failure = matches!(outcome, Outcome::Oom { .. } | Outcome::Preempted { .. });
+                match external {
+                    // Other processes' memory is not this configuration's failure: plan around it,
+                    // and remember where the job stood to step back up when it is given back.
+                    Some(o) if failure => {
+                        others = Some(o);
+                        pressure_from.get_or_insert_with(|| state.clone());
+                    }
+                    _ if failure => failed.push(state.spec.clone()),
+                    _ => {}
                 }
-                let action = ladder::decide(&policy, &state, &outcome);
+                let replan =
+                    if failure { planner::replan_after(&policy, &state, &failed, &calibration, others) } else { None };
+                let action = match replan {
+                    Some(message) => Action::Replan { message },
+                    None => ladder::decide(&policy, &state, &outcome),
+                };
                 for (kind, message) in action.events(&state) {
                     self.db.event(job, None, kind, &message).await?;
                 }
+                let mut next = action.next_state(&state);
                 match &action {
-                    Action::Retry { .. } => {}
+                    Action::Retry { .. } | Action::Replan { .. } => {}
+                    Action::StepUp { .. } => {
+                        if let Some((target, now)) = step_up_to {
+                            step_ups += 1;
+                            others = Some(now);
+                            let spec_json = serde_json::to_string(&target.spec)?;
+                            self.db.set_job_rung(job, &target.rung_name, target.rung_index, &spec_json).await?;
+                            next = target;
+                        }
+                    }
                     Action::StepDown { down, .. } => {
                         let spec_json = serde_json::to_string(&down.spec)?;
                         self.db.set_job_rung(job, &down.rung_name, down.rung_index, &spec_json).await?;
@@ -309,7 +370,7 @@ impl Runner {
                         return Ok(());
                     }
                 }
-                state = action.next_state(&state);
+                state = next;
                 if *self.shutdown.borrow() {
                     self.db.set_job_status(job, "queued", None).await?;
                     return Ok(());
@@ -324,16 +385,17 @@ impl Runner {
     async fn run_attempt(
         &self,
         job: i64,
-        rung: &str,
-        spec: &JobSpec,
+        state: &LadderState,
         plan: &AttemptPlan,
         policy: &Policy,
+        watch: Option<StepUpWatch>,
         control: &mut mpsc::UnboundedReceiver<Request>,
-    ) -> anyhow::Result<Outcome> {
+    ) -> anyhow::Result<AttemptResult> {
+        let (rung, spec) = (state.rung_name.as_str(), &state.spec);
         let run_dir = self.prepare_run_dir(job).await?;
         let config_json = serde_json::to_string(spec)?;
         let (attempt, number) = self.db.start_attempt(job, rung, &config_json, plan).await?;
-        match self.supervise(job, attempt, number, &run_dir, rung, spec, policy, control).await {
+        match self.supervise(job, attempt, number, &run_dir, rung, spec, policy, watch, control).await {
             Ok(outcome) => Ok(outcome),
             Err(e) => {
                 // The attempt row is always closed, whatever stopped the supervision.
@@ -360,8 +422,9 @@ impl Runner {
         rung: &str,
         spec: &JobSpec,
         policy: &Policy,
+        mut watch: Option<StepUpWatch>,
         control: &mut mpsc::UnboundedReceiver<Request>,
-    ) -> anyhow::Result<Outcome> {
+    ) -> anyhow::Result<AttemptResult> {
         let config_path = run_dir.join(format!("attempt-{number}.yaml"));
         std::fs::write(&config_path, spec.to_yaml())?;
         let stderr_log = std::fs::File::create(run_dir.join(format!("attempt-{number}.log")))?;
@@ -389,6 +452,7 @@ impl Runner {
             .arg("--run-owner")
             .arg(self.owner(job))
             .env("HEADROOM_LOG", std::env::var("HEADROOM_TRAINER_LOG").unwrap_or_else(|_| "info".into()))
+            .envs(self.cfg.trainer_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(stderr_log))
@@ -399,6 +463,10 @@ impl Runner {
         let mut stdin = child.stdin.take().expect("piped stdin");
         let mut lines = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
         let mut monitor = Monitor::new(policy, attempt);
+        if let Some(w) = &watch {
+            monitor.watch_for_release(w.level);
+        }
+        let mut step_up_to = None;
         let mut requested: Option<Request> = None;
         let mut last_flush = Instant::now();
         loop {
@@ -411,6 +479,17 @@ impl Runner {
                     };
                     for (kind, message) in monitor.observe(&ev) {
                         self.db.event(job, Some(attempt), kind, &message).await?;
+                    }
+                    if let (Some(w), Some((bytes, total))) = (watch.as_mut(), monitor.memory_released()) {
+                        let now = planner::Others { bytes, total };
+                        match planner::step_up(policy, &w.from, &w.current, &w.failed, &w.calibration, now) {
+                            Some((target, reason)) if requested.is_none() => {
+                                monitor.stop_for_step_up(reason);
+                                step_up_to = Some((target, now));
+                            }
+                            // Not worth a restart yet: ask again when more is given back.
+                            _ => monitor.watch_for_release(bytes.saturating_sub(total / RELEASE_STEP)),
+                        }
                     }
                     if monitor.wants_preempt() && requested.is_none() {
                         send_control(&mut stdin, Control::CheckpointAndExit).await;
@@ -455,6 +534,7 @@ impl Runner {
             ),
             Outcome::Preempted { reason } => format!("attempt {number} preempted: {reason}"),
             Outcome::SwapBound { reason } => format!("attempt {number} swap-bound: {reason}"),
+            Outcome::SteppedUp { .. } => format!("attempt {number} checkpointed and stopped to step back up"),
             other => format!("attempt {number} ended: {}", other.db_name()),
         };
         let kind = match outcome {
@@ -463,7 +543,9 @@ impl Runner {
             _ => "attempt_ended",
         };
         self.db.event(job, Some(attempt), kind, &summary).await?;
-        Ok(outcome)
+        let external = monitor.external_pressure().map(|(bytes, total)| planner::Others { bytes, total });
+        let step_up_to = step_up_to.filter(|_| matches!(outcome, Outcome::SteppedUp { .. }));
+        Ok(AttemptResult { outcome, step_up_to, external })
     }
 
     async fn flush(&self, job: i64, monitor: &mut Monitor) -> anyhow::Result<()> {

@@ -343,7 +343,7 @@ impl Run<'_> {
         let device = backend.device();
         // On a GPU, NVML's view of the device joins each step's telemetry: the driver's count,
         // which includes what the pool does not see (context, cuBLAS workspace, other processes).
-        let nvml = (spec.device.kind == DeviceKind::Cuda).then(crate::gpu::GpuMonitor::init);
+        let nvml = gpu_readings(spec, &pool);
         let trainer = Trainer::<E, B>::on_backend(cfg, hyper.clone(), backend, comm.clone());
         let all_ok = comm.as_ref().map_or(trainer.is_ok(), |c| c.agree(trainer.is_ok()));
         let mut trainer = match (trainer, all_ok) {
@@ -540,4 +540,19 @@ fn progress_bar(total: u64, at: u64) -> indicatif::ProgressBar {
 /// The run directory used when none is given: `runs/<job name>`.
 pub fn default_run_dir(spec: &JobSpec) -> PathBuf {
     Path::new("runs").join(&spec.name)
+}
+
+/// The device-wide memory view of each step event: NVML on cuda; the simulated GPU of
+/// [`crate::gpu::SIMULATED_GPU_ENV`] when a test sets it (on any device: the pool's capacity
+/// is the GPU's total and its reserved bytes this process's share); none otherwise.
+fn gpu_readings(spec: &JobSpec, pool: &Pool) -> Option<Box<dyn crate::gpu::GpuReadings>> {
+    if let Some(path) = std::env::var_os(crate::gpu::SIMULATED_GPU_ENV) {
+        let own = pool.clone();
+        return Some(Box::new(crate::gpu::SimulatedGpu {
+            path: path.into(),
+            total_bytes: pool.stats().capacity as u64,
+            own: Box::new(move || own.stats().reserved as u64),
+        }));
+    }
+    (spec.device.kind == DeviceKind::Cuda).then(|| Box::new(crate::gpu::GpuMonitor::init()) as Box<_>)
 }
