@@ -281,6 +281,19 @@ async fn fastest_fit_starts_a_scaled_down_xl_case_on_its_fastest_fitting_configu
         assert!(text.contains(&format!("rung {rung} skipped: predicted")), "{rung}: {text}");
     }
     assert!(text.contains("fastest fit: rung offload-optimizer ("), "{text}");
+    // Warm start: the same job again starts from where the first one finished, and says so.
+    let again = submit(&s, &yaml).await;
+    let job2 = wait_terminal(&s, again).await;
+    assert_eq!((job2["status"].as_str(), job2["rung"].as_str()), (Some("finished"), Some("offload-optimizer")));
+    let events = get(&s, &format!("/api/jobs/{again}/events")).await;
+    let k2 = kinds(&events);
+    let at = |kind: &str| k2.iter().position(|k| k == kind);
+    assert!(at("warm_start").is_some() && at("warm_start") < at("attempt_started"), "{k2:?}");
+    assert!(events.to_string().contains(&format!("warm start from job {id}:")), "{events}");
+    let a2 = get(&s, &format!("/api/jobs/{again}/attempts")).await;
+    assert_eq!(a2.as_array().unwrap().len(), 1);
+    let cfg2: Value = serde_json::from_str(a2[0]["config_json"].as_str().unwrap()).unwrap();
+    assert_eq!((&cfg2["memory"], &cfg2["train"]["micro_batch"]), (&cfg["memory"], &cfg["train"]["micro_batch"]));
     s.shutdown().await.unwrap();
 }
 
@@ -358,6 +371,7 @@ async fn memory_taken_by_another_process_steps_the_job_down_and_its_release_step
     let events = get(&s, &format!("/api/jobs/{id}/events")).await;
     let text = events.to_string();
     assert!(text.contains("re-planning from rung base other processes hold 3.00 MiB of 12.00 MiB"), "{text}");
+    assert!(text.contains("3.00 MiB of it held by other processes"), "the preemption names the cause: {text}");
     let k = kinds(&events);
     assert_eq!(k.iter().filter(|k| *k == "step_up").count(), 1, "{k:?}");
     assert!(text.contains("other processes now hold 0 B of 12.00 MiB: stepping back up to rung base"), "{text}");

@@ -319,7 +319,7 @@ fn print_plan(args: &EstimateArgs, spec: &JobSpec) -> anyhow::Result<()> {
         .map_err(|e| ConfigError { field: "--policy".into(), message: e.to_string() })?;
     let state = LadderState::new(spec.clone(), "base".into(), -1);
     let calibration = Calibration::uncalibrated(&pol, &crate::config::serde_name(&spec.device.kind));
-    let Some(mut plan) = planner::plan(&pol, &state, &[], &calibration, None) else {
+    let Some(mut plan) = planner::plan(&pol, &state, &planner::Excluded::default(), &calibration, None) else {
         return Err(ConfigError {
             field: "device.device_memory".into(),
             message: "the device's capacity is unknown (cuda without device_memory): nothing to plan against".into(),

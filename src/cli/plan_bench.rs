@@ -54,7 +54,7 @@ pub fn plan_bench(spec: &JobSpec, policy: &Policy, steps: i64, rounds: usize) ->
     let policy = Policy { strategy: Strategy::FastestFit, ..policy.clone() };
     let state = LadderState::new(spec.clone(), "base".into(), -1);
     let calibration = Calibration::uncalibrated(&policy, &crate::config::serde_name(&spec.device.kind));
-    let plan = planner::plan(&policy, &state, &[], &calibration, None)
+    let plan = planner::plan(&policy, &state, &planner::Excluded::default(), &calibration, None)
         .ok_or_else(|| anyhow::anyhow!("device.device_memory: the capacity is unknown, nothing to plan against"))?;
     let chosen = plan.chosen.ok_or_else(|| anyhow::anyhow!("nothing the policy allows is predicted to fit"))?;
     let fitting: Vec<usize> = (0..plan.candidates.len())

@@ -125,6 +125,10 @@ fn json_text<S: serde::Serializer>(text: &Option<String>, s: S) -> Result<S::Ok,
     serde::Serialize::serialize(&value, s)
 }
 
+/// Part of a preemption's message when memory other processes held caused it (the monitor
+/// writes it, `failed_configs` reads it).
+pub const OTHERS_MARK: &str = "held by other processes";
+
 /// What an attempt is started with besides its configuration: the planner's predictions.
 #[derive(Debug, Clone, Default)]
 pub struct AttemptPlan {
@@ -645,16 +649,19 @@ impl Db {
         .await
     }
 
-    /// The configurations of job `job`'s attempts that ran out of memory or were preempted.
-    pub async fn failed_configs(&self, job: i64) -> DbResult<Vec<String>> {
+    /// (outcome, configuration) of job `job`'s attempts that ran out of memory, were preempted
+    /// for their own memory (not for what other processes held: `OTHERS_MARK` in the message)
+    /// or ran slow.
+    pub async fn failed_configs(&self, job: i64) -> DbResult<Vec<(String, String)>> {
         self.retry("failed_configs", || async move {
-            let rows: Vec<(String,)> = sqlx::query_as(
-                "SELECT config_json FROM attempts WHERE job_id = ? AND outcome IN ('oom', 'preempted') ORDER BY id",
+            sqlx::query_as(
+                "SELECT outcome, config_json FROM attempts WHERE job_id = ? AND (outcome IN ('oom', 'slow') \
+                 OR (outcome = 'preempted' AND instr(coalesce(message, ''), ?) = 0)) ORDER BY id",
             )
             .bind(job)
+            .bind(OTHERS_MARK)
             .fetch_all(&self.pool)
-            .await?;
-            Ok(rows.into_iter().map(|r| r.0).collect())
+            .await
         })
         .await
     }

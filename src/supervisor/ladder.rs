@@ -116,6 +116,10 @@ pub fn decide(policy: &Policy, state: &LadderState, outcome: &Outcome) -> Action
     match outcome {
         Outcome::Finished => Action::Finish,
         Outcome::SteppedUp { reason } => Action::StepUp { reason: reason.clone() },
+        // Re-planned by the runner when something else fits; when nothing does, run it again.
+        Outcome::Slow { reason } => Action::Replan {
+            message: format!("{reason}; nothing else the policy allows is predicted to fit: running it again"),
+        },
         Outcome::Suspended => Action::Requeue,
         Outcome::Cancelled => Action::Cancel,
         Outcome::Invalid { message } => fail(format!("trainer rejected the configuration: {message}")),
@@ -320,6 +324,7 @@ mod tests {
         Fail(&'static str),
         Retry(u32),
         StepUp,
+        Replan,
         /// Rung name, micro-batch and whether it stepped back.
         Down(&'static str, i64, bool),
     }
@@ -332,7 +337,7 @@ mod tests {
             Action::Fail { reason, .. } => Want::Fail(Box::leak(reason.clone().into_boxed_str())),
             Action::Retry { crashes, .. } => Want::Retry(*crashes),
             Action::StepUp { .. } => Want::StepUp,
-            Action::Replan { .. } => unreachable!("decide never replans (the planner does): {action:?}"),
+            Action::Replan { .. } => Want::Replan,
             Action::StepDown { step_back, down, .. } => Want::Down(
                 Box::leak(down.rung_name.clone().into_boxed_str()),
                 down.spec.train.micro_batch,
@@ -351,6 +356,7 @@ mod tests {
         let cases: Vec<(&str, &str, usize, u32, Outcome, Want)> = vec![
             ("finished", "", 0, 0, Outcome::Finished, Want::Finish),
             ("stopped to step back up", "", 3, 0, Outcome::SteppedUp { reason: "freed".into() }, Want::StepUp),
+            ("slow, nothing else fits", "", 2, 0, Outcome::Slow { reason: "3k tokens/s".into() }, Want::Replan),
             ("suspended", "", 2, 0, Outcome::Suspended, Want::Requeue),
             ("cancelled", "", 1, 0, Outcome::Cancelled, Want::Cancel),
             ("oom at the base", "", 0, 0, oom(), Want::Down("bf16", 8, false)),

@@ -6,7 +6,7 @@
 
 use crate::protocol::{Event, Line};
 
-use super::db::{now, AttemptEnd, SampleRow};
+use super::db::{now, AttemptEnd, SampleRow, OTHERS_MARK};
 use super::outcome::{Notice, Outcome, StopReason};
 use super::policy::Policy;
 
@@ -54,7 +54,14 @@ pub struct Monitor {
     release_below: u32,
     released: bool,
     step_up_reason: Option<String>,
+    /// Tokens/s under which the attempt counts as far slower than planned (armed by the
+    /// runner: `planner::slow_floor`), the predicted figure, and the reason once sustained.
+    slow_floor: Option<(f64, f64)>,
+    slow_reason: Option<String>,
 }
+
+/// Steps the slowness check looks at (their median), after the attempt's first two.
+const SLOW_WINDOW: usize = 5;
 
 impl Monitor {
     pub fn new(policy: &Policy, attempt: i64) -> Monitor {
@@ -91,7 +98,15 @@ impl Monitor {
             release_below: 0,
             released: false,
             step_up_reason: None,
+            slow_floor: None,
+            slow_reason: None,
         }
+    }
+
+    /// Stop the attempt if its median tokens/s over [`SLOW_WINDOW`] steps stays under `floor`
+    /// (the plan predicted `predicted`).
+    pub fn expect_throughput(&mut self, floor: f64, predicted: f64) {
+        self.slow_floor = Some((floor, predicted));
     }
 
     /// (bytes other processes held, GPU total) when the attempt was preempted because of them.
@@ -124,7 +139,10 @@ impl Monitor {
 
     /// Whether the attempt should be sent `checkpoint_and_exit` now (asked once).
     pub fn wants_preempt(&self) -> bool {
-        (self.preempt_reason.is_some() || self.swap_reason.is_some() || self.step_up_reason.is_some())
+        (self.preempt_reason.is_some()
+            || self.swap_reason.is_some()
+            || self.step_up_reason.is_some()
+            || self.slow_reason.is_some())
             && !self.preempt_sent
     }
 
@@ -151,6 +169,9 @@ impl Monitor {
         }
         if let Some(r) = &self.step_up_reason {
             return Some(StopReason::StepUp(r.clone()));
+        }
+        if let Some(r) = &self.slow_reason {
+            return Some(StopReason::Slow(r.clone()));
         }
         match (&self.swap_reason, &self.preempt_reason) {
             (Some(r), _) => Some(StopReason::SwapBound(r.clone())),
@@ -207,6 +228,23 @@ impl Monitor {
                 let finite = |x: f64| x.is_finite().then_some(x);
                 if let Some(tps) = finite(ev.tokens_per_s) {
                     self.tokens_per_s.push(tps);
+                }
+                if let (Some((floor, predicted)), None) = (self.slow_floor, &self.slow_reason) {
+                    let n = self.tokens_per_s.len();
+                    if n >= SLOW_WINDOW + 2 {
+                        let mut window = self.tokens_per_s[n - SLOW_WINDOW..].to_vec();
+                        window.sort_by(f64::total_cmp);
+                        let median = window[SLOW_WINDOW / 2];
+                        if median < floor && self.preempt_reason.is_none() && self.swap_reason.is_none() {
+                            let reason = format!(
+                                "measured {median:.0} tokens/s (median of the last {SLOW_WINDOW} steps), under {:.0}% of \
+                                 the {predicted:.0} the plan predicted",
+                                floor / predicted * 100.0
+                            );
+                            out.push(("slow", format!("step {step}: {reason}; checkpointing and re-planning")));
+                            self.slow_reason = Some(reason);
+                        }
+                    }
                 }
                 let g = |v: usize| Some(v as i64);
                 self.samples.push(SampleRow {
@@ -296,9 +334,15 @@ impl Monitor {
                         self.preempt * 100.0,
                         self.sustain
                     );
+                    self.external = own_fraction < self.preempt;
+                    let reason = match self.others.filter(|_| self.external) {
+                        Some((others, _)) => {
+                            format!("{reason}; {} of it {OTHERS_MARK}", crate::memory::format_bytes(others as usize))
+                        }
+                        None => reason,
+                    };
                     out.push(("preempt", format!("step {step}: {reason}; checkpointing and stepping down")));
                     self.preempt_reason = Some(reason);
-                    self.external = own_fraction < self.preempt;
                 }
             }
             Event::Eval(ev) => {
@@ -616,5 +660,32 @@ mod tests {
         assert!(m.wants_preempt());
         m.preempt_sent();
         assert_eq!(m.stop_reason(), Some(StopReason::StepUp("freed".into())));
+    }
+
+    #[test]
+    fn an_attempt_far_below_its_predicted_throughput_is_stopped_once_its_median_says_so() {
+        // step(n) reports 100·n tokens/s: the median of steps 3..7 is 500.
+        // (case, floor, stopped)
+        let cases = [("under the floor", 600.0, true), ("above it", 400.0, false)];
+        for (name, floor, stopped) in cases {
+            let mut m = Monitor::new(&policy(0.9, 0.95, 3, None), 1);
+            m.expect_throughput(floor, floor * 2.0);
+            let mut events = Vec::new();
+            for n in 1..=7 {
+                events.extend(m.observe(&step(n, 10, None)));
+            }
+            assert_eq!(m.wants_preempt(), stopped, "{name}: {events:?}");
+            if stopped {
+                assert_eq!(events.last().map(|e| e.0), Some("slow"), "{name}");
+                m.preempt_sent();
+                assert!(matches!(m.stop_reason(), Some(StopReason::Slow(r)) if r.starts_with("measured 500 tokens/s")));
+            }
+        }
+        // Not armed: never.
+        let mut m = Monitor::new(&policy(0.9, 0.95, 3, None), 1);
+        for n in 1..=20 {
+            m.observe(&step(n, 10, None));
+        }
+        assert!(!m.wants_preempt());
     }
 }

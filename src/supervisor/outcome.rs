@@ -16,6 +16,8 @@ pub enum StopReason {
     SwapBound(String),
     /// Memory other processes held is free again: stopped to step back up (the reason).
     StepUp(String),
+    /// Throughput far below the plan's prediction for `sustain` steps.
+    Slow(String),
 }
 
 /// How one child process ended.
@@ -39,6 +41,10 @@ pub enum Outcome {
     SteppedUp {
         reason: String,
     },
+    /// Checkpointed and stopped: its tokens/s stayed far below what the plan predicted.
+    Slow {
+        reason: String,
+    },
     /// Checkpointed and stopped because the daemon is shutting down.
     Suspended,
     Cancelled,
@@ -60,6 +66,7 @@ impl Outcome {
             Outcome::Preempted { .. } | Outcome::Suspended => "preempted",
             Outcome::SwapBound { .. } => "swap_bound",
             Outcome::SteppedUp { .. } => "stepped_up",
+            Outcome::Slow { .. } => "slow",
             Outcome::Cancelled => "cancelled",
             Outcome::Invalid { .. } | Outcome::Crashed { .. } => "crashed",
         }
@@ -100,6 +107,7 @@ pub fn classify(exit: &Exit) -> Outcome {
             Some(StopReason::SwapBound(reason)) => Outcome::SwapBound { reason: reason.clone() },
             Some(StopReason::Pressure(reason)) => Outcome::Preempted { reason: reason.clone() },
             Some(StopReason::StepUp(reason)) => Outcome::SteppedUp { reason: reason.clone() },
+            Some(StopReason::Slow(reason)) => Outcome::Slow { reason: reason.clone() },
             None => Outcome::Preempted { reason: "trainer stopped itself after a checkpoint".into() },
         },
         (Some(Ok(ExitCode::Invalid)), _) => Outcome::Invalid { message: exit.last_log_line.clone() },
@@ -137,6 +145,10 @@ mod tests {
             (
                 exit(Some(4), None, Some(StopReason::StepUp("freed".into()))),
                 Outcome::SteppedUp { reason: "freed".into() },
+            ),
+            (
+                exit(Some(4), None, Some(StopReason::Slow("3k < 10k".into()))),
+                Outcome::Slow { reason: "3k < 10k".into() },
             ),
             (
                 exit(Some(4), None, None),

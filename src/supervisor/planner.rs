@@ -50,6 +50,9 @@ pub struct Calibration {
     /// Predicted tokens/s are multiplied by this (measured/predicted on the device, median).
     pub speed_scale: f64,
     pub speed_from: String,
+    /// Attempts the speed scale is the median of (0: device defaults).
+    #[serde(default)]
+    pub speed_samples: usize,
 }
 
 impl Calibration {
@@ -91,7 +94,23 @@ pub fn learn(policy: &Policy, device: &str, history: &[Observed]) -> Calibration
             (median, format!("median measured/predicted tokens/s of {n} attempts on {device}"))
         }
     };
-    Calibration { margin, margin_from, speed_scale, speed_from }
+    Calibration { margin, margin_from, speed_scale, speed_from, speed_samples: speeds.len() }
+}
+
+/// An attempt is re-planned when its measured tokens/s stays under this share of the plan's
+/// prediction — only once the device's calibration rests on this many attempts (before that
+/// the prediction is the uncalibrated model's, not a promise), and at most
+/// [`MAX_SLOW_REPLANS`] times per job.
+pub const SLOW_FRACTION: f64 = 0.5;
+pub const SLOW_MIN_SAMPLES: usize = 3;
+pub const MAX_SLOW_REPLANS: usize = 2;
+
+/// The tokens/s below which an attempt planned at `predicted` counts as far too slow, when the
+/// calibration is trustworthy and the job has re-planned for slowness fewer than
+/// [`MAX_SLOW_REPLANS`] times.
+pub fn slow_floor(calibration: &Calibration, predicted: f64, excluded: &Excluded) -> Option<f64> {
+    (calibration.speed_samples >= SLOW_MIN_SAMPLES && excluded.slow.len() < MAX_SLOW_REPLANS && predicted > 0.0)
+        .then_some(predicted * SLOW_FRACTION)
 }
 
 /// Why a candidate is or is not the one that runs.
@@ -107,6 +126,8 @@ pub enum Verdict {
     /// This configuration, or the same one with a smaller micro-batch, already ran out of
     /// memory (or was preempted for it) in this job.
     FailedBefore,
+    /// This configuration ran far below its predicted throughput in this job.
+    Slow,
 }
 
 /// One configuration the plan considered.
@@ -232,9 +253,27 @@ pub fn describe_knobs(spec: &JobSpec) -> String {
     parts.join(", ")
 }
 
-/// Whether `candidate` is `failed` or the same memory configuration at a larger micro-batch.
-fn failed_before(candidate: &JobSpec, failed: &[JobSpec]) -> bool {
-    failed.iter().any(|f| f.memory == candidate.memory && candidate.train.micro_batch >= f.train.micro_batch)
+/// What a job's attempts ruled out for its later plans.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Excluded {
+    /// Ran out of memory, or were preempted for their own memory: these memory knobs at this
+    /// micro-batch or a larger one.
+    pub failed: Vec<JobSpec>,
+    /// Ran far below their predicted throughput: exactly these configurations.
+    pub slow: Vec<JobSpec>,
+}
+
+impl Excluded {
+    fn verdict(&self, candidate: &JobSpec) -> Option<Verdict> {
+        if self
+            .failed
+            .iter()
+            .any(|f| f.memory == candidate.memory && candidate.train.micro_batch >= f.train.micro_batch)
+        {
+            return Some(Verdict::FailedBefore);
+        }
+        self.slow.iter().any(|s| s == candidate).then_some(Verdict::Slow)
+    }
 }
 
 /// The configurations the policy allows from `state`, in ladder order: the current rung's and
@@ -259,7 +298,7 @@ fn levels(policy: &Policy, state: &LadderState) -> Vec<(String, i64, JobSpec)> {
 pub fn plan(
     policy: &Policy,
     state: &LadderState,
-    failed: &[JobSpec],
+    excluded: &Excluded,
     calibration: &Calibration,
     others: Option<Others>,
 ) -> Option<Plan> {
@@ -282,8 +321,8 @@ pub fn plan(
             }
             let e = estimate_job(&s);
             let t = step_time_job(&s);
-            let verdict = if failed_before(&s, failed) {
-                Verdict::FailedBefore
+            let verdict = if let Some(v) = excluded.verdict(&s) {
+                v
             } else if e.peak_allocated <= limit && e.reserved_allowance <= capacity {
                 Verdict::Fits
             } else {
@@ -359,8 +398,8 @@ pub fn apply(plan: &Plan, state: &LadderState) -> Option<(LadderState, Vec<Notic
                 "its fastest fitting configuration (micro_batch {}) is predicted at {:.0} tokens/s, below {:.0}",
                 f.micro_batch, f.predicted_tokens_per_s, chosen_tps
             ),
-            None if level.iter().all(|x| x.verdict == Verdict::FailedBefore) => {
-                "it ran out of memory before in this job".to_string()
+            None if level.iter().all(|x| matches!(x.verdict, Verdict::FailedBefore | Verdict::Slow)) => {
+                "it ran out of memory (or ran slow) before in this job".to_string()
             }
             None => format!(
                 "predicted {} allocated even at micro_batch {} > {} (preempt threshold less the {:.1}% margin, of {} capacity)",
@@ -423,12 +462,12 @@ pub fn step_up(
     policy: &Policy,
     from: &LadderState,
     current: &LadderState,
-    failed: &[JobSpec],
+    excluded: &Excluded,
     calibration: &Calibration,
     others: Others,
 ) -> Option<(LadderState, String)> {
     let fastest = Policy { strategy: Strategy::FastestFit, ..policy.clone() };
-    let plan = plan(&fastest, from, failed, calibration, Some(others))?;
+    let plan = plan(&fastest, from, excluded, calibration, Some(others))?;
     let (target, _) = apply(&plan, from)?;
     let chosen = plan.chosen()?;
     let now = step_time_job(&current.spec).tokens_per_s * calibration.speed_scale;
@@ -448,26 +487,26 @@ pub fn step_up(
 }
 
 /// Under `fastest_fit`, after an attempt ran out of memory or was preempted: whether planning
-/// again from where the job stands (`failed` now holding that configuration, or `others` what
+/// again from where the job stands (`excluded` now holding that configuration, or `others` what
 /// other processes took) finds a configuration that fits — then the job re-plans instead of
 /// taking the ladder's next rung — with the message that says so.
 pub fn replan_after(
     policy: &Policy,
     state: &LadderState,
-    failed: &[JobSpec],
+    excluded: &Excluded,
     calibration: &Calibration,
     others: Option<Others>,
 ) -> Option<String> {
     if policy.strategy != Strategy::FastestFit {
         return None;
     }
-    let plan = plan(policy, state, failed, calibration, others)?;
+    let plan = plan(policy, state, excluded, calibration, others)?;
     let chosen = plan.chosen()?;
     let why = match others {
         Some(o) => {
             format!("other processes hold {} of {}", format_bytes(o.bytes as usize), format_bytes(o.total as usize))
         }
-        None => "without the configurations that failed".to_string(),
+        None => "without the configurations that failed or ran slow".to_string(),
     };
     Some(format!(
         "re-planning from rung {} {why}: the fastest that fits is micro_batch {} × {} on rung {} ({})",
@@ -556,7 +595,7 @@ mod tests {
         ];
         for (name, mem, knobs) in cases {
             let spec = demo(mem);
-            let plan = plan(&policy, &base(&spec), &[], &cal, None).unwrap();
+            let plan = plan(&policy, &base(&spec), &Excluded::default(), &cal, None).unwrap();
             let chosen = plan.chosen().unwrap_or_else(|| panic!("{name}: nothing chosen\n{}", plan.table()));
             assert_eq!(chosen.knobs, knobs, "{name}\n{}", plan.table());
             let best = fastest_fitting(&plan);
@@ -587,7 +626,8 @@ mod tests {
         spec.model.block_size = 512;
         spec.model.n_layer = 8;
         let state = base(&spec);
-        let plan = plan(&policy, &state, &[], &Calibration::uncalibrated(&policy, "cpu"), None).unwrap();
+        let plan =
+            plan(&policy, &state, &Excluded::default(), &Calibration::uncalibrated(&policy, "cpu"), None).unwrap();
         let chosen = plan.chosen().unwrap().clone();
         assert_eq!(chosen.rung, "checkpointing", "{}", plan.table());
         let raised = |m: i64| {
@@ -611,9 +651,10 @@ mod tests {
         let policy = default_policy();
         let cal = Calibration::uncalibrated(&policy, "cpu");
         let spec = demo("12MiB");
-        let first = plan(&policy, &base(&spec), &[], &cal, None).unwrap();
+        let first = plan(&policy, &base(&spec), &Excluded::default(), &cal, None).unwrap();
         let chosen = first.chosen().unwrap().spec.clone().unwrap();
-        let again = plan(&policy, &base(&spec), std::slice::from_ref(&chosen), &cal, None).unwrap();
+        let again =
+            plan(&policy, &base(&spec), &Excluded { failed: vec![chosen.clone()], slow: vec![] }, &cal, None).unwrap();
         let next = again.chosen().unwrap();
         assert!(
             next.spec.as_ref().unwrap().memory != chosen.memory || next.micro_batch < chosen.train.micro_batch,
@@ -625,18 +666,36 @@ mod tests {
             .iter()
             .filter(|c| c.spec.as_ref().unwrap().memory == chosen.memory && c.micro_batch >= chosen.train.micro_batch)
             .all(|c| c.verdict == Verdict::FailedBefore));
+        // A configuration that ran slow is excluded exactly: the same memory knobs at another
+        // micro-batch stay in the plan.
+        let slow = Excluded { failed: vec![], slow: vec![chosen.clone()] };
+        let p = plan(&policy, &base(&spec), &slow, &cal, None).unwrap();
+        let verdicts: Vec<Verdict> = p
+            .candidates
+            .iter()
+            .filter(|c| c.spec.as_ref().unwrap().memory == chosen.memory)
+            .map(|c| c.verdict)
+            .collect();
+        assert_eq!(verdicts.iter().filter(|v| **v == Verdict::Slow).count(), 1, "{}", p.table());
+        assert_ne!(p.chosen().unwrap().spec.as_ref(), Some(&chosen));
+        // The slow floor only with a calibration resting on enough attempts, and a cap.
+        let trusted = Calibration { speed_samples: SLOW_MIN_SAMPLES, ..cal.clone() };
+        assert_eq!(slow_floor(&cal, 1000.0, &Excluded::default()), None, "uncalibrated");
+        assert_eq!(slow_floor(&trusted, 1000.0, &Excluded::default()), Some(500.0));
+        let capped = Excluded { failed: vec![], slow: vec![chosen.clone(); MAX_SLOW_REPLANS] };
+        assert_eq!(slow_floor(&trusted, 1000.0, &capped), None, "capped");
         // Nothing fits on 64 KiB: no choice, the ladder stands.
-        let tiny = plan(&policy, &base(&demo("64KiB")), &[], &cal, None).unwrap();
+        let tiny = plan(&policy, &base(&demo("64KiB")), &Excluded::default(), &cal, None).unwrap();
         assert_eq!(tiny.chosen, None);
         assert!(apply(&tiny, &base(&demo("64KiB"))).is_none());
         // No known capacity: no plan.
         let mut unbounded = demo("12MiB");
         unbounded.device.kind = DeviceKind::Cuda;
         unbounded.device.device_memory = None;
-        assert!(plan(&policy, &base(&unbounded), &[], &cal, None).is_none());
+        assert!(plan(&policy, &base(&unbounded), &Excluded::default(), &cal, None).is_none());
         // Other strategies leave the choice to the caller, who marks it.
         let ladder = Policy { strategy: Strategy::Ladder, ..policy.clone() };
-        let mut p = plan(&ladder, &base(&spec), &[], &cal, None).unwrap();
+        let mut p = plan(&ladder, &base(&spec), &Excluded::default(), &cal, None).unwrap();
         assert_eq!(p.chosen, None);
         p.mark_chosen(&spec);
         assert_eq!(p.chosen().map(|c| (c.rung.as_str(), c.micro_batch)), Some(("base", 32)));
@@ -678,8 +737,9 @@ mod tests {
         // micro-batch.
         let spec = demo("12MiB");
         let tight = Calibration { margin: 0.5, ..Calibration::uncalibrated(&policy, "cpu") };
-        let loose = plan(&policy, &base(&spec), &[], &Calibration::uncalibrated(&policy, "cpu"), None).unwrap();
-        let tight = plan(&policy, &base(&spec), &[], &tight, None).unwrap();
+        let loose = plan(&policy, &base(&spec), &Excluded::default(), &Calibration::uncalibrated(&policy, "cpu"), None)
+            .unwrap();
+        let tight = plan(&policy, &base(&spec), &Excluded::default(), &tight, None).unwrap();
         assert!(tight.limit < loose.limit);
         let pick = |p: &Plan| p.chosen().map(|c| (c.knobs.clone(), c.micro_batch));
         assert_ne!(pick(&tight), pick(&loose), "{}\n{}", loose.table(), tight.table());
@@ -725,14 +785,14 @@ mod tests {
         let cal = Calibration::uncalibrated(&policy, "cpu");
         let spec = demo("12MiB");
         let total = 12u64 << 20;
-        let free = plan(&policy, &base(&spec), &[], &cal, None).unwrap();
+        let free = plan(&policy, &base(&spec), &Excluded::default(), &cal, None).unwrap();
         let taken = Others { bytes: 3 << 20, total };
-        let squeezed = plan(&policy, &base(&spec), &[], &cal, Some(taken)).unwrap();
+        let squeezed = plan(&policy, &base(&spec), &Excluded::default(), &cal, Some(taken)).unwrap();
         let shrink = (free.limit - squeezed.limit) as f64;
         assert!((shrink - (3u64 << 20) as f64 / (1.0 + cal.margin)).abs() <= 1.0, "{shrink}");
         let (big, small) = (free.chosen().unwrap(), squeezed.chosen().unwrap());
         assert!(small.predicted_allocated <= squeezed.limit && big.predicted_allocated > squeezed.limit);
-        let message = replan_after(&policy, &base(&spec), &[], &cal, Some(taken)).unwrap();
+        let message = replan_after(&policy, &base(&spec), &Excluded::default(), &cal, Some(taken)).unwrap();
         assert!(
             message.starts_with("re-planning from rung base other processes hold 3.00 MiB of 12.00 MiB"),
             "{message}"
@@ -742,15 +802,18 @@ mod tests {
         // model's resolution.
         let from = base(&spec);
         let current = apply(&squeezed, &from).unwrap().0;
-        let up = step_up(&policy, &from, &current, &[], &cal, Others { bytes: 0, total });
+        let up = step_up(&policy, &from, &current, &Excluded::default(), &cal, Others { bytes: 0, total });
         let (target, reason) = up.expect("steps back up");
         assert_eq!(target.spec, free.chosen().unwrap().spec.clone().unwrap());
         assert!(reason.contains("stepping back up to rung base"), "{reason}");
-        assert!(step_up(&policy, &from, &current, &[], &cal, taken).is_none(), "still held");
+        assert!(step_up(&policy, &from, &current, &Excluded::default(), &cal, taken).is_none(), "still held");
         let nearly = apply(&free, &from).unwrap().0;
-        assert!(step_up(&policy, &from, &nearly, &[], &cal, Others { bytes: 0, total }).is_none(), "already there");
+        assert!(
+            step_up(&policy, &from, &nearly, &Excluded::default(), &cal, Others { bytes: 0, total }).is_none(),
+            "already there"
+        );
         // Under the other strategies an OOM takes the ladder's next rung, never a re-plan.
         let ladder = Policy { strategy: Strategy::Ladder, ..policy.clone() };
-        assert!(replan_after(&ladder, &base(&spec), &[], &cal, Some(taken)).is_none());
+        assert!(replan_after(&ladder, &base(&spec), &Excluded::default(), &cal, Some(taken)).is_none());
     }
 }

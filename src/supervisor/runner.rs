@@ -51,10 +51,19 @@ struct AttemptResult {
 struct StepUpWatch {
     from: LadderState,
     current: LadderState,
-    failed: Vec<JobSpec>,
+    excluded: planner::Excluded,
     calibration: planner::Calibration,
     /// Other processes' bytes at or below which the planner is asked.
     level: u64,
+}
+
+/// What the runner watches an attempt for besides its memory: the release of memory other
+/// processes took (step up), throughput far below the plan (re-plan).
+#[derive(Default)]
+struct Watch {
+    step_up: Option<StepUpWatch>,
+    /// (floor, predicted) tokens/s.
+    slow: Option<(f64, f64)>,
 }
 
 /// Other processes must give back this share of the GPU before a step up is considered.
@@ -211,9 +220,16 @@ impl Runner {
         let spec: JobSpec = serde_json::from_str(&detail.current_spec)?;
         let mut state = LadderState::new(spec, detail.core.rung.clone(), detail.core.rung_index);
         let device_kind = serde_name(&state.spec.device.kind);
-        // What already failed in this job is not planned again (a daemon restart included).
-        let mut failed: Vec<JobSpec> =
-            self.db.failed_configs(job).await?.iter().filter_map(|c| serde_json::from_str(c).ok()).collect();
+        // What already failed or ran slow in this job is not planned again (a daemon restart
+        // included; a preemption other processes caused is no failure of the configuration).
+        let mut excluded = planner::Excluded::default();
+        for (outcome, config) in self.db.failed_configs(job).await? {
+            let Ok(spec) = serde_json::from_str::<JobSpec>(&config) else { continue };
+            match outcome.as_str() {
+                "slow" => excluded.slow.push(spec),
+                _ => excluded.failed.push(spec),
+            }
+        }
         let mut first_attempt = self.db.attempts(job).await?.is_empty();
         if first_attempt && state.rung_index == -1 && policy.strategy != Strategy::Ladder {
             let finished: Vec<planner::Finished> = self
@@ -251,7 +267,7 @@ impl Runner {
                 let history: Vec<planner::Observed> =
                     self.db.device_history(&device_kind, planner::HISTORY).await?.iter().map(observed).collect();
                 let calibration = planner::learn(&policy, &device_kind, &history);
-                let mut plan = planner::plan(&policy, &state, &failed, &calibration, others);
+                let mut plan = planner::plan(&policy, &state, &excluded, &calibration, others);
                 let before = state.clone();
                 let notices = match policy.strategy {
                     Strategy::FastestFit => match plan.as_ref().map(|p| planner::apply(p, &state)) {
@@ -309,19 +325,26 @@ impl Runner {
                     model_tokens_per_s: Some(model.tokens_per_s),
                     plan_json: plan.as_ref().map(serde_json::to_string).transpose()?,
                 };
-                let watch = match (&pressure_from, others) {
+                let step_up = match (&pressure_from, others) {
                     (Some(from), Some(o)) if step_ups < planner::MAX_STEP_UPS => Some(StepUpWatch {
                         from: from.clone(),
                         current: state.clone(),
-                        failed: failed.clone(),
+                        excluded: excluded.clone(),
                         calibration: calibration.clone(),
                         level: o.bytes.saturating_sub(o.total / RELEASE_STEP),
                     }),
                     _ => None,
                 };
+                let predicted = attempt_plan.predicted_tokens_per_s.unwrap_or(0.0);
+                let slow = (policy.strategy == Strategy::FastestFit)
+                    .then(|| planner::slow_floor(&calibration, predicted, &excluded))
+                    .flatten()
+                    .map(|floor| (floor, predicted));
+                let watch = Watch { step_up, slow };
                 let AttemptResult { outcome, step_up_to, external } =
                     self.run_attempt(job, &state, &attempt_plan, &policy, watch, &mut control_rx).await?;
                 let failure = matches!(outcome, Outcome::Oom { .. } | Outcome::Preempted { .. });
+                let slow = matches!(outcome, Outcome::Slow { .. });
                 match external {
                     // Other processes' memory is not this configuration's failure: plan around it,
                     // and remember where the job stood to step back up when it is given back.
@@ -329,11 +352,15 @@ impl Runner {
                         others = Some(o);
                         pressure_from.get_or_insert_with(|| state.clone());
                     }
-                    _ if failure => failed.push(state.spec.clone()),
+                    _ if failure => excluded.failed.push(state.spec.clone()),
+                    _ if matches!(outcome, Outcome::Slow { .. }) => excluded.slow.push(state.spec.clone()),
                     _ => {}
                 }
-                let replan =
-                    if failure { planner::replan_after(&policy, &state, &failed, &calibration, others) } else { None };
+                let replan = if failure || slow {
+                    planner::replan_after(&policy, &state, &excluded, &calibration, others)
+                } else {
+                    None
+                };
                 let action = match replan {
                     Some(message) => Action::Replan { message },
                     None => ladder::decide(&policy, &state, &outcome),
@@ -388,7 +415,7 @@ impl Runner {
         state: &LadderState,
         plan: &AttemptPlan,
         policy: &Policy,
-        watch: Option<StepUpWatch>,
+        watch: Watch,
         control: &mut mpsc::UnboundedReceiver<Request>,
     ) -> anyhow::Result<AttemptResult> {
         let (rung, spec) = (state.rung_name.as_str(), &state.spec);
@@ -422,7 +449,7 @@ impl Runner {
         rung: &str,
         spec: &JobSpec,
         policy: &Policy,
-        mut watch: Option<StepUpWatch>,
+        watch: Watch,
         control: &mut mpsc::UnboundedReceiver<Request>,
     ) -> anyhow::Result<AttemptResult> {
         let config_path = run_dir.join(format!("attempt-{number}.yaml"));
@@ -463,8 +490,12 @@ impl Runner {
         let mut stdin = child.stdin.take().expect("piped stdin");
         let mut lines = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
         let mut monitor = Monitor::new(policy, attempt);
+        let Watch { step_up: mut watch, slow } = watch;
         if let Some(w) = &watch {
             monitor.watch_for_release(w.level);
+        }
+        if let Some((floor, predicted)) = slow {
+            monitor.expect_throughput(floor, predicted);
         }
         let mut step_up_to = None;
         let mut requested: Option<Request> = None;
@@ -482,7 +513,7 @@ impl Runner {
                     }
                     if let (Some(w), Some((bytes, total))) = (watch.as_mut(), monitor.memory_released()) {
                         let now = planner::Others { bytes, total };
-                        match planner::step_up(policy, &w.from, &w.current, &w.failed, &w.calibration, now) {
+                        match planner::step_up(policy, &w.from, &w.current, &w.excluded, &w.calibration, now) {
                             Some((target, reason)) if requested.is_none() => {
                                 monitor.stop_for_step_up(reason);
                                 step_up_to = Some((target, now));
@@ -535,6 +566,7 @@ impl Runner {
             Outcome::Preempted { reason } => format!("attempt {number} preempted: {reason}"),
             Outcome::SwapBound { reason } => format!("attempt {number} swap-bound: {reason}"),
             Outcome::SteppedUp { .. } => format!("attempt {number} checkpointed and stopped to step back up"),
+            Outcome::Slow { reason } => format!("attempt {number} checkpointed and stopped: {reason}"),
             other => format!("attempt {number} ended: {}", other.db_name()),
         };
         let kind = match outcome {
