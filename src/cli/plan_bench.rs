@@ -21,6 +21,7 @@ pub const TARGET: f64 = 0.9;
 fn measure(spec: &JobSpec, steps: i64, scratch: &Path) -> anyhow::Result<f64> {
     let mut spec = spec.clone();
     spec.train.steps = steps;
+    spec.train.warmup_steps = spec.train.warmup_steps.min(steps);
     spec.train.eval_every = 0;
     spec.train.checkpoint_every = 0;
     let run_dir = scratch.join("run");
@@ -33,7 +34,7 @@ fn measure(spec: &JobSpec, steps: i64, scratch: &Path) -> anyhow::Result<f64> {
         .arg("--run-dir")
         .arg(&run_dir)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::from(std::fs::File::create(scratch.join("train.log"))?))
         .spawn()?;
     let mut rates = Vec::new();
     for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
@@ -44,9 +45,17 @@ fn measure(spec: &JobSpec, steps: i64, scratch: &Path) -> anyhow::Result<f64> {
         }
     }
     let status = child.wait()?;
-    anyhow::ensure!(status.success() && !rates.is_empty(), "the trainer exited with {status}");
+    if !status.success() || rates.is_empty() {
+        let log = std::fs::read_to_string(scratch.join("train.log")).unwrap_or_default();
+        let last = log.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no output");
+        anyhow::bail!("{} ({}): the trainer exited with {status}: {last}", config.display(), describe(&spec));
+    }
     rates.sort_by(f64::total_cmp);
     Ok(rates[rates.len() / 2])
+}
+
+fn describe(spec: &JobSpec) -> String {
+    format!("micro_batch {}, {}", spec.train.micro_batch, planner::describe_knobs(spec))
 }
 
 /// The brute-force table for `spec` on `policy`, and whether the choice met [`TARGET`].
