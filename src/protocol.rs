@@ -120,6 +120,10 @@ pub struct Swap {
     pub bytes_to_device: usize,
     #[serde(deserialize_with = "nan_if_null")]
     pub transfer_ms: f64,
+    /// Copy time hidden behind other work (the pipelined host optimizer); `transfer_ms` is only
+    /// what the step waited for. Absent from older trainers: 0.
+    #[serde(default)]
+    pub hidden_ms: f64,
     /// `transfer_ms / step_ms`: what the policy's `swap_bound` is compared with.
     #[serde(deserialize_with = "nan_if_null")]
     pub fraction: f64,
@@ -403,7 +407,13 @@ mod tests {
                 skipped: true,
                 skipped_steps: 1,
                 nvml: Some(NvmlReading { used_bytes: 5, total_bytes: 6, process_bytes: None }),
-                swap: Some(Swap { bytes_to_host: 7, bytes_to_device: 8, transfer_ms: 1.5, fraction: 0.125 }),
+                swap: Some(Swap {
+                    bytes_to_host: 7,
+                    bytes_to_device: 8,
+                    transfer_ms: 1.5,
+                    hidden_ms: 0.5,
+                    fraction: 0.125,
+                }),
             }),
             Event::Eval(Eval { step: 41, val_loss: 2.5 }),
             Event::Checkpoint(CheckpointWritten { step: 41, path: "runs/j/ckpt-00000041.bin".into() }),

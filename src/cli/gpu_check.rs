@@ -339,6 +339,62 @@ fn checks<B: crate::engine::backend::Backend>(
         }
     }
 
+    // 7. The seed's headline case with its optimizer on the host: the GPT-2 XL shape (1.478B,
+    // bytes vocab, T 1024, global batch 8) on 16 GiB, bf16 + full checkpointing + optimizer
+    // offload, at micro-batch 8 and 1. Target (micro-batch 8): ≥ 8.5k tokens/s with the step
+    // waiting on copies ≤ 30% of its time.
+    if args.xl_offload_steps > 0 {
+        use crate::engine::check::bench::{self, BenchCase, Techniques};
+        let xl = BenchCase {
+            label: "XL offload".into(),
+            cfg: crate::engine::model::GptConfig {
+                n_layer: 48,
+                n_head: 25,
+                n_embd: 1600,
+                block_size: 1024,
+                vocab: 256,
+            },
+            batch: 8,
+            seq: 1024,
+        };
+        let techniques = Techniques {
+            checkpointing: crate::config::Checkpointing::Full,
+            offload_optimizer: true,
+            ..Techniques::default()
+        };
+        for micro in [8, 1] {
+            let name =
+                format!("XL offload (1.478B on 16 GiB, bf16 + full ckpt + optimizer offload) micro-batch {micro}");
+            let result = open(Some(16 << 30)).and_then(|device| {
+                bench::run_on::<half::bf16, _>(device, &xl, micro, techniques, 1, args.xl_offload_steps)
+                    .map_err(|e| anyhow::anyhow!("{e}"))
+            });
+            checks.push(match result {
+                Ok((r, stats)) => {
+                    let met = r.tokens_per_s >= 8500.0 && r.swap_fraction <= 0.3;
+                    Check {
+                        name,
+                        ok: micro != 8 || met,
+                        figure: format!(
+                            "{:.0} tokens/s, {:.0} ms/step, swap fraction {:.2} (hidden {:.0} ms/step), peak allocated {}{}",
+                            r.tokens_per_s,
+                            r.ms_per_step,
+                            r.swap_fraction,
+                            r.hidden_ms,
+                            format_bytes(stats.peak_allocated),
+                            if micro == 8 {
+                                format!("; target ≥ 8500 tokens/s, swap ≤ 0.30: {}", if met { "met" } else { "not met" })
+                            } else {
+                                String::new()
+                            }
+                        ),
+                    }
+                }
+                Err(e) => Check { name, ok: false, figure: e.to_string() },
+            });
+        }
+    }
+
     Ok(checks)
 }
 
@@ -452,6 +508,7 @@ mod tests {
             shapes: "odd".into(),
             train_steps: 3,
             bench_steps: 1,
+            xl_offload_steps: 0,
             libraries: false,
             estimate_grid: false,
         };

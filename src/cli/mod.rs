@@ -90,6 +90,11 @@ pub struct GpuCheckArgs {
     /// Timed steps of the GPT-2 124M benchmark (B=16, T=1024, bf16); 0 skips it.
     #[arg(long, default_value_t = 5)]
     pub bench_steps: usize,
+    /// Timed steps of the XL offload benchmark (GPT-2 XL shape, 1.478B, on device_memory 16GiB:
+    /// bf16 + full checkpointing + optimizer offload at micro-batch 8 and 1; ~21 GB of host
+    /// memory); 0 skips it.
+    #[arg(long, default_value_t = 2)]
+    pub xl_offload_steps: usize,
     /// Also measure the estimator against the device over its grid (12 GPT-2-small-like
     /// configurations, 2 offloaded, 2 at 1.5B parameters on 16 GiB).
     #[arg(long)]
@@ -183,6 +188,10 @@ pub struct BenchArgs {
     /// Directory of policy files (--plan).
     #[arg(long, default_value = "policies")]
     pub policies: PathBuf,
+    /// Print the host AdamW table (optimizer offload's update: scalar loop, today's passes, the
+    /// fused SIMD pass, against memory bandwidth) over this many parameters.
+    #[arg(long, value_name = "PARAMS", num_args = 0..=1, default_missing_value = "16777216")]
+    pub host_adamw: Option<usize>,
     /// Interleaved rounds of --plan (each configuration keeps its best median).
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
@@ -365,6 +374,10 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         }
     }
     println!("threads: {}", rayon::current_num_threads());
+    if let Some(n) = args.host_adamw {
+        print!("{}", bench::host_adamw_table(n, args.steps));
+        return Ok(());
+    }
     if let (true, Some(config)) = (args.plan, &args.config) {
         let spec = JobSpec::load(config)?;
         let (pol, _) = crate::supervisor::policy::load(&args.policies, &args.policy)

@@ -441,7 +441,13 @@ mod tests {
                 skipped: false,
                 skipped_steps: 0,
                 nvml: None,
-                swap: swap.map(|fraction| Swap { bytes_to_host: 1, bytes_to_device: 1, transfer_ms: 1.0, fraction }),
+                swap: swap.map(|fraction| Swap {
+                    bytes_to_host: 1,
+                    bytes_to_device: 1,
+                    transfer_ms: 1.0,
+                    hidden_ms: 0.0,
+                    fraction,
+                }),
             }),
         }
     }

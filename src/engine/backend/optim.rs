@@ -55,6 +55,15 @@ pub struct AdamW {
 }
 
 impl AdamW {
+    /// `(1 − β1^t, 1 − β2^t)`, computed in one place at run time: `powi` folded at compile time
+    /// where `t` is a known constant can round differently from the run-time call, and every
+    /// update path must divide by the same bits.
+    #[inline(never)]
+    pub fn bias_corrections(&self) -> (f32, f32) {
+        let t = std::hint::black_box(self.t as i32);
+        (1.0 - BETA1.powi(t), 1.0 - BETA2.powi(t))
+    }
+
     /// Update the fp32 `params` in place from `grads × grad_mult` (unscaling and clipping folded
     /// in) with moments `m`, `v`, tensor by tensor — (element range, decayed) — so that only
     /// matrices are decayed.
@@ -67,8 +76,7 @@ impl AdamW {
         m: &mut [f32],
         v: &mut [f32],
     ) {
-        let bc1 = 1.0 - BETA1.powi(self.t as i32);
-        let bc2 = 1.0 - BETA2.powi(self.t as i32);
+        let (bc1, bc2) = self.bias_corrections();
         for (r, decay) in tensors {
             let wd = if decay { self.weight_decay } else { 0.0 };
             let lr = self.lr;
@@ -90,9 +98,205 @@ impl AdamW {
     }
 }
 
+/// The per-step constants of one tensor's update.
+#[derive(Clone, Copy)]
+struct Consts {
+    lr: f32,
+    wd: f32,
+    bc1: f32,
+    bc2: f32,
+    grad_mult: f32,
+}
+
+/// One element range of the fused host update: the gradient read from `io` in its storage
+/// type (widened here, × `grad_mult`), the moments and fp32 master weight updated, and the
+/// narrowed compute weight written back into the gradient's slot. The same operations in the
+/// same order as [`AdamW::update`] and `narrow` (Rust never contracts them into FMAs), so the
+/// result is bitwise theirs; written over zipped slices so it vectorises.
+#[inline(always)]
+fn fused<E: Elem>(c: Consts, p: &mut [f32], io: &mut [E], m: &mut [f32], v: &mut [f32]) {
+    for (((p, g), m), v) in p.iter_mut().zip(io.iter_mut()).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let gi = g.to_f32() * c.grad_mult;
+        *m = BETA1 * *m + (1.0 - BETA1) * gi;
+        *v = BETA2 * *v + (1.0 - BETA2) * gi * gi;
+        let mhat = *m / c.bc1;
+        let vhat = *v / c.bc2;
+        *p -= c.lr * (mhat / (vhat.sqrt() + EPS) + c.wd * *p);
+        *g = E::from_f32(*p);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn fused_avx512<E: Elem>(c: Consts, p: &mut [f32], io: &mut [E], m: &mut [f32], v: &mut [f32]) {
+    fused(c, p, io, m, v)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn fused_avx2<E: Elem>(c: Consts, p: &mut [f32], io: &mut [E], m: &mut [f32], v: &mut [f32]) {
+    fused(c, p, io, m, v)
+}
+
+/// The widest vector unit this machine has for the fused update ("avx512f", "avx2", or the
+/// build's baseline: "sse2" on x86-64, "neon" on aarch64).
+pub fn host_simd() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return "avx512f";
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            return "avx2";
+        }
+        "sse2"
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        "neon"
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        "scalar"
+    }
+}
+
+/// [`fused`] compiled for the widest unit the machine has, chosen at run time.
+fn fused_dispatch<E: Elem>(c: Consts, p: &mut [f32], io: &mut [E], m: &mut [f32], v: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F (checked just above).
+            return unsafe { fused_avx512(c, p, io, m, v) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked just above).
+            return unsafe { fused_avx2(c, p, io, m, v) };
+        }
+    }
+    fused(c, p, io, m, v)
+}
+
+impl AdamW {
+    /// The optimizer-offload update in one pass over host memory: for each tensor — (element
+    /// range, decayed) — the gradients in `io` (storage type `E`, × `grad_mult`) update
+    /// `master`, `m` and `v`, and `io` receives the narrowed compute weights. All cores
+    /// (`CHUNK`-element ranges), each with the widest vector unit the machine has. Bitwise
+    /// [`AdamW::update`] on the widened gradients followed by `narrow`.
+    pub fn update_host<E: Elem>(
+        &self,
+        tensors: impl IntoIterator<Item = (Range<usize>, bool)>,
+        master: &mut [f32],
+        io: &mut [E],
+        grad_mult: f32,
+        m: &mut [f32],
+        v: &mut [f32],
+    ) {
+        let (bc1, bc2) = self.bias_corrections();
+        for (r, decay) in tensors {
+            let c = Consts { lr: self.lr, wd: if decay { self.weight_decay } else { 0.0 }, bc1, bc2, grad_mult };
+            master[r.clone()]
+                .par_chunks_mut(CHUNK)
+                .zip(io[r.clone()].par_chunks_mut(CHUNK))
+                .zip(m[r.clone()].par_chunks_mut(CHUNK).zip(v[r].par_chunks_mut(CHUNK)))
+                .for_each(|((p, g), (m, v))| fused_dispatch(c, p, g, m, v));
+        }
+    }
+}
+
+/// The textbook loop the fused update is measured against (`headroom bench --host-adamw`):
+/// one thread, indexed, the gradients already widened.
+pub fn update_scalar(opt: &AdamW, params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32], wd: f32) {
+    let (bc1, bc2) = opt.bias_corrections();
+    for i in 0..params.len() {
+        let g = grads[i];
+        m[i] = BETA1 * m[i] + (1.0 - BETA1) * g;
+        v[i] = BETA2 * v[i] + (1.0 - BETA2) * g * g;
+        let mhat = m[i] / bc1;
+        let vhat = v[i] / bc2;
+        params[i] -= opt.lr * (mhat / (vhat.sqrt() + EPS) + wd * params[i]);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::backend::layers::narrow;
+
+    /// Random-ish values over many magnitudes, with zeros and a few non-finite ones.
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let h = crate::engine::rng::mix64(seed ^ i as u64);
+                let x = ((h >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2f32.powi((h % 24) as i32 - 12);
+                if i % 997 == 0 {
+                    0.0
+                } else {
+                    x
+                }
+            })
+            .collect()
+    }
+
+    fn fused_matches_update_then_narrow<E: Elem + PartialEq + std::fmt::Debug>() {
+        let n = 3 * CHUNK + 1234;
+        let tensors = [(0..1000, false), (1000..n - 77, true), (n - 77..n, false)];
+        let opt = AdamW { lr: 3e-3, weight_decay: 0.1, t: 7 };
+        let grads: Vec<E> = values(n, 1).into_iter().map(E::from_f32).collect();
+        let (master, m, v) = (values(n, 2), values(n, 3), values(n, 4).iter().map(|x| x.abs()).collect::<Vec<_>>());
+        // Today's path: widen, update, narrow.
+        let (mut p1, mut m1, mut v1) = (master.clone(), m.clone(), v.clone());
+        let wide: Vec<f32> = grads.iter().map(|g| g.to_f32()).collect();
+        opt.update::<f32>(tensors.clone(), &mut p1, &wide, 0.5, &mut m1, &mut v1);
+        let mut out1 = vec![E::from_f32(0.0); n];
+        narrow::<E>(&mut out1, &p1);
+        // Fused.
+        let (mut p2, mut m2, mut v2, mut io) = (master, m, v, grads);
+        opt.update_host::<E>(tensors, &mut p2, &mut io, 0.5, &mut m2, &mut v2);
+        let first_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits());
+        for (what, a, b) in [("master", &p1, &p2), ("m", &m1, &m2), ("v", &v1, &v2)] {
+            if let Some(i) = first_diff(a, b) {
+                panic!("{} {what}[{i}]: {:e} vs {:e}", E::NAME, a[i], b[i]);
+            }
+        }
+        assert!(out1 == io, "{} compute weights", E::NAME);
+    }
+
+    #[test]
+    fn the_fused_host_update_is_bitwise_update_then_narrow() {
+        println!("host SIMD: {}", host_simd());
+        fused_matches_update_then_narrow::<f32>();
+        fused_matches_update_then_narrow::<half::bf16>();
+        fused_matches_update_then_narrow::<half::f16>();
+    }
+
+    #[test]
+    fn branchless_bf16_rounding_is_halfs_bit_for_bit() {
+        let mut xs = values(200_000, 9);
+        xs.extend([
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7F80_0001),
+            f32::from_bits(0xFF7F_FFFF),
+            f32::from_bits(0x7F7F_FFFF),
+            f32::from_bits(0x0000_8000),
+            f32::from_bits(0x0001_8000),
+            f32::from_bits(0x3F80_8000),
+            f32::from_bits(0x3F81_8000),
+            f32::MIN_POSITIVE,
+        ]);
+        for bits in (0..u32::MAX).step_by(65_521) {
+            xs.push(f32::from_bits(bits));
+        }
+        for x in xs {
+            let ours = crate::engine::backend::layers::bf16_bits(x);
+            assert_eq!(ours, half::bf16::from_f32(x).to_bits(), "{x:e} ({:#010x})", x.to_bits());
+        }
+    }
 
     #[test]
     fn schedule_warms_up_then_decays_to_a_tenth() {

@@ -28,6 +28,10 @@ pub struct BenchResult {
     pub min_ms: f64,
     pub tokens_per_s: f64,
     pub peak_allocated: usize,
+    /// Mean over the timed steps of the copy time the step waited for over step time (the
+    /// `swap` event's `fraction`), and of the copy time hidden behind other work.
+    pub swap_fraction: f64,
+    pub hidden_ms: f64,
 }
 
 /// The shapes the README compares against llm.c's CPU trainer.
@@ -142,10 +146,15 @@ pub fn run_on<E: Elem, B: crate::engine::backend::Backend>(
     for _ in 0..warmup {
         trainer.train_step(&mut batch)?;
     }
-    let mut times = Vec::new();
+    let (mut times, mut fractions, mut hidden) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..steps {
-        times.push(trainer.train_step(&mut batch)?.step_ms);
+        let step = trainer.train_step(&mut batch)?;
+        let swap = step.swap.unwrap_or_default();
+        fractions.push(swap.transfer_ms / step.step_ms.max(1e-9));
+        hidden.push(swap.hidden_ms);
+        times.push(step.step_ms);
     }
+    let mean_of = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     let mean = times.iter().sum::<f64>() / times.len() as f64;
     let min = times.iter().copied().fold(f64::INFINITY, f64::min);
     let stats = pool.stats();
@@ -156,6 +165,8 @@ pub fn run_on<E: Elem, B: crate::engine::backend::Backend>(
         min_ms: min,
         tokens_per_s: (case.batch * case.seq) as f64 / (mean / 1e3),
         peak_allocated: stats.peak_allocated,
+        swap_fraction: mean_of(&fractions),
+        hidden_ms: mean_of(&hidden),
     };
     Ok((result, stats))
 }
@@ -345,4 +356,80 @@ pub fn parallel_table(
         ));
     }
     Ok(out)
+}
+
+/// `headroom bench --host-adamw`: the optimizer-offload update over `n` parameters (bf16
+/// gradients, as the XL case has them) — the textbook scalar loop, today's three passes
+/// (widen, update, narrow; all cores) and the fused pass (all cores, the widest vector unit),
+/// against the machine's memory bandwidth (a parallel copy). Best of `runs` after one warm-up.
+pub fn host_adamw_table(n: usize, runs: usize) -> String {
+    use crate::engine::backend::layers::{narrow, widen};
+    use crate::engine::backend::optim::{host_simd, update_scalar, AdamW};
+    use half::bf16;
+    use rayon::prelude::*;
+    let opt = AdamW { lr: 1e-4, weight_decay: 0.1, t: 10 };
+    let fill = |seed: u64| -> Vec<f32> {
+        (0..n)
+            .into_par_iter()
+            .map(|i| ((mix64(seed ^ i as u64) >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 1e-2)
+            .collect()
+    };
+    let (mut master, mut m) = (fill(1), fill(2));
+    let mut v: Vec<f32> = fill(3).par_iter().map(|x| x.abs()).collect();
+    let grads: Vec<bf16> = fill(4).par_iter().map(|&x| bf16::from_f32(x)).collect();
+    let mut wide = vec![0.0f32; n];
+    let mut io = grads.clone();
+    let tensors = || [(0..n, true)];
+    let best = |f: &mut dyn FnMut()| -> f64 {
+        f();
+        (0..runs.max(1))
+            .map(|_| {
+                let t = std::time::Instant::now();
+                f();
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min)
+    };
+    // Bytes per parameter each path moves through memory.
+    let fused_bytes = 2.0 + 3.0 * 8.0 + 2.0; // bf16 grad in; master, m, v read and written; bf16 weight out
+    let scalar_bytes = 4.0 + 3.0 * 8.0;
+    let three_bytes = (2.0 + 4.0) + (4.0 + 3.0 * 8.0) + (4.0 + 2.0);
+    let scalar = best(&mut || update_scalar(&opt, &mut master, &wide, &mut m, &mut v, 0.1));
+    let three = best(&mut || {
+        widen::<bf16>(&mut wide, &grads);
+        opt.update::<f32>(tensors(), &mut master, &wide, 1.0, &mut m, &mut v);
+        narrow::<bf16>(&mut io, &master);
+    });
+    let fused = best(&mut || {
+        io.copy_from_slice(&grads);
+        opt.update_host::<bf16>(tensors(), &mut master, &mut io, 1.0, &mut m, &mut v);
+    });
+    // The copy of `grads` into `io` above is part of the fused timing; take it out.
+    let refill = best(&mut || io.copy_from_slice(&grads));
+    let fused = (fused - refill).max(1e-9);
+    let mut dst = vec![0.0f32; n];
+    let copy =
+        best(&mut || dst.par_chunks_mut(1 << 16).zip(m.par_chunks(1 << 16)).for_each(|(d, s)| d.copy_from_slice(s)));
+    let bandwidth = 8.0 * n as f64 / copy;
+    let row = |name: &str, secs: f64, bytes: f64| {
+        format!(
+            "{name:<44} {:>9.1} {:>8.1} {:>7.0}% {:>7.2}×\n",
+            n as f64 / secs / 1e6,
+            bytes * n as f64 / secs / 1e9,
+            bytes * n as f64 / secs / bandwidth * 100.0,
+            scalar / secs
+        )
+    };
+    let mut out = format!(
+        "host AdamW over {n} parameters (bf16 gradients), {} threads, SIMD {}; memory bandwidth (parallel copy) {:.1} GB/s\n",
+        rayon::current_num_threads(),
+        host_simd(),
+        bandwidth / 1e9
+    );
+    out.push_str(&format!("{:<44} {:>9} {:>8} {:>8} {:>8}\n", "path", "Mparam/s", "GB/s", "of bw", "vs scalar"));
+    out.push_str(&row("scalar loop (1 thread, f32 gradients)", scalar, scalar_bytes));
+    out.push_str(&row("widen + update + narrow (3 passes, all cores)", three, three_bytes));
+    out.push_str(&row("fused (1 pass, all cores, SIMD)", fused, fused_bytes));
+    std::hint::black_box((&master, &io, &dst));
+    out
 }

@@ -452,6 +452,7 @@ impl Run<'_> {
                     bytes_to_host: w.bytes_to_host,
                     bytes_to_device: w.bytes_to_device,
                     transfer_ms: w.transfer_ms,
+                    hidden_ms: w.hidden_ms,
                     fraction: w.transfer_ms / step.step_ms.max(1e-9),
                 }),
             }))?;

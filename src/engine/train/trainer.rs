@@ -4,11 +4,12 @@
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::config::{JobSpec, Knobs, OffloadTarget};
 use crate::memory::{Buffer, Category, Pool};
 
-use crate::engine::backend::layers::{narrow, widen, Elem};
+use crate::engine::backend::layers::{narrow, Elem};
 use crate::engine::backend::optim::{clip_coefficient, lr_at, AdamW};
 use crate::engine::backend::{Backend, BackendError, BackendResult, CpuBackend, View, ViewMut};
 use crate::engine::model::{self, alloc_elems, alloc_f32, GptConfig, TensorInfo};
@@ -89,14 +90,20 @@ pub const LOSS_SCALE_GROWTH_INTERVAL: u64 = 200;
 
 /// Where the fp32 master weights and the AdamW moments live. Under ZeRO (stage ≥ 1, world > 1)
 /// both hold only this rank's shard (padded to equal shards on every rank).
-enum OptimizerState {
+enum OptimizerState<E> {
     /// On the device, in the optimizer category. `master` is None for fp32, whose compute
     /// weights are the master.
     Device { master: Option<Buffer>, m: Buffer, v: Buffer },
-    /// In host memory (`offload.optimizer: cpu`): each step the gradients go device→host,
-    /// AdamW runs on the host, and the updated weights go host→device.
-    Host { master: Vec<f32>, m: Vec<f32>, v: Vec<f32>, grads: Vec<f32> },
+    /// In host memory (`offload.optimizer: cpu`): each step the gradients go device→host in
+    /// chunks into `staged`, the fused host AdamW updates each chunk (while the next one comes
+    /// down and the last one goes up) and leaves the narrowed weights in `staged`, which go
+    /// host→device.
+    Host { master: Vec<f32>, m: Vec<f32>, v: Vec<f32>, staged: Vec<E> },
 }
+
+/// Elements per chunk of the offloaded optimizer step's pipeline (4M: 8 MiB of bf16 on the
+/// wire, ~100 MiB of optimizer state to update, per chunk).
+pub const OFFLOAD_CHUNK: usize = 1 << 22;
 
 /// Where a rank keeps its compute copy of the weights between passes: all of them, or only
 /// its shard under ZeRO-3 (`sharded`).
@@ -166,7 +173,10 @@ pub struct Trainer<E: Elem = f32, B: Backend = CpuBackend> {
     grads: Buffer,
     grads_sharded: bool,
     /// fp32 master weights and AdamW moments of `shard`, on the device or on the host.
-    opt: OptimizerState,
+    opt: OptimizerState<E>,
+    /// Chunk of the offloaded optimizer step's pipeline ([`OFFLOAD_CHUNK`]; the whole shard:
+    /// synchronous — download all, update, upload all).
+    offload_chunk: usize,
     /// The parameter range whose optimizer state this rank owns (everything unless sharded).
     shard: Range<usize>,
     /// The parameter layout clipped to `shard`, offsets relative to its start.
@@ -228,7 +238,8 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         };
         let grads = alloc_elems::<E>(&pool, if grads_sharded { state_len } else { n }, Category::Grads)?;
         let mut device_state = if hyper.knobs.offload_optimizer {
-            pool.set_host_bytes(Category::Optimizer, 4 * 4 * state_len);
+            // fp32 master weights and both moments, and the staging of gradients / weights.
+            pool.set_host_bytes(Category::Optimizer, (3 * 4 + E::BYTES) * state_len);
             None
         } else {
             let master = if E::is_f32() { None } else { Some(alloc_f32(&pool, state_len, Category::Optimizer)?) };
@@ -295,7 +306,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                 OptimizerState::Device { master, m, v }
             }
             (None, Some(master)) => {
-                OptimizerState::Host { master, m: vec![0.0; k], v: vec![0.0; k], grads: vec![0.0; k] }
+                OptimizerState::Host { master, m: vec![0.0; k], v: vec![0.0; k], staged: vec![E::default(); k] }
             }
             (None, None) => unreachable!("the optimizer state is on the device or the host"),
         };
@@ -333,6 +344,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             grads,
             grads_sharded,
             opt,
+            offload_chunk: OFFLOAD_CHUNK,
             step: 0,
             adam_t: 0,
             rng,
@@ -586,43 +598,105 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                 }
                 Ok(SwapStats::default())
             }
-            OptimizerState::Host { master, m, v, grads: host_grads } => {
-                let t0 = std::time::Instant::now();
-                let mut staged = vec![E::default(); k];
-                be.download(View::range(&self.grads, grads_at..grads_at + k), &mut staged)?;
-                widen::<E>(host_grads, &staged);
-                let mut transfer = t0.elapsed();
-                opt.update::<f32>(
-                    tensors.iter().map(|t| (t.offset..t.offset + t.len, t.decay)),
-                    master,
-                    host_grads,
-                    grad_mult,
-                    m,
-                    v,
-                );
-                let t1 = std::time::Instant::now();
+            OptimizerState::Host { master, m, v, staged } => {
+                let params = &mut self.params;
+                let grads = &self.grads;
+                let chunk = self.offload_chunk.max(1);
+                let ranges: Vec<Range<usize>> = (0..k).step_by(chunk).map(|lo| lo..(lo + chunk).min(k)).collect();
+                // Each chunk's tensors (only matrices decay), offsets relative to the chunk.
+                let pieces = |r: &Range<usize>| -> Vec<(Range<usize>, bool)> {
+                    tensors
+                        .iter()
+                        .filter_map(|t| {
+                            let (lo, hi) = (t.offset.max(r.start), (t.offset + t.len).min(r.end));
+                            (lo < hi).then(|| (lo - r.start..hi - r.start, t.decay))
+                        })
+                        .collect()
+                };
+                let download = |r: &Range<usize>, dst: &mut [E]| {
+                    be.download(View::range(grads, grads_at + r.start..grads_at + r.end), dst)
+                };
                 // The updated compute weights go to the device, unless they live on the host
                 // too (offload.params): then the next pass stages them and counts that.
-                let bytes_to_device = match &mut self.params {
-                    ParamStore::Device(buf) => {
-                        narrow::<E>(&mut staged, master);
-                        be.upload(ViewMut::range(buf, params_at), &staged)?;
-                        k * E::BYTES
-                    }
-                    ParamStore::Host(host) => {
-                        let host = Arc::get_mut(host).expect("no copy worker holds the weights between passes");
-                        narrow::<E>(&mut host[params_at], master);
-                        0
+                let mut upload = |r: &Range<usize>, src: &[E]| -> BackendResult<usize> {
+                    let at = params_at.start + r.start..params_at.start + r.end;
+                    match &mut *params {
+                        ParamStore::Device(buf) => {
+                            be.upload(ViewMut::range(buf, at), src)?;
+                            Ok(std::mem::size_of_val(src))
+                        }
+                        ParamStore::Host(host) => {
+                            let host = Arc::get_mut(host).expect("no copy worker holds the weights between passes");
+                            host[at].copy_from_slice(src);
+                            Ok(0)
+                        }
                     }
                 };
-                transfer += t1.elapsed();
+                type Part<'a, E> = (&'a mut [E], &'a mut [f32], &'a mut [f32], &'a mut [f32]);
+                let mut parts: Vec<Option<Part<'_, E>>> = staged
+                    .chunks_mut(chunk)
+                    .zip(master.chunks_mut(chunk))
+                    .zip(m.chunks_mut(chunk).zip(v.chunks_mut(chunk)))
+                    .map(|((s, p), (m, v))| Some((s, p, m, v)))
+                    .collect();
+                let (mut copies, mut exposed) = (Duration::ZERO, Duration::ZERO);
+                let mut bytes_to_device = 0;
+                if let Some(Some(first)) = parts.first_mut() {
+                    let t = Instant::now();
+                    download(&ranges[0], first.0)?;
+                    (copies, exposed) = (t.elapsed(), t.elapsed());
+                }
+                // The pipeline: chunk i is updated on a worker (all cores, inside) while the
+                // main thread brings chunk i+1 down and sends chunk i-1 up; the step waits only
+                // for the copies that outlast the update beside them.
+                let opt = *opt;
+                std::thread::scope(|scope| -> BackendResult {
+                    let mut prev: Option<(usize, &mut [E])> = None;
+                    for (i, r) in ranges.iter().enumerate() {
+                        let (io, p, mm, vv) = parts[i].take().expect("each chunk is updated once");
+                        let local = pieces(r);
+                        let worker = scope.spawn(move || {
+                            let t = Instant::now();
+                            opt.update_host::<E>(local, p, io, grad_mult, mm, vv);
+                            (io, t.elapsed())
+                        });
+                        let t = Instant::now();
+                        let mut moved = match parts.get_mut(i + 1) {
+                            Some(Some(next)) => download(&ranges[i + 1], next.0),
+                            _ => Ok(()),
+                        };
+                        if let (Ok(()), Some((j, done))) = (&moved, prev.take()) {
+                            moved = upload(&ranges[j], done).map(|b| bytes_to_device += b);
+                        }
+                        let copy = t.elapsed();
+                        let (io, update) = worker.join().expect("the host update does not panic");
+                        moved?;
+                        copies += copy;
+                        exposed += copy.saturating_sub(update);
+                        prev = Some((i, io));
+                    }
+                    if let Some((j, done)) = prev.take() {
+                        let t = Instant::now();
+                        bytes_to_device += upload(&ranges[j], done)?;
+                        copies += t.elapsed();
+                        exposed += t.elapsed();
+                    }
+                    Ok(())
+                })?;
                 Ok(SwapStats {
                     bytes_to_host: k * E::BYTES,
                     bytes_to_device,
-                    transfer_ms: transfer.as_secs_f64() * 1e3,
+                    transfer_ms: exposed.as_secs_f64() * 1e3,
+                    hidden_ms: copies.saturating_sub(exposed).as_secs_f64() * 1e3,
                 })
             }
         }
+    }
+
+    /// The chunk of the offloaded optimizer step's pipeline, in elements (`usize::MAX`: one
+    /// chunk, the synchronous step).
+    pub fn set_offload_chunk(&mut self, elements: usize) {
+        self.offload_chunk = elements.max(1);
     }
 
     /// Mean loss over `count` sequences given by `batch(index)`, in micro-batches. With sharded
