@@ -159,6 +159,10 @@ pub struct OffloadSpec {
     pub params: OffloadTarget,
     #[serde(default)]
     pub activations: OffloadTarget,
+    /// With the optimizer offloaded: step n's host update runs while the device computes step
+    /// n+1 (DeepSpeed's delayed parameter update; gradients one step stale). One rank only.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub delayed_update: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -315,6 +319,7 @@ impl JobSpec {
             offload_optimizer: self.memory.offload.optimizer != OffloadTarget::None,
             offload_params: self.memory.offload.params != OffloadTarget::None,
             offload_activations: self.memory.offload.activations,
+            delayed_update: self.memory.offload.delayed_update,
             world_size: self.memory.world_size as usize,
             zero_stage: self.memory.zero_stage as usize,
             expandable_segments: self.device.expandable_segments(),
@@ -379,6 +384,12 @@ impl JobSpec {
         if off.optimizer == OffloadTarget::CpuInt8 || off.params == OffloadTarget::CpuInt8 {
             return Err(bad("memory.offload", "cpu-int8 applies to activations only"));
         }
+        if off.delayed_update && world > 1 {
+            return Err(bad(
+                "memory.offload.delayed_update",
+                format!("applies to one rank; this job has world_size {world}"),
+            ));
+        }
         if self.memory.offload.activations != OffloadTarget::None && self.memory.checkpointing != Checkpointing::Full {
             return Err(bad(
                 "memory.offload.activations",
@@ -425,6 +436,9 @@ pub struct Knobs {
     pub offload_params: bool,
     /// Block inputs kept for backward in host memory (needs full checkpointing).
     pub offload_activations: OffloadTarget,
+    /// With `offload_optimizer`: the host update overlaps the next step (gradients one step
+    /// stale; `offload.delayed_update`).
+    pub delayed_update: bool,
     /// Data-parallel ranks and the ZeRO stage (0: replicated, 1: sharded optimizer state,
     /// 2: and gradients, 3: and weights), each rank holding 1/world of what is sharded.
     pub world_size: usize,
@@ -445,6 +459,7 @@ impl Knobs {
             offload_optimizer: false,
             offload_params: false,
             offload_activations: OffloadTarget::None,
+            delayed_update: false,
             world_size: 1,
             zero_stage: 0,
             expandable_segments: false,

@@ -124,6 +124,10 @@ pub struct Swap {
     /// what the step waited for. Absent from older trainers: 0.
     #[serde(default)]
     pub hidden_ms: f64,
+    /// Time the step waited for the host optimizer's update (offload.optimizer), beyond its
+    /// copies. Absent from older trainers: 0.
+    #[serde(default)]
+    pub host_ms: f64,
     /// `transfer_ms / step_ms`: what the policy's `swap_bound` is compared with.
     #[serde(deserialize_with = "nan_if_null")]
     pub fraction: f64,
@@ -412,6 +416,7 @@ mod tests {
                     bytes_to_device: 8,
                     transfer_ms: 1.5,
                     hidden_ms: 0.5,
+                    host_ms: 2.0,
                     fraction: 0.125,
                 }),
             }),

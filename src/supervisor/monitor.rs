@@ -446,6 +446,7 @@ mod tests {
                     bytes_to_device: 1,
                     transfer_ms: 1.0,
                     hidden_ms: 0.0,
+                    host_ms: 0.0,
                     fraction,
                 }),
             }),

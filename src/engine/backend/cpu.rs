@@ -66,6 +66,14 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    unsafe fn download_ahead<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult {
+        self.download(src, dst)
+    }
+
+    fn wait_host(&self, _fence: ()) -> BackendResult {
+        Ok(())
+    }
+
     fn zero<T: Pod>(&self, mut dst: ViewMut<T>) -> BackendResult {
         // All-zero bytes are T's zero (Pod).
         let d: &mut [u8] = bytemuck::cast_slice_mut(dst.host_mut());

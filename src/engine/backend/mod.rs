@@ -29,6 +29,28 @@ pub use error::{check_shape, BackendError, BackendResult};
 pub use layers::Elem;
 pub use view::{View, ViewMut};
 
+/// Host memory a backend has page-locked (`Backend::pin_host`), unlocked when dropped.
+#[derive(Default)]
+pub struct HostPin(Option<Box<dyn Send + Sync>>);
+
+impl HostPin {
+    /// A pin released by dropping `guard`.
+    pub fn new(guard: impl Send + Sync + 'static) -> HostPin {
+        HostPin(Some(Box::new(guard)))
+    }
+
+    /// Whether any memory is locked.
+    pub fn is_pinned(&self) -> bool {
+        self.0.is_some()
+    }
+}
+
+impl std::fmt::Debug for HostPin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostPin({})", if self.is_pinned() { "locked" } else { "none" })
+    }
+}
+
 /// The op set. Shapes follow llm.c: B batch, T time, C channels, NH heads, V vocabulary,
 /// N = B·T rows. A backend belongs to one rank and may be moved to that rank's thread.
 #[allow(clippy::too_many_arguments)]
@@ -62,6 +84,39 @@ pub trait Backend: Send {
     /// Order every op issued from now on after the copy behind `fence` (does not block the
     /// host on a device with streams).
     fn wait_copy(&self, fence: Self::Fence) -> BackendResult;
+    /// Start copying device data to the host off the compute stream, after every op issued so
+    /// far (offloaded gradients leaving during the backward pass), so the transfer overlaps the
+    /// ops issued meanwhile. Ops issued later must not write `src` before the copy has read it
+    /// (`wait_copy(fence)` orders them after it). A backend without a copy engine copies now.
+    ///
+    /// # Safety
+    /// `dst` must stay allocated, and be neither read nor written, until `wait_host(fence)`
+    /// (or `wait_copy(fence)`, after which its contents are unspecified) returns: the device
+    /// writes it after this call has returned. It is fastest page-locked (`pin_host`).
+    unsafe fn download_ahead<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult<Self::Fence>;
+    /// Block the host until the copy behind `fence` has landed (a download's destination then
+    /// holds the data).
+    fn wait_host(&self, fence: Self::Fence) -> BackendResult;
+    /// `wait_host` on every fence, all of them even after an error; the first error.
+    fn wait_host_all(&self, fences: impl IntoIterator<Item = Self::Fence>) -> BackendResult
+    where
+        Self: Sized,
+    {
+        let mut first = Ok(());
+        for fence in fences {
+            let waited = self.wait_host(fence);
+            first = first.and(waited);
+        }
+        first
+    }
+    /// Page-lock host memory this backend copies to and from, so copies into it run on the
+    /// copy engine without a staging pass; released when the returned pin is dropped, which
+    /// must happen before `mem` is freed. Where that gains nothing (the host is the device),
+    /// an empty pin.
+    fn pin_host(&self, _mem: &mut [u8]) -> BackendResult<HostPin> {
+        Ok(HostPin::default())
+    }
+
     /// `wait_copy` on every fence, all of them even after an error (no copy may still be
     /// landing once its memory is reused); the first error.
     fn wait_copies(&self, fences: impl IntoIterator<Item = Self::Fence>) -> BackendResult

@@ -28,8 +28,8 @@ pub struct BenchResult {
     pub min_ms: f64,
     pub tokens_per_s: f64,
     pub peak_allocated: usize,
-    /// Mean over the timed steps of the copy time the step waited for over step time (the
-    /// `swap` event's `fraction`), and of the copy time hidden behind other work.
+    /// Mean over the timed steps of the time the step waited for copies and for the host
+    /// optimizer over step time, and of the copy time hidden behind other work.
     pub swap_fraction: f64,
     pub hidden_ms: f64,
 }
@@ -100,6 +100,8 @@ pub struct Techniques {
     pub offload_params: bool,
     pub offload_optimizer: bool,
     pub offload_activations: crate::config::OffloadTarget,
+    /// With `offload_optimizer`: the host update overlaps the next step.
+    pub delayed_update: bool,
 }
 
 /// [`run_configured`] on any backend (e.g. a GPU's) with any techniques, and its pool's stats.
@@ -111,7 +113,8 @@ pub fn run_on<E: Elem, B: crate::engine::backend::Backend>(
     warmup: usize,
     steps: usize,
 ) -> Result<(BenchResult, MemStats), crate::engine::backend::BackendError> {
-    let Techniques { checkpointing, offload_params, offload_optimizer, offload_activations } = techniques;
+    let Techniques { checkpointing, offload_params, offload_optimizer, offload_activations, delayed_update } =
+        techniques;
     let hyper = Hyper {
         knobs: Knobs {
             micro_batch,
@@ -121,6 +124,7 @@ pub fn run_on<E: Elem, B: crate::engine::backend::Backend>(
             offload_optimizer,
             offload_params,
             offload_activations,
+            delayed_update,
             world_size: 1,
             zero_stage: 0,
             precision: crate::config::Precision::Fp32,
@@ -150,7 +154,7 @@ pub fn run_on<E: Elem, B: crate::engine::backend::Backend>(
     for _ in 0..steps {
         let step = trainer.train_step(&mut batch)?;
         let swap = step.swap.unwrap_or_default();
-        fractions.push(swap.transfer_ms / step.step_ms.max(1e-9));
+        fractions.push((swap.transfer_ms + swap.host_ms) / step.step_ms.max(1e-9));
         hidden.push(swap.hidden_ms);
         times.push(step.step_ms);
     }

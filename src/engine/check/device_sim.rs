@@ -10,7 +10,8 @@
 //! `SimCollectives` stands in for NCCL: the native primitives over the ranks' pool memory.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
 
@@ -39,11 +40,35 @@ impl<T: Pod> Expose for ViewMut<'_, T> {
     }
 }
 
-/// A copy ahead that has not landed: where to, and the bytes (taken when it was issued).
+/// A copy ahead that has not landed: where to, the bytes (taken when it was issued), and when
+/// the simulated link has carried them.
 pub(crate) struct PendingCopy {
     address: u64,
     bytes: Vec<u8>,
+    arrives: Option<Instant>,
+    /// A download's copy engine: a thread that writes the destination when the link has
+    /// carried the bytes, so the host pays for neither the wait nor the copy.
+    engine: Option<std::thread::JoinHandle<()>>,
     landed: bool,
+}
+
+impl PendingCopy {
+    /// Wait for the link, then write the bytes where they go.
+    fn land(mut self) {
+        if let Some(engine) = self.engine.take() {
+            engine.join().expect("the simulated copy engine does not panic");
+            self.landed = true;
+            return;
+        }
+        if let Some(at) = self.arrives {
+            std::thread::sleep(at.saturating_duration_since(Instant::now()));
+        }
+        // SAFETY: the contracts of `upload_ahead` and `download_ahead`: the destination (pool
+        // memory or the caller's host memory) is alive and not otherwise accessed until its
+        // fence is waited on.
+        unsafe { std::ptr::copy_nonoverlapping(self.bytes.as_ptr(), self.address as *mut u8, self.bytes.len()) };
+        self.landed = true;
+    }
 }
 
 impl Drop for PendingCopy {
@@ -64,9 +89,19 @@ pub(crate) struct DeviceSim {
     /// Of `uploaded`, the bytes that went through `upload_ahead`.
     ahead: AtomicUsize,
     collectives: Option<SimCollectives>,
-    /// A simulated host link: synchronous copies take `bytes / link` seconds (asleep, so the
-    /// host's cores stay free for what overlaps them). None: as fast as memcpy.
+    /// A simulated host link: copies take `bytes / link` seconds (asleep, so the host's cores
+    /// stay free for what overlaps them). None: as fast as memcpy.
     link_bytes_per_s: Option<f64>,
+    /// When each direction of the link (to the device, to the host: full duplex, as PCIe) is
+    /// free again: copies queue behind the ones issued before them.
+    link_free: Mutex<[Option<Instant>; 2]>,
+}
+
+/// A direction of the simulated link.
+#[derive(Clone, Copy)]
+enum Link {
+    ToDevice = 0,
+    ToHost = 1,
 }
 
 impl DeviceSim {
@@ -76,9 +111,21 @@ impl DeviceSim {
         self
     }
 
-    fn cross_link(&self, bytes: usize) {
-        if let Some(bw) = self.link_bytes_per_s {
-            std::thread::sleep(std::time::Duration::from_secs_f64(bytes as f64 / bw));
+    /// Queue `bytes` on one direction of the link: when they will have crossed (None: no link).
+    fn reserve_link(&self, way: Link, bytes: usize) -> Option<Instant> {
+        let bw = self.link_bytes_per_s?;
+        let mut free = self.link_free.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        let start = free[way as usize].map_or(now, |f| f.max(now));
+        let done = start + Duration::from_secs_f64(bytes as f64 / bw);
+        free[way as usize] = Some(done);
+        Some(done)
+    }
+
+    /// A synchronous copy: wait until `bytes` have crossed.
+    fn cross_link(&self, way: Link, bytes: usize) {
+        if let Some(done) = self.reserve_link(way, bytes) {
+            std::thread::sleep(done.saturating_duration_since(Instant::now()));
         }
     }
 
@@ -97,6 +144,7 @@ impl DeviceSim {
             ahead: AtomicUsize::new(0),
             collectives: None,
             link_bytes_per_s: None,
+            link_free: Mutex::new([None; 2]),
         }
     }
 
@@ -233,12 +281,12 @@ impl Backend for DeviceSim {
     }
     fn upload<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult {
         self.uploaded.fetch_add(std::mem::size_of_val(src), Ordering::Relaxed);
-        self.cross_link(std::mem::size_of_val(src));
+        self.cross_link(Link::ToDevice, std::mem::size_of_val(src));
         self.cpu.upload(dst.exposed(), src)
     }
     fn download<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult {
         self.downloaded.fetch_add(std::mem::size_of_val(dst), Ordering::Relaxed);
-        self.cross_link(std::mem::size_of_val(dst));
+        self.cross_link(Link::ToHost, std::mem::size_of_val(dst));
         self.cpu.download(src.exposed(), dst)
     }
     fn zero<T: Pod>(&self, dst: ViewMut<T>) -> BackendResult {
@@ -251,13 +299,36 @@ impl Backend for DeviceSim {
         self.ahead.fetch_add(bytes.len(), Ordering::Relaxed);
         let mut dst = dst.exposed();
         bytemuck::cast_slice_mut::<T, u8>(dst.host_mut()).fill(0xFF);
-        Ok(PendingCopy { address: dst.address(), bytes, landed: false })
+        let arrives = self.reserve_link(Link::ToDevice, bytes.len());
+        Ok(PendingCopy { address: dst.address(), bytes, arrives, engine: None, landed: false })
     }
-    fn wait_copy(&self, mut fence: PendingCopy) -> BackendResult {
-        // SAFETY: the contract of `upload_ahead`: the destination buffer, host memory of this
-        // pool, is alive and not otherwise accessed until its fence is waited on.
-        unsafe { std::ptr::copy_nonoverlapping(fence.bytes.as_ptr(), fence.address as *mut u8, fence.bytes.len()) };
-        fence.landed = true;
+    fn wait_copy(&self, fence: PendingCopy) -> BackendResult {
+        fence.land();
+        Ok(())
+    }
+    unsafe fn download_ahead<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult<PendingCopy> {
+        crate::engine::backend::shapes::same("download_ahead", "destination", dst.len(), src.len())?;
+        // The destination reads as NaN until the fence is waited on; the copy engine reads
+        // the source when the link has carried it (the contract: nothing writes it before).
+        let len = std::mem::size_of_val(dst);
+        self.downloaded.fetch_add(len, Ordering::Relaxed);
+        let out = bytemuck::cast_slice_mut::<T, u8>(dst);
+        out.fill(0xFF);
+        let arrives = self.reserve_link(Link::ToHost, len);
+        let (from, to) = (src.exposed().address() as usize, out.as_mut_ptr() as usize);
+        let engine = std::thread::spawn(move || {
+            if let Some(at) = arrives {
+                std::thread::sleep(at.saturating_duration_since(Instant::now()));
+            }
+            // SAFETY: the contract of `download_ahead`: the source (pool memory, host memory
+            // behind the simulated device) is not written, and the destination neither read
+            // nor written nor freed, until the fence is waited on, which joins this thread.
+            unsafe { std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, len) };
+        });
+        Ok(PendingCopy { address: to as u64, bytes: Vec::new(), arrives, engine: Some(engine), landed: false })
+    }
+    fn wait_host(&self, fence: PendingCopy) -> BackendResult {
+        fence.land();
         Ok(())
     }
     delegate_ops!(cpu, Expose::exposed;
@@ -273,7 +344,7 @@ mod tests {
     use crate::engine::check::train_parity::{sequences, TrainParityCase};
     use crate::engine::model::GptConfig;
     use crate::engine::train::checkpoint;
-    use crate::engine::train::trainer::{SwapStats as SwapStatsOf, Trainer};
+    use crate::engine::train::trainer::{Hyper, SwapStats as SwapStatsOf, Trainer};
     use crate::memory::Category;
 
     fn tokens() -> Vec<u32> {
@@ -318,6 +389,69 @@ mod tests {
         }
     }
 
+    /// The delayed update (DPU) on the simulated device: step n's forward runs on the weights
+    /// of n−1 updates, so its loss is bit for bit what the synchronous run's weights after
+    /// n−1 steps give on step n's batch (checkable while the two runs' weights agree: n ≤ 2),
+    /// and a checkpoint settles the pipeline, so a run resumed from it continues exactly as
+    /// the original did.
+    #[test]
+    fn the_delayed_update_trains_one_step_stale_and_resumes_exactly() {
+        let tokens = tokens();
+        let case = TrainParityCase { offload_optimizer: true, ..TrainParityCase::small(6) };
+        let (t, t_len) = (case.cfg.block_size, case.cfg.block_size);
+        // Delayed from the first step (past a warmup of 0 steps).
+        let plain = Hyper { warmup_steps: 0, ..case.hyper() };
+        let mut delayed = plain.clone();
+        delayed.knobs.delayed_update = true;
+        let open = |hyper| Trainer::<f32, _>::on_backend(case.cfg, hyper, DeviceSim::new(256 << 20), None).unwrap();
+
+        let mut dpu = open(delayed.clone());
+        let losses: Vec<u32> =
+            (0..3).map(|_| dpu.train_step(&mut sequences(&tokens, t)).unwrap().loss.to_bits()).collect();
+        for (n, &loss) in losses.iter().enumerate() {
+            let mut sync = open(plain.clone());
+            for _ in 0..n.saturating_sub(1) {
+                sync.train_step(&mut sequences(&tokens, t)).unwrap();
+            }
+            // The synchronous weights after n−1 steps, on step n's batch.
+            let mut base = sequences(&tokens, t);
+            let shift = (n - n.saturating_sub(1)) as u64;
+            let on_step_n = sync.train_step(&mut |s, i, inp, tgt| base(s + shift, i, inp, tgt)).unwrap();
+            assert_eq!(loss, on_step_n.loss.to_bits(), "step {n}: the weights of {} updates", n.saturating_sub(1));
+        }
+
+        // Past the learning rate's warmup only: with 2 warmup steps, steps 0–2 run on the
+        // synchronous run's weights, step 3 on one update fewer.
+        let warm = |delayed_update: bool| {
+            let mut hyper = case.hyper();
+            assert_eq!(hyper.warmup_steps, 2);
+            hyper.knobs.delayed_update = delayed_update;
+            let mut t = open(hyper);
+            (0..4).map(|_| t.train_step(&mut sequences(&tokens, t_len)).unwrap().loss.to_bits()).collect::<Vec<_>>()
+        };
+        let (gated, sync) = (warm(true), warm(false));
+        assert_eq!(gated[..3], sync[..3], "no delay during the warmup");
+        assert_ne!(gated[3], sync[3], "delayed after it");
+
+        // Checkpoint at step 3 (settling), on to 6; a run resumed from step 3 matches it.
+        let dir = tempfile::tempdir().unwrap();
+        let mut original = open(delayed.clone());
+        for _ in 0..3 {
+            original.train_step(&mut sequences(&tokens, t)).unwrap();
+        }
+        original.save_checkpoint(dir.path(), None).unwrap();
+        let rest: Vec<u32> =
+            (3..6).map(|_| original.train_step(&mut sequences(&tokens, t)).unwrap().loss.to_bits()).collect();
+        let (path, ckpt) = checkpoint::load_latest(dir.path(), None, |e| panic!("{e}")).expect("a checkpoint");
+        let mut resumed = open(delayed);
+        resumed.restore(&path, ckpt).unwrap();
+        let again: Vec<u32> =
+            (3..6).map(|_| resumed.train_step(&mut sequences(&tokens, t)).unwrap().loss.to_bits()).collect();
+        assert_eq!(again, rest, "resumed from the checkpoint, the same losses");
+        let (a, b) = (original.master_params().unwrap(), resumed.master_params().unwrap());
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "and the same weights");
+    }
+
     #[test]
     fn a_copy_ahead_lands_only_when_waited_on() {
         let sim = DeviceSim::new(16 << 20);
@@ -331,9 +465,72 @@ mod tests {
         assert_eq!(out, [1.0, 2.0, 3.0, 4.0]);
         assert_eq!(sim.copied_ahead(), 16);
 
+        // A download ahead over a 160 B/s link: 16 bytes land 100 ms after it was issued, and
+        // the host waits for them in `wait_host`, not before.
+        let slow = DeviceSim::new(16 << 20).with_link(160.0);
+        let mut b = slow.pool().alloc(16, Category::Activations).unwrap();
+        slow.upload(ViewMut::of(&mut b), &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
+        let mut host = [0f32; 4];
+        let issued = std::time::Instant::now();
+        // SAFETY: `host` is not touched, nor `b` written, until the fence is waited on.
+        let fence = unsafe { slow.download_ahead(View::of(&b), &mut host) }.unwrap();
+        assert!(issued.elapsed().as_secs_f64() < 0.05, "issuing does not wait for the link");
+        slow.wait_host(fence).unwrap();
+        assert!(issued.elapsed().as_secs_f64() >= 0.1, "landed after the link carried it");
+        assert_eq!(host, [1.0, 2.0, 3.0, 4.0]);
+
         let forgotten = sim.upload_ahead(ViewMut::of(&mut a), &[0f32; 4]).unwrap();
         let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(forgotten)));
         assert!(dropped.is_err(), "a fence dropped without wait_copy is a bug the sim reports");
+    }
+
+    /// `StreamedGrads` on the device: every gradient reaches the host exactly once in each
+    /// order a pass may close its segments — the held (tied) range sent with the segment that
+    /// closes over it, or at `finish` when none does — and a range opened again after its
+    /// copy left is sent again with its new sum (and counted twice).
+    #[test]
+    fn streamed_gradients_reach_the_host_once_whatever_the_order() {
+        use crate::engine::parallel::placement::{GradSink, StreamedGrads};
+        let sim = DeviceSim::new(16 << 20);
+        let mut g = sim.pool().alloc(8 * 4, Category::Grads).unwrap();
+        let add = |sink: &mut StreamedGrads<f32, DeviceSim>, r: std::ops::Range<usize>, v: f32| {
+            let len = r.len();
+            let view = sink.open(r.clone()).unwrap();
+            sim.upload(view, &vec![v; len]).unwrap();
+            sink.close(r).unwrap();
+        };
+        // (closes in order with the value each writes, expected host values, bytes sent)
+        type Close = (std::ops::Range<usize>, f32);
+        let cases: [(&str, Vec<Close>, [f32; 8], usize); 3] = [
+            (
+                "held, then closed over",
+                vec![(0..2, 1.0), (2..8, 2.0), (0..4, 3.0)],
+                [3.0, 3.0, 3.0, 3.0, 2.0, 2.0, 2.0, 2.0],
+                8 * 4 + 2 * 4,
+            ),
+            (
+                "held, never closed again",
+                vec![(0..2, 1.0), (2..8, 2.0)],
+                [1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0],
+                8 * 4,
+            ),
+            (
+                "sent, opened again",
+                vec![(0..2, 1.0), (4..8, 2.0), (2..4, 5.0), (4..6, 7.0)],
+                [1.0, 1.0, 5.0, 5.0, 7.0, 7.0, 2.0, 2.0],
+                10 * 4,
+            ),
+        ];
+        for (name, closes, expect, bytes) in cases {
+            let mut host = [0f32; 8];
+            let mut sink = StreamedGrads::new(ViewMut::of(&mut g), &mut host, &sim).holding(0..2);
+            for (r, v) in closes {
+                add(&mut sink, r, v);
+            }
+            let swap = sink.finish().unwrap();
+            assert_eq!(host, expect, "{name}");
+            assert_eq!(swap.bytes_to_host, bytes, "{name}");
+        }
     }
 
     #[test]
@@ -355,10 +552,12 @@ mod tests {
         assert_eq!(sim.pool().stats().current(Category::Activations), 512, "one pool, one account");
     }
 
-    /// The offloaded optimizer step's pipeline against its synchronous form on a device behind
-    /// a simulated 20 GB/s link (12.6M parameters: 25 MB of bf16 each way): the same losses and weights bit for bit, and the copy time the
-    /// step waits for drops — each chunk's copies hide behind the host update of the chunk
-    /// beside it (measured, best of two steps each).
+    /// The offloaded optimizer step overlapped — gradients streamed to the host during the
+    /// backward pass, the update pipelined with the weights going back — against its
+    /// synchronous form, on a device behind a simulated 20 GB/s link (12.6M parameters: 25 MB
+    /// of bf16 each way): the same losses and weights bit for bit (a gradient read before it
+    /// landed would be NaN here), and the copy time the step waits for drops (measured, best
+    /// of two steps each).
     #[test]
     fn the_offloaded_optimizer_overlaps_its_copies_with_the_host_update_and_computes_the_same() {
         let tokens = tokens();
@@ -370,23 +569,26 @@ mod tests {
             ..TrainParityCase::small(3)
         };
         let n = case.cfg.num_params();
-        let run = |chunk: usize| {
+        let run = |chunk: usize, stream: bool| {
             let sim = DeviceSim::new(256 << 20).with_link(20e9);
             let mut t = Trainer::<half::bf16, _>::on_backend(case.cfg, case.hyper(), sim, None).unwrap();
             t.set_offload_chunk(chunk);
+            t.set_stream_grads(stream);
             let steps: Vec<_> = (0..3).map(|_| t.train_step(&mut sequences(&tokens, 64)).unwrap()).collect();
             let losses: Vec<u32> = steps.iter().map(|s| s.loss.to_bits()).collect();
             let swap: Vec<SwapStatsOf> = steps[1..].iter().map(|s| s.swap.expect("offloading reports swap")).collect();
             let exposed = swap.iter().map(|s| s.transfer_ms).fold(f64::INFINITY, f64::min);
             let hidden = swap.iter().map(|s| s.hidden_ms).fold(0.0, f64::max);
-            (losses, t.master_params().unwrap(), exposed, hidden)
+            let bytes = swap[0].bytes_to_host;
+            (losses, t.master_params().unwrap(), exposed, hidden, bytes)
         };
-        let (sync_losses, sync_master, sync_exposed, sync_hidden) = run(usize::MAX);
-        let (losses, master, exposed, hidden) = run(n.div_ceil(8));
+        let (sync_losses, sync_master, sync_exposed, sync_hidden, sync_bytes) = run(usize::MAX, false);
+        let (losses, master, exposed, hidden, bytes) = run(n.div_ceil(8), true);
         assert_eq!(losses, sync_losses, "losses bitwise");
         assert!(master.iter().zip(&sync_master).all(|(a, b)| a.to_bits() == b.to_bits()), "master weights bitwise");
-        println!("exposed copy ms: synchronous {sync_exposed:.2}, pipelined {exposed:.2} (hidden {hidden:.2})");
+        assert_eq!(bytes, sync_bytes, "every gradient crosses once either way");
+        println!("exposed copy ms: synchronous {sync_exposed:.2}, overlapped {exposed:.2} (hidden {hidden:.2})");
         assert_eq!(sync_hidden, 0.0, "nothing overlaps the synchronous step's copies");
-        assert!(hidden > 0.0 && exposed < 0.6 * sync_exposed, "sync {sync_exposed:.2} ms, pipelined {exposed:.2} ms");
+        assert!(hidden > 0.0 && exposed < 0.6 * sync_exposed, "sync {sync_exposed:.2} ms, overlapped {exposed:.2} ms");
     }
 }

@@ -521,6 +521,13 @@ pub(crate) mod tests {
         fn wait_copy(&self, fence: ()) -> BackendResult {
             self.0.wait_copy(fence)
         }
+        unsafe fn download_ahead<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult {
+            // SAFETY: the caller keeps the contract of `download_ahead`.
+            unsafe { self.0.download_ahead(src, dst) }
+        }
+        fn wait_host(&self, fence: ()) -> BackendResult {
+            self.0.wait_host(fence)
+        }
         fn zero<T: Pod>(&self, dst: ViewMut<T>) -> BackendResult {
             self.0.zero(dst)
         }

@@ -151,7 +151,10 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
     base.add(Category::Grads, grads_len * E::BYTES);
     // Offloaded: master weights and moments (3 × 4 bytes per parameter) and the staging of
     // gradients in and weights out (the storage type) on the host.
-    let host_optimizer = if offload_optimizer { (12 + E::BYTES) * state_len } else { 0 };
+    // The delayed update (one rank) lands the next step's gradients beside the update: a
+    // second link buffer.
+    let link_buffers = if k.delayed_update && k.world_size <= 1 { 2 } else { 1 };
+    let host_optimizer = if offload_optimizer { (12 + link_buffers * E::BYTES) * state_len } else { 0 };
     let host_params = if k.offload_params { params_len * E::BYTES } else { 0 };
     if !offload_optimizer {
         if !E::is_f32() {
@@ -356,6 +359,7 @@ mod tests {
                 offload_optimizer,
                 offload_params: false,
                 offload_activations,
+                delayed_update: false,
                 world_size: 1,
                 zero_stage: 0,
                 precision: crate::config::Precision::Fp32,

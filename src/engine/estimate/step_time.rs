@@ -13,7 +13,8 @@
 //! - elementwise: ~40·B·T·C + 3·B·H·T² elements per layer and pass;
 //! - passes: L × (2, or 3 when recomputing) × `per_layer_pass_s`;
 //! - optimizer: 32 bytes per local parameter at the device's or the host's optimizer bandwidth;
-//! - offload: optimizer (gradients down, weights up once per step), params (weights up twice
+//! - offload: optimizer (gradients down under the last backward, weights up beside the host
+//!   update; delayed: the update under the next step, weights up after it), params (weights up twice
 //!   per micro-step, overlapped with compute), activations (block inputs down and up per
 //!   micro-step, overlapped); ranks: gradient all-reduce, ZeRO-3's gathers per pass.
 
@@ -154,20 +155,34 @@ pub fn step_time(cfg: &GptConfig, k: &Knobs, speed: &DeviceSpeed) -> StepTime {
     // Once per step: the optimizer over the state this rank holds, its copies, the gradients'
     // collective.
     let state_local = if k.zero_stage >= 1 { n / world } else { n };
-    let optimizer_s = if k.offload_optimizer {
+    let compute_s = accum * micro_compute;
+    let recompute_s = accum * micro_recompute;
+    let mut optimizer_s = if k.offload_optimizer {
         32.0 * state_local / speed.host_optimizer_bw
     } else {
         32.0 * state_local / speed.device_optimizer_bw
     } * share;
     let mut step_transfer = 0.0;
     if k.offload_optimizer {
-        step_transfer += 2.0 * state_local * e / speed.link_bw;
+        let one_way = state_local * e / speed.link_bw;
+        if world == 1.0 && speed.copies_overlap {
+            // Gradients stream down under the last backward pass; weights go up chunk by chunk
+            // beside the update — or, delayed, the update runs under the next step's compute
+            // and its weights go up after it.
+            step_transfer += (one_way - backward * share).max(0.0);
+            if k.delayed_update {
+                optimizer_s = (optimizer_s - compute_s - recompute_s).max(0.0);
+                step_transfer += one_way;
+            } else {
+                step_transfer += (one_way - optimizer_s).max(0.0);
+            }
+        } else {
+            step_transfer += 2.0 * one_way;
+        }
     }
     if world > 1.0 {
         step_transfer += 2.0 * n * e / speed.collective_bw;
     }
-    let compute_s = accum * micro_compute;
-    let recompute_s = accum * micro_recompute;
     let transfer_s = accum * hidden_excess + step_transfer;
     let step_s = compute_s + recompute_s + optimizer_s + transfer_s;
     let tokens = accum * rows * world;

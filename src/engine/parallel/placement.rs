@@ -255,6 +255,100 @@ impl<E: Elem> GradSink<E> for FullGrads<'_, E> {
     }
 }
 
+/// Every gradient accumulated in place, as `FullGrads`, and each segment sent on its way to
+/// `host` as soon as the pass closes it (`download_ahead`: on the copy stream, under the rest
+/// of the backward pass) — the last micro-batch of a step whose optimizer runs on the host.
+/// A segment the pass will open again (the tied embedding: classifier first, encoder last) is
+/// `held`: not sent at its first close, only with the segment that closes over it later. Any
+/// other segment opened again waits for its copy and goes again at its next close (the bytes
+/// count twice: they crossed twice). `finish` sends what is still held and waits for what is
+/// on the way.
+pub struct StreamedGrads<'a, E, B: Backend> {
+    grads: ViewMut<'a, E>,
+    /// Where the gradients land, indexed like `grads`; untouched until `finish`.
+    host: &'a mut [E],
+    backend: &'a B,
+    in_flight: Vec<(Range<usize>, B::Fence)>,
+    /// Closed but not sent: it opens again.
+    held: Option<Range<usize>>,
+    /// The range to hold at its first close, until that close.
+    hold: Option<Range<usize>>,
+    bytes: usize,
+}
+
+impl<'a, E: Elem, B: Backend> StreamedGrads<'a, E, B> {
+    pub fn new(grads: ViewMut<'a, E>, host: &'a mut [E], backend: &'a B) -> Self {
+        assert_eq!(grads.len(), host.len(), "one host element per gradient");
+        StreamedGrads { grads, host, backend, in_flight: Vec::new(), held: None, hold: None, bytes: 0 }
+    }
+
+    /// Do not send `range` at its first close: the pass opens it again (the tied embedding).
+    pub fn holding(mut self, range: Range<usize>) -> Self {
+        self.hold = Some(range);
+        self
+    }
+
+    fn send(&mut self, range: Range<usize>) -> BackendResult {
+        let grads = self.grads.reborrow().slice(range.clone());
+        let src = grads.as_view();
+        // SAFETY: `host` is borrowed for this sink's lifetime and this range of it is not
+        // touched again until `finish` (or `open` of an overlapping range) waits on the fence.
+        let fence = unsafe { self.backend.download_ahead(src, &mut self.host[range.clone()]) }?;
+        self.bytes += range.len() * E::BYTES;
+        self.in_flight.push((range, fence));
+        Ok(())
+    }
+
+    /// Wait until every gradient is on the host. The swap: bytes sent, and the time the step
+    /// waited here (exposed; the copies' time under the backward pass is not measured).
+    pub fn finish(mut self) -> BackendResult<SwapStats> {
+        let waited = std::time::Instant::now();
+        if let Some(held) = self.held.take() {
+            self.send(held)?;
+        }
+        self.backend.wait_host_all(self.in_flight.drain(..).map(|(_, f)| f))?;
+        Ok(SwapStats {
+            bytes_to_host: self.bytes,
+            transfer_ms: waited.elapsed().as_secs_f64() * 1e3,
+            ..SwapStats::default()
+        })
+    }
+}
+
+impl<E: Elem, B: Backend> GradSink<E> for StreamedGrads<'_, E, B> {
+    fn open(&mut self, range: Range<usize>) -> BackendResult<ViewMut<'_, E>> {
+        // A copy still reading this range must be done before the pass adds to it again.
+        let (again, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.in_flight)
+            .into_iter()
+            .partition(|(r, _)| r.start < range.end && range.start < r.end);
+        self.in_flight = rest;
+        for (_, fence) in again {
+            self.backend.wait_copy(fence)?;
+        }
+        Ok(self.grads.reborrow().slice(range))
+    }
+
+    fn close(&mut self, range: Range<usize>) -> BackendResult {
+        if self.hold.as_ref() == Some(&range) {
+            self.hold = None;
+            self.held = Some(range);
+            return Ok(());
+        }
+        // A close over the held range sends it too; one beside it leaves it held.
+        if self.held.as_ref().is_some_and(|h| range.start <= h.start && h.end <= range.end) {
+            self.held = None;
+        }
+        self.send(range)
+    }
+}
+
+impl<E, B: Backend> Drop for StreamedGrads<'_, E, B> {
+    fn drop(&mut self) {
+        // An error left copies on the way: they must land before `host` may be reused.
+        let _ = self.backend.wait_host_all(self.in_flight.drain(..).map(|(_, f)| f));
+    }
+}
+
 /// ZeRO-2/3: this rank keeps only the gradients of its shard. Each segment is computed into a
 /// zeroed reduce bucket, reduce-scattered to the owners when closed, and freed. A collective:
 /// every rank opens and closes the same ranges in the same order.

@@ -11,6 +11,9 @@ pub struct SwapStats {
     /// Copy time that ran while other work did (the host optimizer's update of an earlier
     /// chunk), so the step did not wait for it.
     pub hidden_ms: f64,
+    /// Time the step waited for the host optimizer's update beyond its copies (the offloaded
+    /// step's own work: with the delayed update, only what outlasted the device's step).
+    pub host_ms: f64,
 }
 
 impl SwapStats {
@@ -19,5 +22,6 @@ impl SwapStats {
         self.bytes_to_device += o.bytes_to_device;
         self.transfer_ms += o.transfer_ms;
         self.hidden_ms += o.hidden_ms;
+        self.host_ms += o.host_ms;
     }
 }

@@ -419,7 +419,7 @@ impl Run<'_> {
                     crate::memory::format_bytes(pool.stats().reserved)
                 );
             } else if let Some(cmd) = Control::from_code(cmd) {
-                let path = save(&trainer, run_dir, events)?;
+                let path = save(&mut trainer, run_dir, events)?;
                 tracing::info!(step = trainer.step, ?cmd, "exiting on request");
                 return Err(TrainError::Preempted { step: trainer.step, path });
             }
@@ -453,6 +453,7 @@ impl Run<'_> {
                     bytes_to_device: w.bytes_to_device,
                     transfer_ms: w.transfer_ms,
                     hidden_ms: w.hidden_ms,
+                    host_ms: w.host_ms,
                     fraction: w.transfer_ms / step.step_ms.max(1e-9),
                 }),
             }))?;
@@ -471,15 +472,15 @@ impl Run<'_> {
                 events.emit(Event::Eval(protocol::Eval { step: trainer.step, val_loss: val }))?;
             }
             if ckpt_every > 0 && trainer.step % ckpt_every == 0 && !last {
-                save(&trainer, run_dir, events)?;
+                save(&mut trainer, run_dir, events)?;
             }
             if opts.stop_after == Some(trainer.step) && !last {
-                let path = save(&trainer, run_dir, events)?;
+                let path = save(&mut trainer, run_dir, events)?;
                 return Err(TrainError::Preempted { step: trainer.step, path });
             }
         }
         progress.finish_and_clear();
-        save(&trainer, run_dir, events)?;
+        save(&mut trainer, run_dir, events)?;
         let stats = pool.stats();
         tracing::info!("finished:\n{}", pool.memory_summary());
         events.emit(Event::Finished(protocol::Finished {
@@ -495,7 +496,7 @@ impl Run<'_> {
 }
 
 fn save<E: Elem, B: Backend>(
-    trainer: &Trainer<E, B>,
+    trainer: &mut Trainer<E, B>,
     run_dir: &RunDir,
     events: &mut Events,
 ) -> Result<PathBuf, TrainError> {

@@ -4,6 +4,7 @@
 
 pub mod checkpoint;
 pub mod data;
+mod host_optimizer;
 pub mod job;
 pub mod run_dir;
 pub mod trainer;

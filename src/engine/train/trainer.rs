@@ -11,13 +11,15 @@ use crate::memory::{Buffer, Category, Pool};
 
 use crate::engine::backend::layers::{narrow, Elem};
 use crate::engine::backend::optim::{clip_coefficient, lr_at, AdamW};
-use crate::engine::backend::{Backend, BackendError, BackendResult, CpuBackend, View, ViewMut};
+use crate::engine::backend::{Backend, BackendError, BackendResult, CpuBackend, HostPin, View, ViewMut};
 use crate::engine::model::{self, alloc_elems, alloc_f32, GptConfig, TensorInfo};
 use crate::engine::parallel::comm::{shard_range, Comm, LocalComm};
 use crate::engine::parallel::placement::{
-    FullGrads, Gathered, GradSink, HostStaged, ParamSource, Resident, ShardedGrads,
+    FullGrads, Gathered, GradSink, HostStaged, ParamSource, Resident, ShardedGrads, StreamedGrads,
 };
 use crate::engine::rng::Rng;
+
+use super::host_optimizer::{HostOptimizer, HostState};
 use crate::engine::train::checkpoint::{self, Checkpoint, CheckpointError, CheckpointHeader};
 
 /// Hyper-parameters of the loop, resolved from the job spec: its memory knobs and the rest.
@@ -94,11 +96,12 @@ enum OptimizerState<E> {
     /// On the device, in the optimizer category. `master` is None for fp32, whose compute
     /// weights are the master.
     Device { master: Option<Buffer>, m: Buffer, v: Buffer },
-    /// In host memory (`offload.optimizer: cpu`): each step the gradients go device→host in
-    /// chunks into `staged`, the fused host AdamW updates each chunk (while the next one comes
-    /// down and the last one goes up) and leaves the narrowed weights in `staged`, which go
-    /// host→device.
-    Host { master: Vec<f32>, m: Vec<f32>, v: Vec<f32>, staged: Vec<E> },
+    /// In host memory (`offload.optimizer: cpu`): each step the gradients go device→host into
+    /// the link buffer segment by segment as the backward pass finishes them (one rank; with
+    /// ranks, in chunks after the collective), the fused host AdamW updates them chunk by chunk
+    /// and leaves the narrowed weights there, each chunk going host→device while the next one
+    /// is updated — or, with the delayed update, on its own thread during the next step.
+    Host(HostOptimizer<E>),
 }
 
 /// Elements per chunk of the offloaded optimizer step's pipeline (4M: 8 MiB of bf16 on the
@@ -177,6 +180,8 @@ pub struct Trainer<E: Elem = f32, B: Backend = CpuBackend> {
     /// Chunk of the offloaded optimizer step's pipeline ([`OFFLOAD_CHUNK`]; the whole shard:
     /// synchronous — download all, update, upload all).
     offload_chunk: usize,
+    /// Gradients for the host optimizer stream to it during the last backward pass.
+    stream_grads: bool,
     /// The parameter range whose optimizer state this rank owns (everything unless sharded).
     shard: Range<usize>,
     /// The parameter layout clipped to `shard`, offsets relative to its start.
@@ -238,8 +243,10 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         };
         let grads = alloc_elems::<E>(&pool, if grads_sharded { state_len } else { n }, Category::Grads)?;
         let mut device_state = if hyper.knobs.offload_optimizer {
-            // fp32 master weights and both moments, and the staging of gradients / weights.
-            pool.set_host_bytes(Category::Optimizer, (3 * 4 + E::BYTES) * state_len);
+            // fp32 master weights and both moments, and the link buffer of gradients / weights
+            // (two with the delayed update: the next step's gradients land beside it).
+            let link_buffers = if hyper.knobs.delayed_update && comm.is_none() { 2 } else { 1 };
+            pool.set_host_bytes(Category::Optimizer, (3 * 4 + link_buffers * E::BYTES) * state_len);
             None
         } else {
             let master = if E::is_f32() { None } else { Some(alloc_f32(&pool, state_len, Category::Optimizer)?) };
@@ -306,7 +313,15 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                 OptimizerState::Device { master, m, v }
             }
             (None, Some(master)) => {
-                OptimizerState::Host { master, m: vec![0.0; k], v: vec![0.0; k], staged: vec![E::default(); k] }
+                // Delayed updates for one rank (validated), whose gradients stream to the host.
+                let delayed = hyper.knobs.delayed_update && comm.is_none();
+                OptimizerState::Host(HostOptimizer::new(master, delayed, |mem| {
+                    backend.pin_host(mem).unwrap_or_else(|e| {
+                        // Copies into pageable memory are slower and staged by the driver.
+                        tracing::warn!("an offload buffer stays pageable: {e}");
+                        HostPin::default()
+                    })
+                }))
             }
             (None, None) => unreachable!("the optimizer state is on the device or the host"),
         };
@@ -345,6 +360,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             grads_sharded,
             opt,
             offload_chunk: OFFLOAD_CHUNK,
+            stream_grads: true,
             step: 0,
             adam_t: 0,
             rng,
@@ -388,7 +404,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                     }
                 }
             }
-            OptimizerState::Host { master, .. } => Ok(master.clone()),
+            OptimizerState::Host(host) => Ok(host.with_state(|s| s.master.clone())),
         }
     }
 
@@ -397,7 +413,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         let k = self.shard.len();
         match &self.opt {
             OptimizerState::Device { m, v, .. } => Ok((self.download(m, 0..k)?, self.download(v, 0..k)?)),
-            OptimizerState::Host { m, v, .. } => Ok((m.clone(), v.clone())),
+            OptimizerState::Host(host) => Ok(host.with_state(|s| (s.m.clone(), s.v.clone()))),
         }
     }
 
@@ -456,6 +472,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         let first_seq = self.rank() * b * h.knobs.grad_accum;
         let mut loss_sum = 0.0f64;
         let mut swap = SwapStats::default();
+        let mut grads_on_host = false;
         let (mut inputs, mut targets) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
         {
             let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), be);
@@ -484,6 +501,19 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                         let mut sink = ShardedGrads::new(grads, self.shard.clone(), comm, be);
                         let mut moved = model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, dloss)?;
                         moved.add(sink.swap());
+                        moved
+                    }
+                    (None, _) if micro + 1 == h.knobs.grad_accum && self.streams_grads() => {
+                        // The host optimizer's gradients leave segment by segment as backward
+                        // finishes them, under the rest of the pass.
+                        let delayed_step = self.delayed_step();
+                        let OptimizerState::Host(host) = &mut self.opt else { unreachable!() };
+                        let landing = host.landing(delayed_step);
+                        let mut sink =
+                            StreamedGrads::new(ViewMut::of(&mut self.grads), landing, be).holding(cfg.wte_range());
+                        let moved = model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, dloss)?;
+                        swap.add(sink.finish()?);
+                        grads_on_host = true;
                         moved
                     }
                     _ => {
@@ -525,7 +555,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             self.adam_t += 1;
             let opt = AdamW { lr: lr as f32, weight_decay: h.weight_decay as f32, t: self.adam_t };
             let grad_mult = (coef as f64 * inv_scale) as f32;
-            swap.add(self.optimizer_step(&opt, grad_mult)?);
+            swap.add(self.optimizer_step(&opt, grad_mult, grads_on_host)?);
             if let (Some(comm), true, false) = (&self.comm, k < self.cfg.num_params(), self.params_sharded) {
                 // ZeRO-1/2: every rank updated its shard; gather the full weights everywhere.
                 let moved = comm.all_gather_on::<E, B>(&self.backend, self.params.view_mut(), self.shard.clone())?;
@@ -560,13 +590,15 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
 
     /// AdamW over this rank's shard: the fp32 master and moments from the accumulated
     /// gradients × `grad_mult`, then the compute copy rewritten from the master. Returns the
-    /// device↔host traffic (offloaded optimizer state).
-    fn optimizer_step(&mut self, opt: &AdamW, grad_mult: f32) -> BackendResult<SwapStats> {
+    /// device↔host traffic (offloaded optimizer state). `grads_on_host`: the backward pass
+    /// already left this step's gradients in the host optimizer's staging buffer.
+    fn optimizer_step(&mut self, opt: &AdamW, grad_mult: f32, grads_on_host: bool) -> BackendResult<SwapStats> {
         let be = &self.backend;
         let k = self.shard.len();
         let grads_at = shard_in(self.grads_sharded, &self.shard).start;
         let params_at = shard_in(self.params_sharded, &self.shard);
         let tensors = &self.shard_tensors;
+        let delayed_step = self.delayed_step();
         match &mut self.opt {
             OptimizerState::Device { master, m, v } => {
                 let (grads, master) = (&self.grads, master.as_mut());
@@ -598,7 +630,27 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                 }
                 Ok(SwapStats::default())
             }
-            OptimizerState::Host { master, m, v, staged } => {
+            OptimizerState::Host(host) if delayed_step => {
+                // The delayed update: wait for the last step's, send its weights, and start
+                // this step's on its own thread, over the whole shard.
+                debug_assert!(grads_on_host, "a delayed update's gradients streamed to the host");
+                let (opt, pieces) =
+                    (*opt, tensors.iter().map(|t| (t.offset..t.offset + t.len, t.decay)).collect::<Vec<_>>());
+                let params = &mut self.params;
+                let cost = host.start_delayed(
+                    |weights| send_weights(be, params, params_at.clone(), weights),
+                    move |st| opt.update_host::<E>(pieces, &mut st.master, &mut st.io, grad_mult, &mut st.m, &mut st.v),
+                )?;
+                Ok(SwapStats {
+                    bytes_to_device: cost.sent_bytes,
+                    transfer_ms: cost.sent.as_secs_f64() * 1e3,
+                    host_ms: cost.waited.as_secs_f64() * 1e3,
+                    ..SwapStats::default()
+                })
+            }
+            OptimizerState::Host(host) => {
+                let started = Instant::now();
+                let HostState { master, m, v, io: staged } = host.state_mut();
                 let params = &mut self.params;
                 let grads = &self.grads;
                 let chunk = self.offload_chunk.max(1);
@@ -613,24 +665,14 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                         })
                         .collect()
                 };
-                let download = |r: &Range<usize>, dst: &mut [E]| {
-                    be.download(View::range(grads, grads_at + r.start..grads_at + r.end), dst)
+                let download = |r: &Range<usize>, dst: &mut [E]| match grads_on_host {
+                    true => Ok(()),
+                    false => be.download(View::range(grads, grads_at + r.start..grads_at + r.end), dst),
                 };
                 // The updated compute weights go to the device, unless they live on the host
                 // too (offload.params): then the next pass stages them and counts that.
                 let mut upload = |r: &Range<usize>, src: &[E]| -> BackendResult<usize> {
-                    let at = params_at.start + r.start..params_at.start + r.end;
-                    match &mut *params {
-                        ParamStore::Device(buf) => {
-                            be.upload(ViewMut::range(buf, at), src)?;
-                            Ok(std::mem::size_of_val(src))
-                        }
-                        ParamStore::Host(host) => {
-                            let host = Arc::get_mut(host).expect("no copy worker holds the weights between passes");
-                            host[at].copy_from_slice(src);
-                            Ok(0)
-                        }
-                    }
+                    send_weights(be, params, params_at.start + r.start..params_at.start + r.end, src)
                 };
                 type Part<'a, E> = (&'a mut [E], &'a mut [f32], &'a mut [f32], &'a mut [f32]);
                 let mut parts: Vec<Option<Part<'_, E>>> = staged
@@ -684,13 +726,49 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                     Ok(())
                 })?;
                 Ok(SwapStats {
-                    bytes_to_host: k * E::BYTES,
+                    bytes_to_host: if grads_on_host { 0 } else { k * E::BYTES },
                     bytes_to_device,
                     transfer_ms: exposed.as_secs_f64() * 1e3,
                     hidden_ms: copies.saturating_sub(exposed).as_secs_f64() * 1e3,
+                    // The pipeline's own time beyond the copies it waited for: the update.
+                    host_ms: started.elapsed().saturating_sub(exposed).as_secs_f64() * 1e3,
                 })
             }
         }
+    }
+
+    /// Whether this step's last backward pass sends the gradients to the host optimizer as it
+    /// goes (one rank; always with the delayed update, whose gradients land beside it).
+    fn streams_grads(&self) -> bool {
+        match &self.opt {
+            OptimizerState::Host(host) => self.comm.is_none() && (self.stream_grads || host.delayed()),
+            OptimizerState::Device { .. } => false,
+        }
+    }
+
+    /// Whether this step's host update is delayed: asked for, and past the learning rate's
+    /// warmup (DeepSpeed's DPU too starts after the first steps, whose large, fast-changing
+    /// updates staleness hurts most).
+    fn delayed_step(&self) -> bool {
+        matches!(&self.opt, OptimizerState::Host(host) if host.delayed()) && self.step >= self.hyper.warmup_steps as u64
+    }
+
+    /// Drain the delayed update's pipeline: wait for the update in flight and send its weights,
+    /// so the device holds the latest (done before a checkpoint and an evaluation, at steps
+    /// a resumed run shares). A no-op otherwise.
+    pub fn settle(&mut self) -> BackendResult {
+        if let OptimizerState::Host(host) = &mut self.opt {
+            let at = shard_in(self.params_sharded, &self.shard);
+            let (be, params) = (&self.backend, &mut self.params);
+            host.settle(|weights| send_weights(be, params, at, weights))?;
+        }
+        Ok(())
+    }
+
+    /// Whether the host optimizer's gradients leave during the backward pass (the default) or
+    /// all after it, in the optimizer step's pipeline (the synchronous form, for comparison).
+    pub fn set_stream_grads(&mut self, on: bool) {
+        self.stream_grads = on;
     }
 
     /// The chunk of the offloaded optimizer step's pipeline, in elements (`usize::MAX`: one
@@ -701,7 +779,8 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
 
     /// Mean loss over `count` sequences given by `batch(index)`, in micro-batches. With sharded
     /// weights every rank must call it alike (the weights are gathered as it goes).
-    pub fn evaluate(&self, count: usize, batch: &mut EvalBatchFn<'_>) -> BackendResult<f32> {
+    pub fn evaluate(&mut self, count: usize, batch: &mut EvalBatchFn<'_>) -> BackendResult<f32> {
+        self.settle()?;
         let (b, t) = (self.hyper.knobs.micro_batch, self.hyper.knobs.seq_len);
         let be = &self.backend;
         let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), be);
@@ -722,7 +801,8 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
 
     /// Write a checkpoint of the run `lineage` (see `run_dir`) into `run_dir` (rank 0 writes;
     /// every rank takes part in gathering the state).
-    pub fn save_checkpoint(&self, run_dir: &Path, lineage: Option<&str>) -> Result<PathBuf, CheckpointError> {
+    pub fn save_checkpoint(&mut self, run_dir: &Path, lineage: Option<&str>) -> Result<PathBuf, CheckpointError> {
+        self.settle().map_err(|e| CheckpointError::Device { path: run_dir.into(), message: e.to_string() })?;
         let header = CheckpointHeader {
             version: 1,
             step: self.step,
@@ -782,7 +862,9 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                 be.upload(ViewMut::range(m, 0..k), &ckpt.m[shard.clone()]).map_err(device)?;
                 be.upload(ViewMut::range(v, 0..k), &ckpt.v[shard]).map_err(device)?;
             }
-            OptimizerState::Host { master, m, v, .. } => {
+            OptimizerState::Host(host) => {
+                host.discard();
+                let HostState { master, m, v, .. } = host.state_mut();
                 master.copy_from_slice(&ckpt.params[shard.clone()]);
                 m.copy_from_slice(&ckpt.m[shard.clone()]);
                 v.copy_from_slice(&ckpt.v[shard]);
@@ -795,6 +877,27 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             self.loss_scale = ckpt.header.loss_scale;
         }
         Ok(())
+    }
+}
+
+/// Write updated compute weights `at` (of the rank's store): to the device, or into host
+/// memory under `offload.params` (the next pass stages them and counts that). Bytes sent.
+fn send_weights<E: Elem, B: Backend>(
+    be: &B,
+    params: &mut ParamStore<E>,
+    at: Range<usize>,
+    src: &[E],
+) -> BackendResult<usize> {
+    match params {
+        ParamStore::Device(buf) => {
+            be.upload(ViewMut::range(buf, at), src)?;
+            Ok(std::mem::size_of_val(src))
+        }
+        ParamStore::Host(host) => {
+            let host = Arc::get_mut(host).expect("no copy worker holds the weights between passes");
+            host[at].copy_from_slice(src);
+            Ok(0)
+        }
     }
 }
 
@@ -871,6 +974,7 @@ mod tests {
                 offload_optimizer: false,
                 offload_params: false,
                 offload_activations: OffloadTarget::None,
+                delayed_update: false,
                 world_size: 1,
                 zero_stage: 0,
                 precision: crate::config::Precision::Fp32,

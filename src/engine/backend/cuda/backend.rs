@@ -11,6 +11,8 @@
 //! issued on the compute stream (its destination may be memory freed by those ops), and the
 //! compute stream waits for the copy (`wait_copy`) before using it. Its source is staged
 //! through page-locked host memory so the copy engine reads it while the host goes on.
+//! Downloads ahead (gradients leaving during backward) ride the same copy stream after an event
+//! of the compute stream, into host memory the caller page-locks (`pin_host`).
 //! Synchronous host copies synchronise before returning.
 
 use std::collections::HashMap;
@@ -31,7 +33,7 @@ use crate::engine::backend::collectives::DeviceCollectives;
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::optim::{AdamW, BETA1, BETA2, EPS};
 use crate::engine::backend::workspace::CudaAttention;
-use crate::engine::backend::{shapes, Backend, BackendError, BackendResult, View, ViewMut};
+use crate::engine::backend::{shapes, Backend, BackendError, BackendResult, HostPin, View, ViewMut};
 
 /// Threads per block of the elementwise kernels (the workspace declarations size reductions'
 /// partial sums by it).
@@ -77,6 +79,20 @@ impl Drop for Staging {
         let _ = self.done.context().bind_to_thread();
         // SAFETY: allocated by malloc_host in `new`; the copy reading it has completed.
         let _ = unsafe { drv::free_host(self.ptr as *mut std::ffi::c_void) };
+    }
+}
+
+/// Host memory page-locked by `pin_host`; unregistered when dropped.
+struct Registered {
+    ptr: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: registered by `pin_host`, still allocated (its contract).
+        let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void) };
     }
 }
 
@@ -437,6 +453,41 @@ impl Backend for CudaBackend {
 
     fn wait_copy(&self, fence: CudaEvent) -> BackendResult {
         self.stream.wait(&fence).map_err(|e| self.device_err("wait_copy", e))
+    }
+
+    unsafe fn download_ahead<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult<CudaEvent> {
+        const OP: &str = "download_ahead";
+        shapes::same(OP, "destination", dst.len(), src.len())?;
+        let e = |err: DriverError| self.device_err(OP, err);
+        self.ctx.bind_to_thread().map_err(e)?;
+        // The source is written by ops issued until now: the copy starts after them.
+        let issued = self.stream.record_event(None).map_err(e)?;
+        self.copy.wait(&issued).map_err(e)?;
+        if !dst.is_empty() {
+            // SAFETY: src holds dst.len() elements; the caller keeps dst alive and untouched
+            // until the fence is waited on (the contract). Into page-locked memory the copy is
+            // asynchronous; into pageable memory the driver stages it.
+            unsafe { drv::memcpy_dtoh_async(dst, src.address(), self.copy.cu_stream()) }.map_err(e)?;
+        }
+        self.copy.record_event(None).map_err(e)
+    }
+
+    fn wait_host(&self, fence: CudaEvent) -> BackendResult {
+        fence.synchronize().map_err(|e| self.device_err("wait_host", e))
+    }
+
+    fn pin_host(&self, mem: &mut [u8]) -> BackendResult<HostPin> {
+        if mem.is_empty() {
+            return Ok(HostPin::default());
+        }
+        self.bind("pin_host")?;
+        let ptr = mem.as_mut_ptr();
+        // SAFETY: `mem` is live host memory; the pin unregisters it before the caller frees it
+        // (the contract of `pin_host`).
+        unsafe { cudarc::driver::sys::cuMemHostRegister_v2(ptr as *mut std::ffi::c_void, mem.len(), 0) }
+            .result()
+            .map_err(|e| self.device_err("pin_host", e))?;
+        Ok(HostPin::new(Registered { ptr: ptr as usize, ctx: self.ctx.clone() }))
     }
 
     fn upload<T: Pod>(&self, dst: ViewMut<T>, src: &[T]) -> BackendResult {
