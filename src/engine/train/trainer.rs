@@ -301,6 +301,9 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             (None, Some(host)) => ParamStore::Host(Arc::new(host)),
             (None, None) => unreachable!("the weights are on the device or the host"),
         };
+        // A copy ahead into pageable memory holds the issuing thread until it is done: where
+        // pinning fails, the gradients come down after the backward pass instead of during it.
+        let mut pageable = false;
         let opt = match (device_state.take(), host_master) {
             (Some((master, mut m, mut v)), _) => {
                 // Fresh host pages already read as zero: touching them here would only move
@@ -318,7 +321,10 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                 OptimizerState::Host(HostOptimizer::new(master, delayed, |mem| {
                     backend.pin_host(mem).unwrap_or_else(|e| {
                         // Copies into pageable memory are slower and staged by the driver.
-                        tracing::warn!("an offload buffer stays pageable: {e}");
+                        tracing::warn!(
+                            "an offload buffer stays pageable (gradients come down after the backward pass): {e}"
+                        );
+                        pageable = true;
                         HostPin::default()
                     })
                 }))
@@ -360,7 +366,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             grads_sharded,
             opt,
             offload_chunk: OFFLOAD_CHUNK,
-            stream_grads: true,
+            stream_grads: !pageable,
             step: 0,
             adam_t: 0,
             rng,
