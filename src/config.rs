@@ -6,16 +6,42 @@ use std::path::{Path, PathBuf};
 
 use crate::memory::parse_bytes;
 
-/// An invalid job: which field, and what is wrong with it.
+/// An invalid job: which field, and what is wrong with it — the first problem found, and
+/// `also` every other one (field, message), so one run of the validator reports them all.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("invalid job: {field}: {message}")]
 pub struct ConfigError {
     pub field: String,
     pub message: String,
+    pub also: Vec<(String, String)>,
+}
+
+impl ConfigError {
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+        ConfigError { field: field.into(), message: message.into(), also: Vec::new() }
+    }
+
+    /// Every problem, the first included: (field, message).
+    pub fn problems(&self) -> impl Iterator<Item = (&str, &str)> {
+        std::iter::once((self.field.as_str(), self.message.as_str()))
+            .chain(self.also.iter().map(|(f, m)| (f.as_str(), m.as_str())))
+    }
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.also.is_empty() {
+            return write!(f, "invalid job: {}: {}", self.field, self.message);
+        }
+        write!(f, "invalid job: {} problems", self.also.len() + 1)?;
+        for (field, message) in self.problems() {
+            write!(f, "\n  {field}: {message}")?;
+        }
+        Ok(())
+    }
 }
 
 fn bad(field: &str, message: impl Into<String>) -> ConfigError {
-    ConfigError { field: field.to_string(), message: message.into() }
+    ConfigError::new(field, message)
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -326,84 +352,83 @@ impl JobSpec {
         }
     }
 
-    /// Every check whose failure the user must see, with the field named.
+    /// Every check whose failure the user must see, with the field named: all of them at once
+    /// (in file order), so a file with three bad values gets three messages.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut p = Problems::default();
         let name_ok = !self.name.is_empty()
             && self.name.len() <= 64
             && self.name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
             && self.name != "."
             && self.name != "..";
         if !name_ok {
-            return Err(bad("name", format!("`{}` must match [A-Za-z0-9._-]{{1,64}}", self.name)));
+            p.push("name", format!("`{}` must match [A-Za-z0-9._-]{{1,64}}", self.name));
         }
         let m = &self.model;
-        range("model.n_layer", m.n_layer, 1, 96)?;
-        range("model.n_head", m.n_head, 1, 128)?;
-        range("model.n_embd", m.n_embd, 1, 16384)?;
-        range("model.block_size", m.block_size, 2, 8192)?;
-        if m.n_embd % m.n_head != 0 {
-            return Err(bad("model.n_embd", format!("{} must be divisible by model.n_head ({})", m.n_embd, m.n_head)));
+        p.range("model.n_layer", m.n_layer, 1, 96);
+        let heads_ok = p.range("model.n_head", m.n_head, 1, 128);
+        p.range("model.n_embd", m.n_embd, 1, 16384);
+        p.range("model.block_size", m.block_size, 2, 8192);
+        if heads_ok && m.n_embd % m.n_head != 0 {
+            p.push("model.n_embd", format!("{} must be divisible by model.n_head ({})", m.n_embd, m.n_head));
         }
         let d = &self.data;
         if d.path.as_os_str().is_empty() {
-            return Err(bad("data.path", "must not be empty"));
+            p.push("data.path", "must not be empty");
         }
         if !(d.val_fraction > 0.0 && d.val_fraction < 0.5) {
-            return Err(bad("data.val_fraction", format!("{} must be in (0, 0.5)", d.val_fraction)));
+            p.push("data.val_fraction", format!("{} must be in (0, 0.5)", d.val_fraction));
         }
         let t = &self.train;
-        range("train.steps", t.steps, 1, 10_000_000)?;
-        range("train.global_batch", t.global_batch, 1, 1_000_000)?;
-        range("train.micro_batch", t.micro_batch, 1, t.global_batch.max(1))?;
+        p.range("train.steps", t.steps, 1, 10_000_000);
+        let batch_ok = p.range("train.global_batch", t.global_batch, 1, 1_000_000);
+        let micro_ok = p.range("train.micro_batch", t.micro_batch, 1, t.global_batch.max(1));
         let world = self.memory.world_size;
-        range("memory.world_size", world, 1, 64)?;
-        if t.global_batch % (t.micro_batch * world) != 0 {
-            return Err(bad(
+        let world_ok = p.range("memory.world_size", world, 1, 64);
+        if batch_ok && micro_ok && world_ok && t.global_batch % (t.micro_batch * world) != 0 {
+            p.push(
                 "train.global_batch",
                 format!(
                     "{} must be divisible by micro_batch × world_size = {} × {}",
                     t.global_batch, t.micro_batch, world
                 ),
-            ));
+            );
         }
         if !(t.lr.is_finite() && t.lr > 0.0 && t.lr <= 1.0) {
-            return Err(bad("train.lr", format!("{} must be in (0, 1]", t.lr)));
+            p.push("train.lr", format!("{} must be in (0, 1]", t.lr));
         }
-        range("train.warmup_steps", t.warmup_steps, 0, t.steps)?;
+        p.range("train.warmup_steps", t.warmup_steps, 0, t.steps.max(0));
         if !(t.weight_decay.is_finite() && (0.0..=1.0).contains(&t.weight_decay)) {
-            return Err(bad("train.weight_decay", format!("{} must be in [0, 1]", t.weight_decay)));
+            p.push("train.weight_decay", format!("{} must be in [0, 1]", t.weight_decay));
         }
         if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
-            return Err(bad("train.grad_clip", format!("{} must be >= 0 (0 disables clipping)", t.grad_clip)));
+            p.push("train.grad_clip", format!("{} must be >= 0 (0 disables clipping)", t.grad_clip));
         }
-        range("train.eval_every", t.eval_every, 0, 10_000_000)?;
-        range("train.checkpoint_every", t.checkpoint_every, 0, 10_000_000)?;
-        range("train.eval_batches", t.eval_batches, 1, 10_000)?;
-        range("memory.zero_stage", self.memory.zero_stage, 0, 3)?;
+        p.range("train.eval_every", t.eval_every, 0, 10_000_000);
+        p.range("train.checkpoint_every", t.checkpoint_every, 0, 10_000_000);
+        p.range("train.eval_batches", t.eval_batches, 1, 10_000);
+        p.range("memory.zero_stage", self.memory.zero_stage, 0, 3);
         let off = &self.memory.offload;
         if off.optimizer == OffloadTarget::CpuInt8 || off.params == OffloadTarget::CpuInt8 {
-            return Err(bad("memory.offload", "cpu-int8 applies to activations only"));
+            p.push("memory.offload", "cpu-int8 applies to activations only");
         }
         if off.delayed_update && world > 1 {
-            return Err(bad(
-                "memory.offload.delayed_update",
-                format!("applies to one rank; this job has world_size {world}"),
-            ));
+            p.push("memory.offload.delayed_update", format!("applies to one rank; this job has world_size {world}"));
         }
         if self.memory.offload.activations != OffloadTarget::None && self.memory.checkpointing != Checkpointing::Full {
-            return Err(bad(
+            p.push(
                 "memory.offload.activations",
                 "needs memory.checkpointing: full (the offloaded activations are the checkpointed block inputs)",
-            ));
+            );
         }
         match &self.device.device_memory {
             Some(size) => {
                 if let Some(e) = size.error() {
-                    return Err(bad("device.device_memory", e));
+                    p.push("device.device_memory", e);
                 }
             }
             None if self.device.kind == DeviceKind::Cpu => {
-                return Err(bad("device.device_memory", "is required for a cpu device (e.g. 512MiB)"))
+                p.push("device.device_memory", "is required for a cpu device (e.g. 512MiB)")
             }
             None => {}
         }
@@ -411,9 +436,36 @@ impl JobSpec {
             && self.policy.len() <= 64
             && self.policy.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-'));
         if !policy_ok {
-            return Err(bad("policy", format!("`{}` must match [A-Za-z0-9_-]{{1,64}}", self.policy)));
+            p.push("policy", format!("`{}` must match [A-Za-z0-9_-]{{1,64}}", self.policy));
         }
-        Ok(())
+        p.into_result()
+    }
+}
+
+/// What `validate` found, in order; one `ConfigError` carrying them all.
+#[derive(Default)]
+struct Problems(Vec<ConfigError>);
+
+impl Problems {
+    fn push(&mut self, field: &str, message: impl Into<String>) {
+        self.0.push(bad(field, message));
+    }
+
+    /// Whether `value` is in [lo, hi]; a problem when not.
+    fn range(&mut self, field: &str, value: i64, lo: i64, hi: i64) -> bool {
+        let ok = (lo..=hi).contains(&value);
+        if !ok {
+            self.push(field, format!("{value} is out of range [{lo}, {hi}]"));
+        }
+        ok
+    }
+
+    fn into_result(self) -> Result<(), ConfigError> {
+        let mut all = self.0.into_iter();
+        match all.next() {
+            None => Ok(()),
+            Some(first) => Err(ConfigError { also: all.map(|e| (e.field, e.message)).collect(), ..first }),
+        }
     }
 }
 
@@ -472,13 +524,6 @@ pub fn serde_name<T: Serialize>(v: &T) -> String {
     serde_json::to_value(v).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
 }
 
-fn range(field: &str, value: i64, lo: i64, hi: i64) -> Result<(), ConfigError> {
-    if value < lo || value > hi {
-        return Err(bad(field, format!("{value} is out of range [{lo}, {hi}]")));
-    }
-    Ok(())
-}
-
 /// Turn a serde_yaml error into a field-naming message. serde_yaml reports the path as
 /// `train.steps: invalid type...` or `unknown field `foo`, expected one of ...` at a location.
 /// Deepest nesting of YAML/JSON collections a job or policy file may have (theirs is 3).
@@ -531,7 +576,7 @@ fn yaml_error(e: &serde_yaml::Error) -> ConfigError {
         }
         _ => ("job".to_string(), text.clone()),
     };
-    ConfigError { field, message }
+    ConfigError::new(field, message)
 }
 
 #[cfg(test)]
@@ -625,5 +670,25 @@ policy: default
         assert_eq!(e.field, "name");
         let e = JobSpec::parse("name: [unclosed").unwrap_err();
         assert!(e.to_string().contains("line"), "malformed YAML reports its location: {e}");
+    }
+
+    #[test]
+    fn every_bad_value_is_reported_at_once_and_a_dependent_check_waits_for_its_inputs() {
+        let e = err_of("n_layer: 4", "n_layer: 0").also;
+        assert!(e.is_empty(), "one bad value, one problem: {e:?}");
+        let bad = EXAMPLE
+            .replace("n_layer: 4", "n_layer: 0")
+            .replace("val_fraction: 0.1", "val_fraction: 2")
+            .replace("lr: 3.0e-4", "lr: -1")
+            .replace("zero_stage: 0", "zero_stage: 7");
+        let e = JobSpec::parse(&bad).unwrap_err();
+        let fields: Vec<&str> = e.problems().map(|(f, _)| f).collect();
+        assert_eq!(fields, ["model.n_layer", "data.val_fraction", "train.lr", "memory.zero_stage"]);
+        assert!(e.to_string().starts_with("invalid job: 4 problems\n  model.n_layer: 0 is out of range"), "{e}");
+        // n_head 0: its range is the problem, not a division by zero in the divisibility check.
+        let e = err_of("n_head: 4", "n_head: 0");
+        assert_eq!(e.problems().map(|(f, _)| f).collect::<Vec<_>>(), ["model.n_head"]);
+        let e = err_of("micro_batch: 32", "micro_batch: 0");
+        assert_eq!(e.problems().map(|(f, _)| f).collect::<Vec<_>>(), ["train.micro_batch"]);
     }
 }

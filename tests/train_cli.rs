@@ -212,6 +212,20 @@ fn bad_job_files_exit_2_naming_the_field() {
         assert!(stderr.contains(needle), "stderr should name `{needle}`: {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
+
+    // Three bad values, three messages, in one run.
+    let three = good
+        .replace("steps: 10", "steps: -10")
+        .replace("micro_batch: 16", "micro_batch: 5")
+        .replace("64MiB", "64 parsecs");
+    let job = write_job(dir.path(), &three);
+    let out = train(&job, &dir.path().join("run"), &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("3 problems"), "{stderr}");
+    for field in ["train.steps", "train.global_batch", "device.device_memory"] {
+        assert!(stderr.contains(&format!("  {field}: ")), "stderr should name `{field}`: {stderr}");
+    }
 }
 
 #[test]

@@ -251,8 +251,7 @@ fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     let capacity = spec.device_capacity();
     let mut rows = vec![("base".to_string(), spec.clone())];
     if let Some(name) = &args.policy {
-        let (pol, _) = policy::load(&args.policies, name)
-            .map_err(|e| ConfigError { field: "--policy".into(), message: e.to_string() })?;
+        let (pol, _) = policy::load(&args.policies, name).map_err(|e| ConfigError::new("--policy", e.to_string()))?;
         let (mut cur, mut pos) = (spec.clone(), LadderPosition { rung_index: -1 });
         while let Ok(down) = policy::step_down(&pol, &cur, pos) {
             pos = LadderPosition { rung_index: down.rung_index };
@@ -324,15 +323,14 @@ fn print_plan(args: &EstimateArgs, spec: &JobSpec) -> anyhow::Result<()> {
     use crate::supervisor::planner::{self, Calibration};
     use crate::supervisor::policy::{self, Strategy};
     let name = args.policy.as_deref().unwrap_or("default");
-    let (pol, _) = policy::load(&args.policies, name)
-        .map_err(|e| ConfigError { field: "--policy".into(), message: e.to_string() })?;
+    let (pol, _) = policy::load(&args.policies, name).map_err(|e| ConfigError::new("--policy", e.to_string()))?;
     let state = LadderState::new(spec.clone(), "base".into(), -1);
     let calibration = Calibration::uncalibrated(&pol, &crate::config::serde_name(&spec.device.kind));
     let Some(mut plan) = planner::plan(&pol, &state, &planner::Excluded::default(), &calibration, None) else {
-        return Err(ConfigError {
-            field: "device.device_memory".into(),
-            message: "the device's capacity is unknown (cuda without device_memory): nothing to plan against".into(),
-        }
+        return Err(ConfigError::new(
+            "device.device_memory",
+            "the device's capacity is unknown (cuda without device_memory): nothing to plan against",
+        )
         .into());
     };
     match pol.strategy {
@@ -360,9 +358,8 @@ fn print_plan(args: &EstimateArgs, spec: &JobSpec) -> anyhow::Result<()> {
 }
 
 fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
-    let mut cases = bench::preset(&args.preset).ok_or_else(|| ConfigError {
-        field: "--preset".into(),
-        message: format!("unknown preset `{}` (tiny, small, gpt2, d4-128, all)", args.preset),
+    let mut cases = bench::preset(&args.preset).ok_or_else(|| {
+        ConfigError::new("--preset", format!("unknown preset `{}` (tiny, small, gpt2, d4-128, all)", args.preset))
     })?;
     for case in &mut cases {
         if let Some(b) = args.batch {
@@ -381,7 +378,7 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     if let (true, Some(config)) = (args.plan, &args.config) {
         let spec = JobSpec::load(config)?;
         let (pol, _) = crate::supervisor::policy::load(&args.policies, &args.policy)
-            .map_err(|e| ConfigError { field: "--policy".into(), message: e.to_string() })?;
+            .map_err(|e| ConfigError::new("--policy", e.to_string()))?;
         let (table, ok) = plan_bench::plan_bench(&spec, &pol, args.steps.max(4) as i64, args.rounds)?;
         print!("{table}");
         anyhow::ensure!(ok, "the planner's choice is below {}× the best measured", plan_bench::TARGET);

@@ -9,9 +9,10 @@ use crate::config::{Checkpointing, JobSpec, OffloadTarget, Precision};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum PolicyError {
-    /// The field and what is wrong with it (callers say which policy).
-    #[error("{field}: {message}")]
-    Invalid { field: String, message: String },
+    /// The field and what is wrong with it (callers say which policy), and `also` every other
+    /// problem the validator found (field, message).
+    #[error("{}", invalid_text(field, message, also))]
+    Invalid { field: String, message: String, also: Vec<(String, String)> },
     #[error("policy `{0}` does not exist")]
     NotFound(String),
     #[error("policy file {path}: {source}")]
@@ -19,7 +20,18 @@ pub enum PolicyError {
 }
 
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> PolicyError {
-    PolicyError::Invalid { field: field.into(), message: message.into() }
+    PolicyError::Invalid { field: field.into(), message: message.into(), also: Vec::new() }
+}
+
+fn invalid_text(field: &str, message: &str, also: &[(String, String)]) -> String {
+    if also.is_empty() {
+        return format!("{field}: {message}");
+    }
+    let mut text = format!("{} problems\n  {field}: {message}", also.len() + 1);
+    for (f, m) in also {
+        text.push_str(&format!("\n  {f}: {m}"));
+    }
+    text
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -176,58 +188,62 @@ impl Policy {
         Ok(p)
     }
 
+    /// Every problem at once, in file order.
     pub fn validate(&self) -> Result<(), PolicyError> {
+        let mut problems: Vec<(String, String)> = Vec::new();
+        let mut bad = |field: String, message: String| problems.push((field, message));
         if !valid_name(&self.name) {
-            return Err(invalid("name", format!("`{}` must match [A-Za-z0-9_-]{{1,64}}", self.name)));
+            bad("name".to_string(), format!("`{}` must match [A-Za-z0-9_-]{{1,64}}", self.name));
         }
         let t = &self.thresholds;
         if !(t.warn > 0.0 && t.warn <= 1.0) {
-            return Err(invalid("thresholds.warn", format!("{} must be in (0, 1]", t.warn)));
+            bad("thresholds.warn".to_string(), format!("{} must be in (0, 1]", t.warn));
         }
         if !(t.preempt > 0.0 && t.preempt <= 1.0 && t.preempt >= t.warn) {
-            return Err(invalid("thresholds.preempt", format!("{} must be in [warn, 1]", t.preempt)));
+            bad("thresholds.preempt".to_string(), format!("{} must be in [warn, 1]", t.preempt));
         }
         if t.sustain == 0 || t.sustain > 1000 {
-            return Err(invalid("thresholds.sustain", format!("{} must be in [1, 1000]", t.sustain)));
+            bad("thresholds.sustain".to_string(), format!("{} must be in [1, 1000]", t.sustain));
         }
         if let Some(m) = self.margin {
             if !(0.0..=1.0).contains(&m) {
-                return Err(invalid("margin", format!("{m} must be in [0, 1]")));
+                bad("margin".to_string(), format!("{m} must be in [0, 1]"));
             }
         }
         if self.rungs.is_empty() {
-            return Err(invalid("rungs", "must list at least one rung (a ladder with none cannot step down)"));
+            bad("rungs".to_string(), "must list at least one rung (a ladder with none cannot step down)".to_string());
         }
         for (i, r) in self.rungs.iter().enumerate() {
             if r.name.is_empty() {
-                return Err(invalid(format!("rungs[{i}].name"), "must not be empty"));
+                bad(format!("rungs[{i}].name"), "must not be empty".to_string());
             }
             if r.set == RungSet::default() {
-                return Err(invalid(format!("rungs[{i}].set"), "must change at least one knob"));
+                bad(format!("rungs[{i}].set"), "must change at least one knob".to_string());
             }
             if let Some(MicroBatchSet::Value(v)) = r.set.micro_batch {
                 if v < 1 {
-                    return Err(invalid(format!("rungs[{i}].set.micro_batch"), format!("{v} must be >= 1 or `half`")));
+                    bad(format!("rungs[{i}].set.micro_batch"), format!("{v} must be >= 1 or `half`"));
                 }
             }
             if let Some(z) = r.set.zero_stage {
                 if !(0..=3).contains(&z) {
-                    return Err(invalid(format!("rungs[{i}].set.zero_stage"), format!("{z} must be in [0, 3]")));
+                    bad(format!("rungs[{i}].set.zero_stage"), format!("{z} must be in [0, 3]"));
                 }
             }
         }
         if let Some(s) = &self.swap_bound {
             if !(s.transfer_fraction > 0.0 && s.transfer_fraction <= 1.0) {
-                return Err(invalid(
-                    "swap_bound.transfer_fraction",
-                    format!("{} must be in (0, 1]", s.transfer_fraction),
-                ));
+                bad("swap_bound.transfer_fraction".to_string(), format!("{} must be in (0, 1]", s.transfer_fraction));
             }
         }
         if self.retries.crash > 100 {
-            return Err(invalid("retries.crash", format!("{} must be in [0, 100]", self.retries.crash)));
+            bad("retries.crash".to_string(), format!("{} must be in [0, 100]", self.retries.crash));
         }
-        Ok(())
+        let mut all = problems.into_iter();
+        match all.next() {
+            None => Ok(()),
+            Some((field, message)) => Err(PolicyError::Invalid { field, message, also: all.collect() }),
+        }
     }
 
     pub fn to_yaml(&self) -> String {
@@ -394,6 +410,13 @@ pub(crate) mod tests {
         let e = Policy::parse("name: x\nrungs: []").unwrap_err();
         assert!(e.to_string().starts_with("rungs: must list at least one rung"), "{e}");
         assert!(matches!(load(Path::new("policies"), "../etc"), Err(PolicyError::Invalid { .. })));
+        // Every problem at once, in file order.
+        let e = Policy::parse("name: x\nthresholds: { warn: 0.9, preempt: 0.5, sustain: 0 }\nrungs: []").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "3 problems\n  thresholds.preempt: 0.5 must be in [warn, 1]\n  thresholds.sustain: 0 must be in [1, 1000]\n  \
+             rungs: must list at least one rung (a ladder with none cannot step down)"
+        );
     }
 
     #[test]

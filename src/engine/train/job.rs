@@ -186,13 +186,13 @@ fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<crate::engine::backend::cuda::C
         Precision::Fp16 => <half::f16 as Elem>::NAME,
     };
     if !CudaBackend::supports(precision) {
-        return Err(TrainError::Config(ConfigError {
-            field: "memory.precision".into(),
-            message: format!(
+        return Err(TrainError::Config(ConfigError::new(
+            "memory.precision",
+            format!(
                 "{precision} is not available on cuda devices (the kernels are built for {}): use bf16",
                 CudaBackend::dtypes().join(" and ")
             ),
-        }));
+        )));
     }
     // Validated: 1..=64.
     let world = spec.memory.world_size as u32;
@@ -259,7 +259,7 @@ impl DataLoad {
             .spawn(move || {
                 let tokens = load_tokens(&path, vocab, &cache)?;
                 Dataset::new(tokens, val_fraction, seq_len, seed)
-                    .map_err(|message| TrainError::Config(ConfigError { field: "data.path".into(), message }))
+                    .map_err(|message| TrainError::Config(ConfigError::new("data.path", message)))
             })
             .expect("spawn data thread");
         DataLoad { pending: Mutex::new(Some(handle)), ready: OnceLock::new(), error: Mutex::new(None) }
@@ -280,9 +280,12 @@ impl DataLoad {
         });
         match ready {
             Ok(data) => Ok(data),
-            Err(message) => Err(self.error.lock().expect("data lock").take().unwrap_or_else(|| {
-                TrainError::Config(ConfigError { field: "data.path".into(), message: message.clone() })
-            })),
+            Err(message) => Err(self
+                .error
+                .lock()
+                .expect("data lock")
+                .take()
+                .unwrap_or_else(|| TrainError::Config(ConfigError::new("data.path", message.clone())))),
         }
     }
 }
@@ -369,10 +372,10 @@ impl Run<'_> {
                     Some(trainer.step)
                 }
                 None if mode == ResumeMode::Require => {
-                    return Err(TrainError::Config(ConfigError {
-                        field: "--resume".into(),
-                        message: format!("no valid checkpoint in {}", opts.run_dir.display()),
-                    }))
+                    return Err(TrainError::Config(ConfigError::new(
+                        "--resume",
+                        format!("no valid checkpoint in {}", opts.run_dir.display()),
+                    )))
                 }
                 None => None,
             },
