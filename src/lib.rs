@@ -12,4 +12,5 @@ pub mod files;
 pub mod gpu;
 pub mod memory;
 pub mod protocol;
+pub mod shipped;
 pub mod supervisor;

@@ -42,6 +42,7 @@ async fn history_page_in_headless_chromium() {
         data_dirs: vec![root.join("data")],
         token: None,
         max_device_memory: None,
+        seed: Default::default(),
         runner: RunnerConfig {
             policies_dir: policies,
             runs_dir: dir.path().join("runs"),

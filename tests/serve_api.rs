@@ -35,6 +35,7 @@ impl Harness {
             data_dirs: vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("data")],
             token: token.map(str::to_owned),
             max_device_memory: None,
+            seed: Default::default(),
             runner: RunnerConfig {
                 policies_dir: self.policies.clone(),
                 runs_dir: self.dir.path().join("runs"),
@@ -181,6 +182,13 @@ async fn oom_steps_down_the_ladder_resumes_and_finishes() {
         .collect();
     steps.sort();
     assert_eq!(steps, (1..=20).collect::<Vec<_>>());
+    // `?last=N`: the newest N, oldest first — the tail of the whole list.
+    let all = samples.as_array().unwrap();
+    let last = get(&s, &format!("/api/jobs/{id}/samples?last=3")).await;
+    assert_eq!(last.as_array().unwrap().as_slice(), &all[all.len() - 3..]);
+    let r = reqwest::get(url(&s, &format!("/api/jobs/{id}/samples?last=0"))).await.unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    assert!(r.text().await.unwrap().contains("last: 0 must be in [1, 10000]"));
 
     let events = get(&s, &format!("/api/jobs/{id}/events")).await;
     let k = kinds(&events);

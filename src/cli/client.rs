@@ -109,32 +109,119 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<()> {
         let id = api.post("/api/jobs", body).await?["id"].as_i64().unwrap_or(0);
         println!("submitted job {id}");
         if args.follow {
-            let mut after = 0;
-            loop {
-                for e in api
-                    .get(&format!("/api/jobs/{id}/events?after={after}"))
-                    .await?
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default()
-                {
-                    after = e["id"].as_i64().unwrap_or(after);
-                    println!("{:<16} {}", e["kind"].as_str().unwrap_or(""), e["message"].as_str().unwrap_or(""));
-                }
-                let job = api.get(&format!("/api/jobs/{id}")).await?;
-                let status = job["status"].as_str().unwrap_or("").to_string();
-                if matches!(status.as_str(), "finished" | "failed" | "cancelled") {
-                    println!("job {id} {status}");
-                    if status != "finished" {
-                        anyhow::bail!("job {id} {status}: {}", job["reason"].as_str().unwrap_or(""));
-                    }
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
+            follow(&api, id).await?;
         }
         Ok(())
     })
+}
+
+/// Where a followed job stands, from its record and newest sample.
+#[derive(Debug, Clone, PartialEq)]
+struct Progress {
+    step: u64,
+    steps: u64,
+    rung: String,
+    loss: Option<f64>,
+    tokens_per_s: Option<f64>,
+}
+
+impl Progress {
+    /// `recent`: the newest samples, oldest first (an evaluation's sample carries no
+    /// training loss: the newest that has each figure gives it).
+    fn of(job: &Value, recent: &[Value]) -> Progress {
+        let newest = |key: &str| recent.iter().rev().find_map(|s| s[key].as_f64());
+        Progress {
+            step: job["steps_done"].as_u64().unwrap_or(0),
+            steps: job["steps_requested"].as_u64().unwrap_or(0),
+            rung: job["rung"].as_str().unwrap_or("").to_string(),
+            loss: newest("loss"),
+            tokens_per_s: newest("tokens_per_s"),
+        }
+    }
+
+    /// `loss 2.313 · 45.9k tokens/s · rung base`
+    fn summary(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(l) = self.loss {
+            parts.push(format!("loss {l:.3}"));
+        }
+        if let Some(t) = self.tokens_per_s {
+            parts.push(match t {
+                t if t >= 1e6 => format!("{:.2}M tokens/s", t / 1e6),
+                t if t >= 1e3 => format!("{:.1}k tokens/s", t / 1e3),
+                t => format!("{t:.0} tokens/s"),
+            });
+        }
+        parts.push(format!("rung {}", self.rung));
+        parts.join(" · ")
+    }
+
+    /// The plain form, for a log or a pipe: `step 120/300 · loss 2.313 · ...`
+    fn line(&self) -> String {
+        format!("step {}/{} · {}", self.step, self.steps, self.summary())
+    }
+}
+
+/// Print a job's events until it ends, with its progress: a bar on a terminal, a plain line
+/// every few seconds (when the step moved) otherwise. A job that does not finish is an error.
+async fn follow(api: &Api, id: i64) -> anyhow::Result<()> {
+    use std::io::IsTerminal;
+    const PLAIN_EVERY: Duration = Duration::from_secs(5);
+    let bar = match std::io::stdout().is_terminal() {
+        true => {
+            let bar = indicatif::ProgressBar::new(0);
+            let style =
+                indicatif::ProgressStyle::with_template("{bar:30.cyan/blue} {pos}/{len} steps · {msg} [{elapsed}]")
+                    .expect("a valid template");
+            bar.set_style(style);
+            Some(bar)
+        }
+        false => None,
+    };
+    let say = |text: String| match &bar {
+        Some(bar) => bar.println(text),
+        None => println!("{text}"),
+    };
+    let (mut after, mut printed) = (0, None::<(std::time::Instant, u64)>);
+    loop {
+        for e in api.get(&format!("/api/jobs/{id}/events?after={after}")).await?.as_array().cloned().unwrap_or_default()
+        {
+            after = e["id"].as_i64().unwrap_or(after);
+            say(format!("{:<16} {}", e["kind"].as_str().unwrap_or(""), e["message"].as_str().unwrap_or("")));
+        }
+        let job = api.get(&format!("/api/jobs/{id}")).await?;
+        let recent = api.get(&format!("/api/jobs/{id}/samples?last=4")).await?;
+        let progress = Progress::of(&job, recent.as_array().map(Vec::as_slice).unwrap_or_default());
+        match &bar {
+            Some(bar) => {
+                bar.set_length(progress.steps);
+                bar.set_position(progress.step);
+                bar.set_message(progress.summary());
+            }
+            None => {
+                let due = printed.is_none_or(|(at, step)| step != progress.step && at.elapsed() >= PLAIN_EVERY);
+                if due && progress.step > 0 {
+                    println!("{}", progress.line());
+                    printed = Some((std::time::Instant::now(), progress.step));
+                }
+            }
+        }
+        let status = job["status"].as_str().unwrap_or("").to_string();
+        if matches!(status.as_str(), "finished" | "failed" | "cancelled") {
+            if let Some(bar) = &bar {
+                bar.finish_and_clear();
+            }
+            if printed.is_none_or(|(_, step)| step != progress.step) {
+                println!("{}", progress.line());
+            }
+            println!("job {id} {status}");
+            if status != "finished" {
+                anyhow::bail!("job {id} {status}: {}", job["reason"].as_str().unwrap_or(""));
+            }
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 fn opt_bytes(v: &Value) -> String {
@@ -232,4 +319,22 @@ pub fn show(args: ShowArgs) -> anyhow::Result<()> {
         }
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_reads_the_job_and_its_newest_sample() {
+        let job = serde_json::json!({ "steps_done": 120, "steps_requested": 300, "rung": "bf16" });
+        let step = serde_json::json!({ "loss": 2.31349, "tokens_per_s": 45925.0 });
+        let eval = serde_json::json!({ "loss": null, "val_loss": 2.4, "tokens_per_s": null });
+        let p = Progress::of(&job, &[step, eval]);
+        assert_eq!(p.line(), "step 120/300 · loss 2.313 · 45.9k tokens/s · rung bf16");
+        let none = Progress::of(&job, &[]);
+        assert_eq!(none.line(), "step 120/300 · rung bf16");
+        let fast = Progress { tokens_per_s: Some(1.25e6), ..p.clone() };
+        assert!(fast.summary().contains("1.25M tokens/s"));
+    }
 }

@@ -61,6 +61,21 @@ impl Command {
     }
 }
 
+/// How a shell runs this binary again: `headroom` when that name on PATH is this very binary,
+/// else its full path (a newcomer's `target/release/headroom` is not on PATH).
+pub fn self_command() -> String {
+    let Ok(exe) = std::env::current_exe().and_then(std::fs::canonicalize) else { return "headroom".into() };
+    let on_path = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).map(|d| d.join("headroom")).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.is_file());
+    match on_path.and_then(|c| std::fs::canonicalize(c).ok()) {
+        Some(found) if found == exe => "headroom".into(),
+        _ => exe.display().to_string(),
+    }
+}
+
 /// For a filter command: a closed stdout ends the process quietly (SIGPIPE's default action)
 /// rather than with Rust's "failed printing to stdout" panic.
 pub fn quiet_on_closed_pipe(cli: &Cli) {

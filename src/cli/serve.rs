@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 
 use super::client::{runtime, Api, UsageError};
+use crate::shipped::{self, Seed};
 use crate::supervisor::{self, RunnerConfig, ServeConfig};
 
 #[derive(Debug, clap::Args)]
@@ -38,8 +39,11 @@ pub struct ServeArgs {
     /// Jobs run at once.
     #[arg(long, default_value_t = 1)]
     pub slots: usize,
-    /// Submit the shipped demo job (data/demo-job.yaml) on start: planned before its first
-    /// attempt, it starts on the fastest configuration predicted to fit and finishes.
+    /// Submit the shipped demo job (data/demo-job.yaml, carried in the binary) on start:
+    /// planned before its first attempt, it starts on the fastest configuration predicted to
+    /// fit and finishes. Works from any directory: a missing --policies directory is created
+    /// with the stock policies, and the demo corpus written to the first --data-dir if it is
+    /// not there.
     #[arg(long)]
     pub demo: bool,
 }
@@ -61,6 +65,11 @@ fn read_token(args: &ServeArgs) -> anyhow::Result<Option<String>> {
 
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let token = read_token(&args)?;
+    let demo_data = args.data_dirs.first().cloned().unwrap_or_else(|| PathBuf::from("data"));
+    let seed = match args.demo {
+        true => Seed::for_demo(&args.policies, &demo_data),
+        false => Seed::default(),
+    };
     runtime()?.block_on(async move {
         let cfg = ServeConfig {
             addr: args.addr,
@@ -75,6 +84,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 slots: args.slots,
                 trainer_env: Vec::new(),
             },
+            seed,
         };
         // A daemon that cannot start as configured (database in use or unwritable, address
         // taken, a path missing) exits 2, having changed nothing.
@@ -82,10 +92,16 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         let url = format!("http://{}", server.addr);
         eprintln!("headroom: serving {url}/ (experiment history), API under {url}/api");
         if args.demo {
-            let job = std::fs::read_to_string("data/demo-job.yaml").context("reading data/demo-job.yaml")?;
+            let corpus = std::fs::canonicalize(demo_data.join(shipped::DEMO_CORPUS_NAME))?;
+            let job = shipped::demo_job(&corpus).to_yaml();
             let api = Api { base: url.clone(), token: token.clone(), http: reqwest::Client::new() };
             let id = api.post("/api/jobs", job).await?["id"].clone();
-            eprintln!("headroom: demo job {id} submitted: follow it at {url}/ or `headroom show {id}`");
+            let show = super::self_command();
+            let server = match server.addr.to_string().as_str() {
+                "127.0.0.1:7878" => String::new(),
+                addr => format!(" --server http://{addr}"),
+            };
+            eprintln!("headroom: demo job {id} submitted: follow it at {url}/ or `{show} show {id}{server}`");
         }
         shutdown_signal().await;
         eprintln!("headroom: shutting down; running jobs checkpoint and resume on next start");

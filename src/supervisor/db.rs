@@ -694,6 +694,24 @@ impl Db {
         .await
     }
 
+    /// The newest `n` samples of a job, oldest first.
+    pub async fn last_samples(&self, job: i64, n: i64) -> DbResult<Vec<SampleRow>> {
+        let mut rows: Vec<SampleRow> = self
+            .retry("last_samples", || async move {
+                sqlx::query_as(
+                    "SELECT s.* FROM samples s JOIN attempts a ON a.id = s.attempt_id WHERE a.job_id = ? \
+                     ORDER BY s.t DESC, s.step DESC LIMIT ?",
+                )
+                .bind(job)
+                .bind(n)
+                .fetch_all(&self.pool)
+                .await
+            })
+            .await?;
+        rows.reverse();
+        Ok(rows)
+    }
+
     pub async fn events(&self, job: i64, after: i64) -> DbResult<Vec<EventRow>> {
         self.retry("events", || async move {
             sqlx::query_as("SELECT * FROM events WHERE job_id = ? AND id > ? ORDER BY id")

@@ -399,9 +399,24 @@ async fn job_attempts(State(state): State<AppState>, UrlPath(id): UrlPath<String
     Ok(Json(state.db.attempts(job.core.id).await?))
 }
 
-async fn job_samples(State(state): State<AppState>, UrlPath(id): UrlPath<String>) -> ApiResult<impl IntoResponse> {
+#[derive(Debug, Deserialize)]
+struct SamplesQuery {
+    /// Only the newest `last` samples (a follower's progress line needs one).
+    last: Option<i64>,
+}
+
+async fn job_samples(
+    State(state): State<AppState>,
+    UrlPath(id): UrlPath<String>,
+    q: Result<Query<SamplesQuery>, QueryRejection>,
+) -> ApiResult<impl IntoResponse> {
+    let Query(q) = q?;
     let job = existing_job(&state, &id).await?;
-    Ok(Json(state.db.samples(job.core.id).await?))
+    match q.last {
+        None => Ok(Json(state.db.samples(job.core.id).await?)),
+        Some(n @ 1..=10_000) => Ok(Json(state.db.last_samples(job.core.id, n).await?)),
+        Some(n) => Err(ApiError::BadRequest(format!("last: {n} must be in [1, 10000]"))),
+    }
 }
 
 #[derive(Debug, Deserialize)]

@@ -38,6 +38,9 @@ pub struct ServeConfig {
     /// machine has.
     pub max_device_memory: Option<u64>,
     pub runner: RunnerConfig,
+    /// What to create once every check has passed (`serve --demo`: the policies directory,
+    /// the data directory, the demo corpus, where missing).
+    pub seed: crate::shipped::Seed,
 }
 
 /// A started daemon: its address, and handles to stop it.
@@ -93,18 +96,25 @@ fn lock_database(db_path: &Path) -> anyhow::Result<Option<std::fs::File>> {
     }
 }
 
-/// Lock and open the DB (checking it can be written), bind, then start the runner (requeueing
-/// unfinished jobs) and serve in the background. Nothing is recovered before the lock is held
-/// and the address bound: a daemon that cannot start changes nothing.
+/// Check the paths, bind, lock and open the DB (checking it can be written), write what
+/// `cfg.seed` asks for, then start the runner (requeueing unfinished jobs) and serve in the
+/// background. Nothing is recovered before the lock is held and the address bound: a daemon
+/// that cannot start changes nothing.
 pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
-    // Every path is checked before anything is created.
-    let mut data_dirs = Vec::new();
-    for d in &cfg.data_dirs {
-        data_dirs.push(std::fs::canonicalize(d).with_context(|| format!("--data-dir {}", d.display()))?);
+    // Every path is checked, and the address bound, before anything is created.
+    let seeded = |d: &Path| cfg.seed.data_dir.as_deref() == Some(d);
+    for d in cfg.data_dirs.iter().filter(|d| !seeded(d)) {
+        std::fs::canonicalize(d).with_context(|| format!("--data-dir {}", d.display()))?;
     }
-    if !cfg.runner.policies_dir.is_dir() {
-        anyhow::bail!("--policies {} is not a directory", cfg.runner.policies_dir.display());
+    let policies = &cfg.runner.policies_dir;
+    if !policies.is_dir() && cfg.seed.policies_dir.as_ref() != Some(policies) {
+        anyhow::bail!(
+            "--policies {} is not a directory (pass --policies DIR, or start with --demo to create it with the stock policies)",
+            policies.display()
+        );
     }
+    let listener = tokio::net::TcpListener::bind(cfg.addr).await.with_context(|| format!("binding {}", cfg.addr))?;
+    let addr = listener.local_addr()?;
     let db_lock = lock_database(&cfg.db_path)?;
     let db = Db::open(&cfg.db_path)
         .await
@@ -112,8 +122,13 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     db.record_start()
         .await
         .with_context(|| format!("--db {}: the database cannot be written", cfg.db_path.display()))?;
-    let listener = tokio::net::TcpListener::bind(cfg.addr).await.with_context(|| format!("binding {}", cfg.addr))?;
-    let addr = listener.local_addr()?;
+    for line in cfg.seed.write().context("writing the demo's files")? {
+        eprintln!("headroom: {line}");
+    }
+    let mut data_dirs = Vec::new();
+    for d in &cfg.data_dirs {
+        data_dirs.push(std::fs::canonicalize(d).with_context(|| format!("--data-dir {}", d.display()))?);
+    }
     let runner = Runner::start(db.clone(), cfg.runner.clone()).await?;
     let gpus = Arc::new(crate::gpu::GpuMonitor::init());
     let machine = Arc::new(admission::Machine::detect(&gpus, cfg.max_device_memory));
