@@ -11,7 +11,8 @@ use crate::supervisor::{self, RunnerConfig, ServeConfig};
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
-    #[arg(long, default_value = "127.0.0.1:7878")]
+    /// Address to listen on (port 0: any free port, printed at start).
+    #[arg(long, env = "HEADROOM_ADDR", default_value = "127.0.0.1:7878")]
     pub addr: SocketAddr,
     /// SQLite experiment database (created if missing).
     #[arg(long, default_value = "headroom.db")]
