@@ -128,3 +128,68 @@ fn a_daemon_that_cannot_start_exits_2_and_creates_nothing() {
     assert!(stderr.contains(&format!("binding {addr}")), "{stderr}");
     assert!(entries(dir.path()).is_empty(), "{:?}", entries(dir.path()));
 }
+
+/// The README's walkthrough, block by block as a newcomer types it, in an empty directory with
+/// `headroom` on PATH: the first block (the daemon) in the background, every other in order
+/// under `bash -euo pipefail`. Only the port is chosen by the test (`HEADROOM_ADDR` /
+/// `HEADROOM_URL`, which the commands read), so it cannot collide with a daemon already running.
+#[test]
+fn the_readme_walkthrough_runs_as_written() {
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let start = readme.find("\n## Walkthrough").expect("README has a Walkthrough section");
+    let section = &readme[start + 1..];
+    let section = &section[..section[3..].find("\n## ").map_or(section.len(), |i| i + 3)];
+    let blocks: Vec<&str> = section.split("```sh\n").skip(1).map(|b| &b[..b.find("```").unwrap()]).collect();
+    assert!(blocks.len() >= 4, "{blocks:#?}");
+    assert_eq!(blocks[0].trim(), "headroom serve --demo", "the first block starts the daemon");
+
+    let dir = tempfile::tempdir().unwrap();
+    let bin_dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(bin(), bin_dir.path().join("headroom")).unwrap();
+    let path = format!("{}:{}", bin_dir.path().display(), std::env::var("PATH").unwrap_or_default());
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (addr, url) = (format!("127.0.0.1:{port}"), format!("http://127.0.0.1:{port}"));
+    let shell = |script: &str| {
+        let mut command = Command::new("bash");
+        command
+            .args(["-euo", "pipefail", "-c", script])
+            .current_dir(dir.path())
+            .env("PATH", &path)
+            .env("HEADROOM_ADDR", &addr)
+            .env("HEADROOM_URL", &url)
+            .env("HEADROOM_LOG", "warn")
+            .env_remove("HEADROOM_TOKEN");
+        command
+    };
+    let mut daemon = shell(blocks[0]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let _guard = KillOnDrop(&mut daemon);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while get(&format!("{url}/api/jobs/1"))["id"] != 1 {
+        assert!(Instant::now() < deadline, "the daemon did not come up with the demo job");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let mut transcript = String::new();
+    for block in &blocks[1..] {
+        let out = shell(block).output().unwrap();
+        transcript += &format!("$ {block}{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "a walkthrough block failed:\n{transcript}");
+    }
+    // What the text promises: the ladder job ran out of memory, stepped down and finished.
+    let attempts = get(&format!("{url}/api/jobs/3/attempts"));
+    let outcomes: Vec<&str> = attempts.as_array().unwrap().iter().map(|a| a["outcome"].as_str().unwrap_or("")).collect();
+    assert!(outcomes.first() == Some(&"oom") && outcomes.last() == Some(&"finished"), "{outcomes:?}\n{transcript}");
+    for id in 1..=3 {
+        assert_eq!(get(&format!("{url}/api/jobs/{id}"))["status"], "finished", "job {id}\n{transcript}");
+    }
+}
+
+struct KillOnDrop<'a>(&'a mut Child);
+
+impl Drop for KillOnDrop<'_> {
+    fn drop(&mut self) {
+        // The block's bash and the daemon under it.
+        let _ = Command::new("pkill").args(["-TERM", "-P", &self.0.id().to_string()]).status();
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

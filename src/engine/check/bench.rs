@@ -34,7 +34,7 @@ pub struct BenchResult {
     pub hidden_ms: f64,
 }
 
-/// The shapes the README compares against llm.c's CPU trainer.
+/// The shapes docs/INTERNALS.md compares against llm.c's CPU trainer.
 pub fn preset(name: &str) -> Option<Vec<BenchCase>> {
     let small = BenchCase {
         label: "d4-256 gpt2-vocab".into(),
