@@ -380,7 +380,7 @@ impl JobSpec {
             p.push("data.val_fraction", format!("{} must be in (0, 0.5)", d.val_fraction));
         }
         let t = &self.train;
-        p.range("train.steps", t.steps, 1, 10_000_000);
+        let steps_ok = p.range("train.steps", t.steps, 1, 10_000_000);
         let batch_ok = p.range("train.global_batch", t.global_batch, 1, 1_000_000);
         let micro_ok = p.range("train.micro_batch", t.micro_batch, 1, t.global_batch.max(1));
         let world = self.memory.world_size;
@@ -397,7 +397,7 @@ impl JobSpec {
         if !(t.lr.is_finite() && t.lr > 0.0 && t.lr <= 1.0) {
             p.push("train.lr", format!("{} must be in (0, 1]", t.lr));
         }
-        p.range("train.warmup_steps", t.warmup_steps, 0, t.steps.max(0));
+        p.range("train.warmup_steps", t.warmup_steps, 0, if steps_ok { t.steps } else { 10_000_000 });
         if !(t.weight_decay.is_finite() && (0.0..=1.0).contains(&t.weight_decay)) {
             p.push("train.weight_decay", format!("{} must be in [0, 1]", t.weight_decay));
         }

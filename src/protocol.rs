@@ -195,6 +195,43 @@ pub struct MemSnapshot {
     /// `reserved − allocated` (the cached bytes), it tells an allocation that fits the cache
     /// from one that only fits its total (fragmentation).
     pub largest_free_block: usize,
+    /// What each category held at one moment — a step's: when its allocated total peaked (the
+    /// sum is `allocated`); an `oom`'s: when the request failed. Absent from older trainers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub at_peak: Option<Composition>,
+}
+
+/// Bytes per category at one moment, and what the pool reserved then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Composition {
+    pub params: usize,
+    pub grads: usize,
+    pub optimizer: usize,
+    pub activations: usize,
+    pub workspace: usize,
+    pub reserved: usize,
+}
+
+impl Composition {
+    fn of(c: [usize; 5], reserved: usize) -> Composition {
+        Composition { params: c[0], grads: c[1], optimizer: c[2], activations: c[3], workspace: c[4], reserved }
+    }
+
+    /// At the window's allocated peak.
+    pub fn at_window_peak(s: &MemStats) -> Composition {
+        Composition::of(s.window_at_peak, s.window_reserved_at_peak)
+    }
+
+    /// What is live now (an OOM's: when its request failed).
+    pub fn current(s: &MemStats) -> Composition {
+        Composition::of(s.current, s.reserved)
+    }
+
+    /// Params, grads, optimizer, activations, workspace.
+    pub fn categories(&self) -> [usize; 5] {
+        [self.params, self.grads, self.optimizer, self.activations, self.workspace]
+    }
 }
 
 impl MemSnapshot {
@@ -219,6 +256,7 @@ impl MemSnapshot {
             host_optimizer: s.host_window_peak[2],
             host_activations: s.host_window_peak[3],
             largest_free_block: s.largest_free_block,
+            at_peak: Some(Composition::at_window_peak(s)),
         }
     }
 
@@ -242,6 +280,7 @@ impl MemSnapshot {
             host_optimizer: s.host_peak[2],
             host_activations: s.host_peak[3],
             largest_free_block: s.largest_free_block,
+            at_peak: None,
         }
     }
 
@@ -383,6 +422,14 @@ mod tests {
             host_optimizer: 10,
             host_activations: 11,
             largest_free_block: 12,
+            at_peak: Some(Composition {
+                params: seed,
+                grads: 1,
+                optimizer: 2,
+                activations: 3,
+                workspace: 4,
+                reserved: 13,
+            }),
         }
     }
 

@@ -93,13 +93,10 @@ fn the_demo_runs_from_an_empty_directory_and_follow_shows_progress() {
     }
     // A job of one's own behind it, followed: events and progress lines in a pipe.
     // Its data path as a newcomer writes it: relative to where the daemon runs.
-    let yaml = job_yaml("mine", 60, 16, 16, "64MiB").replace(&data_path().display().to_string(), "data/shakespeare-tiny.txt");
+    let yaml =
+        job_yaml("mine", 60, 16, 16, "64MiB").replace(&data_path().display().to_string(), "data/shakespeare-tiny.txt");
     let job = write_job(dir.path(), &yaml);
-    let out = Command::new(bin())
-        .args(["submit", "--follow", "--server", &url])
-        .arg(&job)
-        .output()
-        .unwrap();
+    let out = Command::new(bin()).args(["submit", "--follow", "--server", &url]).arg(&job).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("attempt_started"), "{stdout}");
@@ -171,12 +168,14 @@ fn the_readme_walkthrough_runs_as_written() {
     let mut transcript = String::new();
     for block in &blocks[1..] {
         let out = shell(block).output().unwrap();
-        transcript += &format!("$ {block}{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        transcript +=
+            &format!("$ {block}{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert!(out.status.success(), "a walkthrough block failed:\n{transcript}");
     }
     // What the text promises: the ladder job ran out of memory, stepped down and finished.
     let attempts = get(&format!("{url}/api/jobs/3/attempts"));
-    let outcomes: Vec<&str> = attempts.as_array().unwrap().iter().map(|a| a["outcome"].as_str().unwrap_or("")).collect();
+    let outcomes: Vec<&str> =
+        attempts.as_array().unwrap().iter().map(|a| a["outcome"].as_str().unwrap_or("")).collect();
     assert!(outcomes.first() == Some(&"oom") && outcomes.last() == Some(&"finished"), "{outcomes:?}\n{transcript}");
     for id in 1..=3 {
         assert_eq!(get(&format!("{url}/api/jobs/{id}"))["status"], "finished", "job {id}\n{transcript}");

@@ -31,6 +31,52 @@ function bytes(b) {
   while (v >= 1024 && u < units.length - 1) { v /= 1024; u++; }
   return u === 0 ? `${b} B` : `${v.toFixed(2)} ${units[u]}`;
 }
+// An axis label that is exact: ticks fall on binary steps (binarySplits), so a value in its
+// largest whole unit needs at most a few binary decimals (1.5 MiB, 768 KiB), never a rounding.
+function bytesExact(b) {
+  if (b === null || b === undefined) return '';
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
+  let v = b, u = 0;
+  while (Math.abs(v) >= 1024 && u < units.length - 1) { v /= 1024; u++; }
+  return `${Number(v.toFixed(3))} ${units[u]}`;
+}
+// Ticks at multiples of a power of two bytes (at most ~8 on the axis).
+function binarySplits(u, axisIdx, min, max) {
+  const span = Math.max(1, max - min);
+  let step = 1;
+  while (span / step > 8) step *= 2;
+  const out = [];
+  for (let v = Math.ceil(min / step) * step; v <= max + 1e-9; v += step) out.push(v);
+  return out;
+}
+// The y range of a bytes axis: from 0 to a binary step above the largest value.
+function binaryRange(u, min, max) {
+  let step = 1;
+  while (max / step > 8) step *= 2;
+  return [0, Math.max(step, Math.ceil((max * 1.02) / step) * step)];
+}
+const BYTES_AXIS = {
+  splits: binarySplits, size: 80,
+  values: (u, vals) => {
+    const labels = vals.map(bytesExact);
+    // The labels are drawn on the canvas; kept on the chart's box for the browser test too.
+    Object.assign(u.root.parentElement.dataset, { yTicks: JSON.stringify(vals), yLabels: JSON.stringify(labels) });
+    return labels;
+  },
+};
+// Rows with a null row between two whose times are further apart than a pause in training
+// (the daemon down, a job queued, an attempt starting): charts break the line there.
+function withGaps(rows, t) {
+  if (rows.length < 3) return rows;
+  const dts = rows.slice(1).map((r, i) => t(r) - t(rows[i])).sort((a, b) => a - b);
+  const limit = Math.max(5, 10 * dts[Math.floor(dts.length / 2)]);
+  const out = [rows[0]];
+  for (let i = 1; i < rows.length; i++) {
+    if (t(rows[i]) - t(rows[i - 1]) > limit) out.push(null);
+    out.push(rows[i]);
+  }
+  return out;
+}
 const num = (x, d = 0) => (x === null || x === undefined ? '' : Number(x).toFixed(d));
 const when = (t) => (t ? new Date(t * 1000).toLocaleString() : '');
 
@@ -61,7 +107,7 @@ window.addEventListener('hashchange', route);
 const JOB_COLUMNS = [
   ['id', 'id', true], ['name', 'name', true], ['status', 'status', true], ['policy', 'policy', true],
   ['rung', 'rung', true], ['attempts', 'attempts', true], ['steps_done', 'steps', true],
-  ['peak_reserved', 'peak vs capacity', true], ['mean_tokens_per_s', 'tokens/s', true], ['created_at', 'created', true],
+  ['peak_reserved', 'peak reserved vs capacity', true], ['mean_tokens_per_s', 'tokens/s', true], ['created_at', 'created', true],
 ];
 
 async function jobsPage(params) {
@@ -128,8 +174,12 @@ async function jobsPage(params) {
 }
 
 function jobRow(j) {
+  // The configuration it runs or ended on (its newest attempt that did not run out of memory);
+  // OOM attempts are counted beside it, not drawn as the job's peak.
   const frac = j.capacity && j.peak_reserved ? j.peak_reserved / j.capacity : null;
-  const meter = el('span', { class: 'meter' + (frac > 0.95 ? ' hot' : '') }, el('span', { style: `width:${Math.min(100, (frac || 0) * 100)}%` }));
+  const meter = el('span', { class: 'meter' + (frac > 0.95 ? ' hot' : ''), 'data-fraction': frac === null ? '' : frac.toFixed(4) },
+    el('span', { style: `width:${Math.min(100, (frac || 0) * 100)}%` }));
+  const ooms = j.ooms ? el('span', { class: 'oom-count', title: 'attempts that ran out of memory' }, ` ${j.ooms} OOM`) : null;
   return el('tr', { 'data-job': j.id },
     el('td', { class: 'num' }, el('a', { href: `#/job/${j.id}` }, String(j.id))),
     el('td', {}, el('a', { href: `#/job/${j.id}`, class: 'job-name' }, j.name)),
@@ -138,7 +188,7 @@ function jobRow(j) {
     el('td', {}, j.rung),
     el('td', { class: 'num' }, String(j.attempts)),
     el('td', { class: 'num' }, `${j.steps_done} / ${j.steps_requested}`),
-    el('td', {}, meter, frac === null ? '' : `${bytes(j.peak_reserved)} / ${bytes(j.capacity)}`),
+    el('td', { class: 'peak' }, meter, frac === null ? '' : `${bytes(j.peak_reserved)} / ${bytes(j.capacity)}`, ooms),
     el('td', { class: 'num' }, num(j.mean_tokens_per_s)),
     el('td', {}, when(j.created_at)));
 }
@@ -225,14 +275,24 @@ async function jobPage(id) {
     const total = Math.max(1, ...attempts.map((a) => a.last_step || 0));
     const bar = el('div', { class: 'timeline', id: 'timeline' });
     attempts.forEach((a, i) => {
-      if (!a.last_step) return;
       const from = a.resumed_from_step || 0;
+      if (a.outcome === 'oom' && !(a.last_step > from)) {
+        // Out of memory before finishing a step: a mark where it failed.
+        bar.appendChild(el('span', {
+          class: 'oom-mark', 'data-attempt': String(a.number), style: `left:${(from / total) * 100}%`,
+          title: `attempt ${a.number}: ${a.rung}, out of memory at step ${from + 1}`,
+        }, `#${a.number} oom`));
+        return;
+      }
+      if (!a.last_step) return;
       bar.appendChild(el('span', {
+        'data-attempt': String(a.number),
         style: `left:${(from / total) * 100}%;width:${((a.last_step - from) / total) * 100}%;background:${RUNG_COLORS[i % RUNG_COLORS.length]}`,
         title: `attempt ${a.number}: ${a.rung}, steps ${from + 1}-${a.last_step}, ${a.outcome || 'running'}`,
       }, `#${a.number} ${a.rung}`));
     });
     container.appendChild(bar);
+    drawOoms(container, attempts);
     const rows = attempts.map((a, i) => {
       const cfg = JSON.parse(a.config_json);
       const prev = i > 0 ? JSON.parse(attempts[i - 1].config_json) : null;
@@ -242,7 +302,7 @@ async function jobPage(id) {
       return el('tr', { class: 'attempt', 'data-outcome': a.outcome || 'running' },
         el('td', { class: 'num' }, String(a.number)), el('td', {}, a.rung),
         el('td', { class: `outcome outcome-${a.outcome || 'running'}` }, a.outcome || 'running'),
-        el('td', {}, a.message || ''),
+        el('td', {}, whyEnded(a)),
         el('td', { class: 'num' }, a.last_step ? `${(a.resumed_from_step || 0) + 1}–${a.last_step}` : '—'),
         el('td', { class: 'num' }, `${cfg.train.micro_batch} × ${cfg.train.global_batch / cfg.train.micro_batch / (cfg.memory.world_size || 1)}`),
         el('td', { class: 'num' }, bytes(a.peak_allocated)), el('td', { class: 'num' }, bytes(a.peak_reserved)),
@@ -252,9 +312,53 @@ async function jobPage(id) {
         el('td', {}, cmp));
     });
     container.appendChild(el('table', { id: 'attempts' },
-      el('tr', {}, ['#', 'rung', 'outcome', 'why it ended', 'steps', 'micro × accum', 'peak alloc', 'peak reserved', 'tokens/s', 'config change', 'predicted alloc', 'predicted tokens/s', 'compare'].map((h) => el('th', {}, h))),
+      el('tr', {}, ['#', 'rung', 'outcome', 'why it ended', 'steps', 'micro × accum', 'peak allocated', 'peak reserved', 'tokens/s', 'config change', 'predicted peak allocated', 'predicted tokens/s', 'compare'].map((h) => el('th', {}, h))),
       rows));
     drawPlans(container, attempts);
+  }
+
+  // Why an attempt ended, in words and binary units (an OOM from its recorded figures).
+  function whyEnded(a) {
+    if (a.outcome !== 'oom' || a.oom_requested === null || a.oom_requested === undefined) return a.message || '';
+    const live = oomLive(a);
+    return `out of device memory: ${bytes(a.oom_requested)} for ${a.oom_category} did not fit — ` +
+      `${bytes(live.allocated)} allocated, ${bytes(live.reserved)} reserved of ${bytes(a.capacity)}`;
+  }
+
+  // What an OOM attempt held when its request failed (recorded since migration 0004; older rows
+  // only have each category's peak, which is the best there is).
+  function oomLive(a) {
+    const exact = a.oom_params !== null && a.oom_params !== undefined;
+    const parts = CATEGORIES.slice(0, 5).map((c) => (exact ? a[`oom_${c}`] : a[`peak_${c}`]) || 0);
+    return { exact, parts, allocated: parts.reduce((x, y) => x + y, 0), reserved: exact ? a.oom_reserved : a.peak_reserved };
+  }
+
+  // Each OOM attempt as a bar: what each category held when it failed, then the request that
+  // did not fit, against the capacity.
+  function drawOoms(container, attempts) {
+    const ooms = attempts.filter((a) => a.outcome === 'oom' && a.oom_requested !== null && a.oom_requested !== undefined);
+    if (!ooms.length) return;
+    container.appendChild(el('h3', {}, 'Out-of-memory attempts: what was allocated when the request failed'));
+    const box = el('div', { id: 'oom-bars' });
+    for (const a of ooms) {
+      const live = oomLive(a);
+      const scale = Math.max(a.capacity || 0, live.allocated + a.oom_requested, 1);
+      const pct = (v) => `${(100 * v) / scale}%`;
+      const segs = CATEGORIES.slice(0, 5).map((c, i) => el('span', {
+        class: 'seg', 'data-category': c, style: `width:${pct(live.parts[i])};background:${COLORS[c]}`,
+        title: `${c}: ${bytes(live.parts[i])}`,
+      }));
+      const request = el('span', { class: 'seg request', 'data-category': 'request', style: `width:${pct(a.oom_requested)}`,
+        title: `the ${a.oom_category} request that did not fit: ${bytes(a.oom_requested)}` });
+      const cap = el('span', { class: 'capacity-mark', style: `left:${pct(a.capacity || 0)}`, title: `capacity ${bytes(a.capacity)}` });
+      box.appendChild(el('div', { class: 'oom-row', 'data-attempt': String(a.number) },
+        el('div', { class: 'oom-label' }, `#${a.number} ${a.rung}: ${bytes(live.allocated)} allocated + ${bytes(a.oom_requested)} ${a.oom_category} requested > ${bytes(a.capacity)} capacity${live.exact ? '' : ' (category peaks: recorded before the failure moment was)'}`),
+        el('div', { class: 'oom-bar' }, segs, request, cap)));
+    }
+    box.appendChild(el('div', { class: 'oom-legend muted' },
+      CATEGORIES.slice(0, 5).map((c) => el('span', {}, el('i', { style: `background:${COLORS[c]}` }), c)),
+      el('span', {}, el('i', { class: 'request' }), 'request that did not fit'), el('span', {}, el('i', { class: 'cap' }), 'capacity')));
+    container.appendChild(box);
   }
 
   // Each attempt's plan (supervisor/planner.rs): every configuration considered before it, its
@@ -269,7 +373,7 @@ async function jobPage(id) {
       const details = el('details', { class: 'plan', 'data-attempt': String(a.number) },
         el('summary', {}, `attempt ${a.number} (${p.strategy}): ${p.candidates.filter((x) => x.verdict === 'fits' || x.verdict === 'chosen').length} of ${p.candidates.length} configurations predicted to fit · limit ${bytes(p.limit)} of ${bytes(p.capacity)} · margin ${num(100 * c.margin, 1)}% (${c.margin_from}) · tokens/s × ${num(c.speed_scale, 3)} (${c.speed_from})`),
         el('table', {},
-          el('tr', {}, ['rung', 'micro × accum', 'knobs', 'predicted alloc', 'predicted tokens/s', 'verdict'].map((h) => el('th', {}, h))),
+          el('tr', {}, ['rung', 'micro × accum', 'knobs', 'predicted peak allocated', 'predicted tokens/s', 'verdict'].map((h) => el('th', {}, h))),
           p.candidates.map((x) => el('tr', { class: `verdict-${x.verdict}` },
             el('td', {}, x.rung), el('td', { class: 'num' }, `${x.micro_batch} × ${x.grad_accum}`), el('td', {}, x.knobs),
             el('td', { class: 'num' }, bytes(x.predicted_allocated)), el('td', { class: 'num' }, num(x.predicted_tokens_per_s)),
@@ -280,38 +384,57 @@ async function jobPage(id) {
   }
 
   function drawCharts(container, attempts, samples, job) {
-    const steps = samples.filter((s) => s.loss !== null);
-    const t0 = steps.length ? steps[0].t : 0;
-    const x = steps.map((s) => s.t - t0);
-    // Memory by category, stacked: cumulative sums drawn as filled bands.
-    const layers = CATEGORIES.map((c) => steps.map((s) => s[c] || 0));
+    const trained = samples.filter((s) => s.loss !== null);
+    const t0 = trained.length ? trained[0].t : 0;
+    // A null row where training paused (daemon down, queued, between attempts): lines break.
+    const steps = withGaps(trained, (s) => s.t);
+    const at = (s, f) => (s === null ? null : f(s));
+    const x = steps.map((s, i) => (s === null ? (steps[i - 1].t + steps[i + 1].t) / 2 - t0 : s.t - t0));
+    // Memory by category, stacked, as it was at each step's peak: the categories' bytes when the
+    // step's allocated total peaked (they sum to it), then the pool's cache on top — so the top
+    // of the stack is what was reserved at that moment, never above the step's peak reserved.
+    // (Samples from before the trainer reported the composition fall back to each category's
+    // own high-water mark.)
+    const composed = (s) => s.at_peak_params !== null && s.at_peak_params !== undefined;
+    const layers = CATEGORIES.map((c) => steps.map((s) => at(s, (s) => {
+      if (c === 'fragmentation') return composed(s) ? Math.max(0, s.at_peak_reserved - s.allocated) : s.fragmentation || 0;
+      return (composed(s) ? s[`at_peak_${c}`] : s[c]) || 0;
+    })));
     const cumulative = [];
     let run = x.map(() => 0);
-    for (const l of layers) { run = run.map((v, i) => v + l[i]); cumulative.push(run); }
-    const cap = steps.map((s) => s.capacity || job.capacity);
-    const mib = (v) => (v === null ? '' : (v / 1048576).toFixed(1) + ' MiB');
+    for (const l of layers) { run = run.map((v, i) => (l[i] === null ? null : v + l[i])); cumulative.push(run); }
+    const stackTop = cumulative[cumulative.length - 1];
+    const peakReserved = steps.map((s) => at(s, (s) => s.reserved));
+    const cap = steps.map((s) => at(s, (s) => s.capacity || job.capacity));
     const memSeries = [{ label: 'seconds' }];
-    CATEGORIES.forEach((c, i) => memSeries.push({ label: c, stroke: COLORS[c], width: 2, fill: COLORS[c] + '99', value: (u, v, si, di) => (di === null ? '' : mib(layers[i][di])) }));
-    memSeries.push({ label: 'capacity', stroke: COLORS.capacity, width: 2, value: (u, v) => mib(v) });
-    const memData = [x, ...cumulative, cap];
+    CATEGORIES.forEach((c, i) => memSeries.push({ label: c, stroke: COLORS[c], width: 2, fill: COLORS[c] + '99', value: (u, v, si, di) => (di === null ? '' : bytes(layers[i][di])) }));
+    memSeries.push({ label: 'peak reserved', stroke: COLORS.capacity, width: 1, dash: [1, 3], value: (u, v) => bytes(v) });
+    memSeries.push({ label: 'capacity', stroke: COLORS.capacity, width: 2, value: (u, v) => bytes(v) });
+    const memData = [x, ...cumulative, peakReserved, cap];
     if (thresholds) {
-      memSeries.push({ label: `warn ${Math.round(thresholds.warn * 100)}%`, stroke: COLORS.warn, dash: [6, 4], value: (u, v) => mib(v) });
-      memSeries.push({ label: `preempt ${Math.round(thresholds.preempt * 100)}%`, stroke: COLORS.preempt, dash: [2, 3], value: (u, v) => mib(v) });
-      memData.push(cap.map((c) => c * thresholds.warn), cap.map((c) => c * thresholds.preempt));
+      memSeries.push({ label: `warn ${Math.round(thresholds.warn * 100)}%`, stroke: COLORS.warn, dash: [6, 4], value: (u, v) => bytes(v) });
+      memSeries.push({ label: `preempt ${Math.round(thresholds.preempt * 100)}%`, stroke: COLORS.preempt, dash: [2, 3], value: (u, v) => bytes(v) });
+      memData.push(cap.map((c) => (c === null ? null : c * thresholds.warn)), cap.map((c) => (c === null ? null : c * thresholds.preempt)));
     }
-    chart(container, 'chart-memory', 'Device memory by category (stacked)', {
+    const mem = chart(container, 'chart-memory', "Device memory at each step's peak, by category (stacked)", {
       height: 340,
-      series: memSeries, scales: { x: { time: false } },
-      axes: [{ label: 'seconds since the first step' }, { values: (u, vals) => vals.map((v) => (v / 1048576).toFixed(0) + ' MiB'), size: 70 }],
+      series: memSeries, scales: { x: { time: false }, y: { range: binaryRange } },
+      axes: [{ label: 'seconds since the first step' }, BYTES_AXIS],
       bands: CATEGORIES.slice(1).map((_, i) => ({ series: [i + 2, i + 1] })),
     }, memData);
-    container.appendChild(statsTable(CATEGORIES.map((c) => [c, bytes]).concat([['capacity', bytes]]), [...layers, cap]));
+    // For the browser test: the highest stacked value and the highest peak reserved.
+    const most = (v) => v.reduce((m, y) => (y === null ? m : Math.max(m, y)), 0);
+    mem.root.parentElement.dataset.maxStack = String(most(stackTop));
+    mem.root.parentElement.dataset.maxPeakReserved = String(most(peakReserved));
+    mem.root.parentElement.dataset.gaps = String(steps.filter((s) => s === null).length);
+    container.appendChild(statsTable(CATEGORIES.map((c) => [c, bytes]).concat([['peak reserved', bytes], ['capacity', bytes]]), [...layers, peakReserved, cap]));
 
+    const tps = steps.map((s) => at(s, (s) => s.tokens_per_s));
     chart(container, 'chart-throughput', 'Throughput (tokens/s)', {
       series: [{ label: 'seconds' }, { label: 'tokens/s', stroke: COLORS.tokens }],
       scales: { x: { time: false } }, axes: [{ label: 'seconds since the first step' }, { size: 70 }],
-    }, [x, steps.map((s) => s.tokens_per_s)]);
-    container.appendChild(statsTable([['tokens/s', (v) => v.toFixed(0)]], [steps.map((s) => s.tokens_per_s)]));
+    }, [x, tps]);
+    container.appendChild(statsTable([['tokens/s', (v) => v.toFixed(0)]], [tps]));
 
     // Train and validation loss on one step axis across attempts (resumed attempts continue).
     const byStep = new Map();
@@ -358,16 +481,20 @@ async function comparePage(params) {
     app.appendChild(el('p', { class: 'muted' }, 'Tick "compare" on attempts in job pages, then come back here.'));
     return;
   }
-  // Attempts are fetched per job; find each attempt's job through the jobs list.
-  const jobs = (await api('/api/jobs?limit=1000')).body;
+  // Each attempt by its id, then its job, in the order asked for (`?attempts=` or the order
+  // they were ticked); one that no longer exists is named and left out.
   const found = [];
-  for (const j of jobs) {
-    if (found.length === wanted.length) break;
-    const atts = (await api(`/api/jobs/${j.id}/attempts`)).body;
-    for (const a of atts) if (wanted.includes(a.id)) found.push({ job: j, a, cfg: flatten(JSON.parse(a.config_json)) });
+  for (const id of wanted) {
+    try {
+      const a = (await api(`/api/attempts/${id}`)).body;
+      const job = (await api(`/api/jobs/${a.job_id}`)).body;
+      found.push({ job, a, cfg: flatten(JSON.parse(a.config_json)) });
+    } catch (e) { app.appendChild(el('p', { class: 'error' }, `attempt ${id}: ${e.message}`)); }
   }
   const keys = [...new Set(found.flatMap((f) => Object.keys(f.cfg)))].sort();
-  const head = el('tr', {}, el('th', {}, ''), found.map((f) => el('th', {}, `${f.job.name} #${f.a.number} (${f.a.rung})`)));
+  // Job id, name and attempt: two jobs of one name stay apart.
+  const head = el('tr', {}, el('th', {}, ''), found.map((f) => el('th', { 'data-attempt': String(f.a.id) },
+    el('a', { href: `#/job/${f.job.id}` }, `job ${f.job.id}`), ` ${f.job.name} · attempt #${f.a.number} (${f.a.rung})`)));
   const rows = keys.map((k) => {
     const vals = found.map((f) => f.cfg[k]);
     const differs = new Set(vals).size > 1;
@@ -376,7 +503,9 @@ async function comparePage(params) {
   const metric = (label, f) => el('tr', {}, el('th', {}, label), found.map((x) => el('td', { class: 'num' }, f(x.a))));
   app.appendChild(el('table', { id: 'compare' }, head,
     metric('outcome', (a) => a.outcome || 'running'),
-    ['params', 'grads', 'optimizer', 'activations', 'workspace', 'allocated', 'reserved'].map((c) => metric(`peak ${c}`, (a) => bytes(a[`peak_${c}`]))),
+    ['params', 'grads', 'optimizer', 'activations', 'workspace'].map((c) => metric(`peak ${c} (its own high-water mark)`, (a) => bytes(a[`peak_${c}`]))),
+    metric('peak allocated (most live at once)', (a) => bytes(a.peak_allocated)),
+    metric('peak reserved', (a) => bytes(a.peak_reserved)),
     metric('tokens/s', (a) => num(a.mean_tokens_per_s)), rows));
   app.appendChild(el('p', {}, el('button', { onclick: () => { localStorage.removeItem('headroom.compare'); location.hash = '#/compare'; route(); } }, 'clear selection')));
 }

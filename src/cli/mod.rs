@@ -290,7 +290,7 @@ fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{:<20} {:>5} {:>5} {:<10} {:>11} {:>11} {:>11} {:>12} {:>11} {:>12} {:>12} {:>5}",
+        "{:<20} {:>5} {:>5} {:<10} {:>11} {:>11} {:>11} {:>12} {:>11} {:>14} {:>12} {:>5}",
         "rung",
         "mb",
         "accum",
@@ -300,13 +300,13 @@ fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
         "optimizer",
         "activations",
         "workspace",
-        "peak alloc",
+        "peak allocated",
         "reserved≤",
         "fits"
     );
     for (rung, s, e) in &estimates {
         println!(
-            "{:<20} {:>5} {:>5} {:<10} {:>11} {:>11} {:>11} {:>12} {:>11} {:>12} {:>12} {:>5}",
+            "{:<20} {:>5} {:>5} {:<10} {:>11} {:>11} {:>11} {:>12} {:>11} {:>14} {:>12} {:>5}",
             rung,
             s.train.micro_batch,
             s.grad_accum(),
@@ -324,6 +324,10 @@ fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     if let Some(c) = capacity {
         println!("capacity: {}", format_bytes(c));
     }
+    println!(
+        "peak allocated: the most bytes live at one moment; the category columns are what each holds at that \
+         moment (they sum to it)"
+    );
     println!(
         "workspace model: {} (the op scratch declarations of the job's device kind; libraries' own memory, \
          e.g. cuBLAS's workspace, is outside the pool and not counted)",

@@ -26,7 +26,7 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use super::stats::{Category, MemStats};
+use super::stats::{format_bytes, Category, MemStats};
 
 /// Every request is rounded up to a multiple of this many bytes.
 pub const ROUND: usize = 512;
@@ -42,9 +42,10 @@ const SEGMENT_ALIGN: usize = 4096;
 /// A request the pool could not serve within its capacity.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error(
-    "out of device memory: requested {requested_bytes} bytes for {category} \
+    "out of device memory: requested {requested} for {category} \
      (allocated {allocated}, reserved {reserved}, capacity {capacity})",
-    allocated = stats.allocated(), reserved = stats.reserved, capacity = stats.capacity
+    requested = format_bytes(*requested_bytes), allocated = format_bytes(stats.allocated()),
+    reserved = format_bytes(stats.reserved), capacity = format_bytes(stats.capacity)
 )]
 pub struct OomError {
     pub requested_bytes: usize,

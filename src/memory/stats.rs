@@ -51,6 +51,11 @@ pub struct MemStats {
     pub peak_reserved: usize,
     pub window_peak_allocated: usize,
     pub window_peak_reserved: usize,
+    /// What each category held, and what the pool reserved, at the moment the window's
+    /// allocated total peaked: a composition whose sum is `window_peak_allocated` (the
+    /// per-category window peaks may come from different moments and sum to more).
+    pub window_at_peak: [usize; 5],
+    pub window_reserved_at_peak: usize,
     pub host: [usize; 5],
     /// Host-bytes peaks: lifetime and current window.
     pub host_peak: [usize; 5],
@@ -96,7 +101,11 @@ impl MemStats {
         self.window_peak[i] = self.window_peak[i].max(self.current[i]);
         let allocated = self.allocated();
         self.peak_allocated = self.peak_allocated.max(allocated);
-        self.window_peak_allocated = self.window_peak_allocated.max(allocated);
+        if allocated > self.window_peak_allocated {
+            self.window_peak_allocated = allocated;
+            self.window_at_peak = self.current;
+            self.window_reserved_at_peak = self.reserved;
+        }
     }
 
     pub(crate) fn sub(&mut self, c: Category, bytes: usize) {
@@ -112,6 +121,8 @@ impl MemStats {
         self.window_peak = self.current;
         self.window_peak_allocated = self.allocated();
         self.window_peak_reserved = self.reserved;
+        self.window_at_peak = self.current;
+        self.window_reserved_at_peak = self.reserved;
         self.host_window_peak = self.host;
     }
 

@@ -95,6 +95,28 @@ fn window_peaks_restart() {
     assert_eq!(s.peak(Category::Activations), 4 * MIB);
 }
 
+/// The window's composition at its allocated peak sums to that peak, unlike the per-category
+/// window peaks, which come from different moments.
+#[test]
+fn the_composition_at_the_peak_sums_to_the_peak() {
+    let pool = Pool::new("cpu", 64 * MIB);
+    pool.reset_window_peaks();
+    let w = pool.alloc(2 * MIB, Category::Workspace).unwrap();
+    drop(w); // workspace peaked at 2 MiB, alone
+    let a = pool.alloc(4 * MIB, Category::Activations).unwrap();
+    let g = pool.alloc(3 * MIB, Category::Grads).unwrap(); // the peak: 4 + 3
+    drop(a);
+    let s = pool.stats();
+    assert_eq!(s.window_peak_allocated, 7 * MIB);
+    assert_eq!(s.window_peak.iter().sum::<usize>(), 9 * MIB, "per-category peaks overstate");
+    assert_eq!(s.window_at_peak, [0, 3 * MIB, 0, 4 * MIB, 0]);
+    assert_eq!(s.window_at_peak.iter().sum::<usize>(), s.window_peak_allocated);
+    assert!(s.window_reserved_at_peak >= 7 * MIB && s.window_reserved_at_peak <= s.window_peak_reserved);
+    pool.reset_window_peaks();
+    assert_eq!(pool.stats().window_at_peak, [0, 3 * MIB, 0, 0, 0], "a new window starts from what is live");
+    drop(g);
+}
+
 #[test]
 fn sizes_parse_and_reject() {
     assert_eq!(parse_bytes("512MiB").unwrap(), 512 * MIB);

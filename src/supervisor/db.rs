@@ -67,6 +67,10 @@ pub struct JobRow {
     #[serde(flatten)]
     pub core: JobCore,
     pub attempts: i64,
+    /// Attempts that ran out of memory (their peaks are not the job's: see `peak_*`).
+    pub ooms: i64,
+    /// The peaks of the configuration the job runs or ended on: its newest attempt that did
+    /// not run out of memory (an OOM's peak is the capacity it hit, not what the job needs).
     pub peak_allocated: Option<i64>,
     pub peak_reserved: Option<i64>,
     pub mean_tokens_per_s: Option<f64>,
@@ -117,6 +121,14 @@ pub struct AttemptRow {
     /// The plan (`planner::Plan`) as a JSON object in the API (`plan`), not a string.
     #[serde(rename = "plan", serialize_with = "json_text")]
     pub plan_json: Option<String>,
+    /// An OOM attempt's memory when the request failed, per category and reserved
+    /// (migration 0004).
+    pub oom_params: Option<i64>,
+    pub oom_grads: Option<i64>,
+    pub oom_optimizer: Option<i64>,
+    pub oom_activations: Option<i64>,
+    pub oom_workspace: Option<i64>,
+    pub oom_reserved: Option<i64>,
 }
 
 /// A JSON column written as the value it holds (null when absent or unreadable).
@@ -180,6 +192,14 @@ pub struct SampleRow {
     pub reserved: Option<i64>,
     pub fragmentation: Option<i64>,
     pub capacity: Option<i64>,
+    /// What each category held, and the pool reserved, when the step's allocated total peaked
+    /// (migration 0004): these sum to `allocated`.
+    pub at_peak_params: Option<i64>,
+    pub at_peak_grads: Option<i64>,
+    pub at_peak_optimizer: Option<i64>,
+    pub at_peak_activations: Option<i64>,
+    pub at_peak_workspace: Option<i64>,
+    pub at_peak_reserved: Option<i64>,
 }
 
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -219,6 +239,8 @@ pub struct AttemptEnd {
     pub mean_tokens_per_s: Option<f64>,
     pub oom_category: Option<String>,
     pub oom_requested: Option<i64>,
+    /// params, grads, optimizer, activations, workspace, reserved when an OOM's request failed.
+    pub oom_at: Option<[i64; 6]>,
     pub message: Option<String>,
 }
 
@@ -271,8 +293,11 @@ pub struct JobFilter {
 const JOB_LIST_SELECT: &str = "SELECT j.id, j.name, j.policy, j.status, j.rung, j.rung_index, j.steps_requested, \
     j.steps_done, j.capacity, j.reason, j.created_at, j.updated_at, j.finished_at, \
     (SELECT COUNT(*) FROM attempts a WHERE a.job_id = j.id) AS attempts, \
-    (SELECT MAX(a.peak_allocated) FROM attempts a WHERE a.job_id = j.id) AS peak_allocated, \
-    (SELECT MAX(a.peak_reserved) FROM attempts a WHERE a.job_id = j.id) AS peak_reserved, \
+    (SELECT COUNT(*) FROM attempts a WHERE a.job_id = j.id AND a.outcome = 'oom') AS ooms, \
+    (SELECT a.peak_allocated FROM attempts a WHERE a.job_id = j.id AND a.outcome IS NOT 'oom' \
+       AND a.peak_allocated IS NOT NULL ORDER BY a.number DESC LIMIT 1) AS peak_allocated, \
+    (SELECT a.peak_reserved FROM attempts a WHERE a.job_id = j.id AND a.outcome IS NOT 'oom' \
+       AND a.peak_reserved IS NOT NULL ORDER BY a.number DESC LIMIT 1) AS peak_reserved, \
     (SELECT a.mean_tokens_per_s FROM attempts a WHERE a.job_id = j.id AND a.mean_tokens_per_s IS NOT NULL \
        ORDER BY a.number DESC LIMIT 1) AS mean_tokens_per_s \
     FROM jobs j";
@@ -492,11 +517,13 @@ impl Db {
     pub async fn finish_attempt(&self, id: i64, end: &AttemptEnd) -> DbResult<()> {
         self.retry("finish_attempt", || async move {
             let p = &end.peaks;
+            let oom = |i: usize| end.oom_at.map(|o| o[i]);
             sqlx::query(
                 "UPDATE attempts SET ended_at = ?, outcome = ?, exit_code = ?, first_step = ?, last_step = ?, \
                  resumed_from_step = ?, capacity = ?, peak_params = ?, peak_grads = ?, peak_optimizer = ?, \
                  peak_activations = ?, peak_workspace = ?, peak_allocated = ?, peak_reserved = ?, \
-                 mean_tokens_per_s = ?, oom_category = ?, oom_requested = ?, message = ? WHERE id = ?",
+                 mean_tokens_per_s = ?, oom_category = ?, oom_requested = ?, message = ?, oom_params = ?, \
+                 oom_grads = ?, oom_optimizer = ?, oom_activations = ?, oom_workspace = ?, oom_reserved = ? WHERE id = ?",
             )
             .bind(now())
             .bind(&end.outcome)
@@ -516,6 +543,12 @@ impl Db {
             .bind(&end.oom_category)
             .bind(end.oom_requested)
             .bind(&end.message)
+            .bind(oom(0))
+            .bind(oom(1))
+            .bind(oom(2))
+            .bind(oom(3))
+            .bind(oom(4))
+            .bind(oom(5))
             .bind(id)
             .execute(&self.pool)
             .await?;
@@ -534,8 +567,9 @@ impl Db {
             for s in samples {
                 sqlx::query(
                     "INSERT INTO samples (attempt_id, step, t, loss, val_loss, tokens_per_s, step_ms, params, grads, \
-                     optimizer, activations, workspace, allocated, reserved, fragmentation, capacity) \
-                     VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                     optimizer, activations, workspace, allocated, reserved, fragmentation, capacity, at_peak_params, \
+                     at_peak_grads, at_peak_optimizer, at_peak_activations, at_peak_workspace, at_peak_reserved) \
+                     VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 )
                 .bind(s.attempt_id)
                 .bind(s.step)
@@ -553,6 +587,12 @@ impl Db {
                 .bind(s.reserved)
                 .bind(s.fragmentation)
                 .bind(s.capacity)
+                .bind(s.at_peak_params)
+                .bind(s.at_peak_grads)
+                .bind(s.at_peak_optimizer)
+                .bind(s.at_peak_activations)
+                .bind(s.at_peak_workspace)
+                .bind(s.at_peak_reserved)
                 .execute(&mut *tx)
                 .await?;
             }
@@ -629,6 +669,13 @@ impl Db {
                 .bind(job)
                 .fetch_all(&self.pool)
                 .await
+        })
+        .await
+    }
+
+    pub async fn attempt(&self, id: i64) -> DbResult<Option<AttemptRow>> {
+        self.retry("attempt", || async move {
+            sqlx::query_as("SELECT * FROM attempts WHERE id = ?").bind(id).fetch_optional(&self.pool).await
         })
         .await
     }

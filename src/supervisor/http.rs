@@ -167,6 +167,7 @@ fn jobs_router() -> Router<AppState> {
         .route("/api/jobs/{id}", get(get_job))
         .route("/api/jobs/{id}/cancel", post(cancel_job))
         .route("/api/jobs/{id}/attempts", get(job_attempts))
+        .route("/api/attempts/{id}", get(get_attempt))
         .route("/api/jobs/{id}/samples", get(job_samples))
         .route("/api/jobs/{id}/events", get(job_events))
 }
@@ -392,6 +393,13 @@ async fn cancel_job(State(state): State<AppState>, UrlPath(id): UrlPath<String>)
         });
     }
     Ok((StatusCode::ACCEPTED, Json(json!({ "id": job.core.id, "cancelling": true }))))
+}
+
+/// One attempt by its id (it names its `job_id`): what compare fetches for each column.
+async fn get_attempt(State(state): State<AppState>, UrlPath(raw): UrlPath<String>) -> ApiResult<impl IntoResponse> {
+    let id = raw.parse::<i64>().map_err(|_| ApiError::BadRequest(format!("attempt id `{raw}` is not an integer")))?;
+    let attempt = state.db.attempt(id).await?;
+    Ok(Json(attempt.ok_or_else(|| ApiError::NotFound(format!("attempt {id} does not exist")))?))
 }
 
 async fn job_attempts(State(state): State<AppState>, UrlPath(id): UrlPath<String>) -> ApiResult<impl IntoResponse> {

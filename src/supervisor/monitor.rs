@@ -42,6 +42,7 @@ pub struct Monitor {
     mean_tokens_per_s: Option<f64>,
     oom_category: Option<String>,
     oom_requested: Option<i64>,
+    oom_at: Option<[i64; 6]>,
     oom_message: Option<String>,
     /// What other processes hold on the GPU at the last step, and its total (NVML).
     others: Option<(u64, u64)>,
@@ -91,6 +92,7 @@ impl Monitor {
             mean_tokens_per_s: None,
             oom_category: None,
             oom_requested: None,
+            oom_at: None,
             oom_message: None,
             others: None,
             external: false,
@@ -264,6 +266,12 @@ impl Monitor {
                     reserved: g(mem.reserved),
                     fragmentation: g(mem.fragmentation),
                     capacity: g(mem.capacity),
+                    at_peak_params: mem.at_peak.map(|a| a.params as i64),
+                    at_peak_grads: mem.at_peak.map(|a| a.grads as i64),
+                    at_peak_optimizer: mem.at_peak.map(|a| a.optimizer as i64),
+                    at_peak_activations: mem.at_peak.map(|a| a.activations as i64),
+                    at_peak_workspace: mem.at_peak.map(|a| a.workspace as i64),
+                    at_peak_reserved: mem.at_peak.map(|a| a.reserved as i64),
                 });
                 let capacity = mem.capacity.max(1) as f64;
                 let mut fraction = mem.allocated as f64 / capacity;
@@ -358,6 +366,10 @@ impl Monitor {
                 self.oom_category = Some(ev.category.clone());
                 self.oom_requested = Some(ev.requested_bytes as i64);
                 self.oom_message = Some(ev.message.clone());
+                self.oom_at = ev.mem.at_peak.map(|a| {
+                    let c = a.categories();
+                    [c[0], c[1], c[2], c[3], c[4], a.reserved].map(|v| v as i64)
+                });
                 // An OOM while allocating the model comes before `started`.
                 if self.capacity.is_none() {
                     self.capacity = Some(ev.mem.capacity as i64);
@@ -398,6 +410,7 @@ impl Monitor {
             mean_tokens_per_s: mean,
             oom_category: self.oom_category.clone(),
             oom_requested: self.oom_requested,
+            oom_at: self.oom_at,
             message,
         }
     }
@@ -609,11 +622,17 @@ mod tests {
                 step: 0,
                 requested_bytes: 4096,
                 category: "optimizer".into(),
-                mem: MemSnapshot { params: 10, capacity: 64, ..Default::default() },
+                mem: MemSnapshot {
+                    params: 10,
+                    capacity: 64,
+                    at_peak: Some(protocol::Composition { params: 8, grads: 2, reserved: 12, ..Default::default() }),
+                    ..Default::default()
+                },
                 message: "out of device memory".into(),
             }),
         });
         assert_eq!(m.oom(), ("optimizer".to_string(), 4096));
+        assert_eq!(m.end(&Outcome::Finished, None).oom_at, Some([8, 2, 0, 0, 0, 12]), "what was live when it failed");
         let end = m.end(&Outcome::Oom { category: "optimizer".into(), requested: 4096 }, Some(3));
         assert_eq!(
             (end.capacity, end.peaks[0], end.message.as_deref()),

@@ -628,10 +628,7 @@ mod tests {
         seen.sort_by_key(|(rank, _)| *rank);
         for (rank, result) in seen {
             let err = result.expect_err("the workspace cannot fit");
-            assert!(
-                err.starts_with("out of device memory: requested 6291456 bytes for workspace"),
-                "rank {rank}: {err}"
-            );
+            assert!(err.starts_with("out of device memory: requested 6.00 MiB for workspace"), "rank {rank}: {err}");
         }
     }
 

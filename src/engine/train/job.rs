@@ -523,7 +523,10 @@ fn report_oom(events: &mut Events, oom: OomError, step: u64) -> TrainError {
         step,
         requested_bytes: oom.requested_bytes,
         category: oom.category.name().into(),
-        mem: MemSnapshot::lifetime(&oom.stats),
+        mem: MemSnapshot {
+            at_peak: Some(protocol::Composition::current(&oom.stats)),
+            ..MemSnapshot::lifetime(&oom.stats)
+        },
         message: oom.to_string(),
     }));
     TrainError::Oom(oom)
