@@ -215,7 +215,7 @@ fn bad_job_files_exit_2_naming_the_field() {
 
     // Three bad values, three messages, in one run.
     let three = good
-        .replace("steps: 10", "steps: -10")
+        .replace("  steps: 10\n", "  steps: 0\n")
         .replace("micro_batch: 16", "micro_batch: 5")
         .replace("64MiB", "64 parsecs");
     let job = write_job(dir.path(), &three);
