@@ -144,7 +144,7 @@ PY
 
 echo
 echo "== headroom gpu-check"
-"$BIN" gpu-check --estimate-grid "${@:2}"
+"$BIN" gpu-check --estimate-grid --profile "${@:2}"
 status=$?
 [ $status -eq 0 ] && [ $train_status -ne 0 ] && status=1
 exit $status

@@ -337,6 +337,29 @@ fn checks<B: crate::engine::backend::Backend>(
                 Err(e) => Check { name, ok: false, figure: e.to_string() },
             });
         }
+        // Where the resident step's time goes (`--profile`): every op timed one at a time.
+        if args.profile {
+            let name = format!("profile of the {} bf16 step", case.label);
+            let table = open(None).and_then(|plain| Ok((plain, open(None)?))).and_then(|(plain, profiled)| {
+                bench::profile_on::<half::bf16, _>(
+                    plain,
+                    profiled,
+                    case,
+                    case.batch,
+                    Techniques::default(),
+                    1,
+                    args.bench_steps,
+                )
+                .map_err(|e| anyhow::anyhow!("{e}"))
+            });
+            checks.push(match table {
+                Ok(table) => {
+                    println!("{table}");
+                    Check { name, ok: true, figure: "the table above".into() }
+                }
+                Err(e) => Check { name, ok: false, figure: e.to_string() },
+            });
+        }
     }
 
     // 7. The seed's headline case with its optimizer on the host: the GPT-2 XL shape (1.478B,
@@ -516,6 +539,7 @@ mod tests {
             xl_offload_steps: 0,
             libraries: false,
             estimate_grid: false,
+            profile: true,
         };
         let open = |memory: Option<usize>, expandable: bool| {
             Ok(DeviceSim::with_segments(memory.unwrap_or(4 << 30), expandable))
@@ -528,6 +552,7 @@ mod tests {
         }
         assert!(names[0].starts_with("op parity"), "{names:?}");
         assert!(names.contains(&"pool: device_memory 8 MiB"), "{names:?}");
+        assert!(names.iter().any(|n| n.starts_with("profile of the")), "{names:?}");
         assert!(names.contains(&"op workspace = cpu declarations"), "{names:?}");
         let trained = names.iter().filter(|n| n.starts_with("training parity")).count();
         assert_eq!(trained, 5, "plain fp32, plain bf16, offloaded bf16, 2 ranks at ZeRO-1 and ZeRO-3: {names:?}");

@@ -114,6 +114,10 @@ pub struct GpuCheckArgs {
     /// configurations, 2 offloaded, 2 at 1.5B parameters on 16 GiB).
     #[arg(long)]
     pub estimate_grid: bool,
+    /// After the benchmark, print where its step's time goes: every op timed one at a time
+    /// (calls, ms per step, share, achieved TFLOP/s or GB/s), beside the unprofiled step.
+    #[arg(long)]
+    pub profile: bool,
     /// Only report which CUDA libraries load (driver, NVRTC, cuBLAS, NCCL), their versions and
     /// files; exit 2 if one a cuda device needs is missing.
     #[arg(long)]
@@ -186,6 +190,10 @@ pub struct BenchArgs {
     /// settings at the same global batch) instead of the speed table.
     #[arg(long)]
     pub techniques: bool,
+    /// Print where the step's time goes instead: every op timed (calls, ms per step, share,
+    /// achieved TFLOP/s or GB/s), beside the unprofiled step.
+    #[arg(long)]
+    pub profile: bool,
     /// Print the ranks / ZeRO / offload table (trains a d4-128 job on data/shakespeare-tiny.txt).
     #[arg(long)]
     pub parallel: bool,
@@ -410,6 +418,16 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     if args.techniques {
         for case in &cases {
             print!("{}", bench::techniques_table(case, args.warmup, args.steps)?);
+        }
+        return Ok(());
+    }
+    if args.profile {
+        let open = || crate::engine::backend::CpuBackend::new(crate::memory::Pool::new("cpu", usize::MAX / 2));
+        for case in &cases {
+            let techniques = bench::Techniques::default();
+            let table =
+                bench::profile_on::<f32, _>(open(), open(), case, case.batch, techniques, args.warmup, args.steps)?;
+            print!("{table}");
         }
         return Ok(());
     }

@@ -113,6 +113,49 @@ pub fn run_on<E: Elem, B: crate::engine::backend::Backend>(
     warmup: usize,
     steps: usize,
 ) -> Result<(BenchResult, MemStats), crate::engine::backend::BackendError> {
+    run_on_with::<E, B>(backend, case, micro_batch, techniques, warmup, steps, |_| {})
+}
+
+/// The per-op profile of `case`'s training step (`check::profile`): the step timed plain on
+/// `plain`, then with every op timed on `profiled` (a second backend of the same device); the
+/// table of both.
+pub fn profile_on<E: Elem, B: crate::engine::backend::Backend>(
+    plain: B,
+    profiled: B,
+    case: &BenchCase,
+    micro_batch: usize,
+    techniques: Techniques,
+    warmup: usize,
+    steps: usize,
+) -> Result<String, crate::engine::backend::BackendError> {
+    use crate::engine::check::profile::{self, Profiled};
+    let (plain, _) = run_on::<E, B>(plain, case, micro_batch, techniques, warmup, steps)?;
+    let profiled = Profiled::new(profiled);
+    let handle = profiled.handle();
+    let (measured, stats) =
+        run_on_with::<E, _>(profiled, case, micro_batch, techniques, warmup, steps, |_| handle.reset())?;
+    Ok(format!(
+        "{} (params {}), B {}, T {}, micro-batch {micro_batch}, {} steps, peak allocated {}\n{}",
+        case.label,
+        case.cfg.num_params(),
+        case.batch,
+        case.seq,
+        steps,
+        format_bytes(stats.peak_allocated),
+        profile::table(&handle.totals(), steps, measured.ms_per_step, Some(plain.ms_per_step))
+    ))
+}
+
+/// [`run_on`], calling `measuring` with the backend once the warm-up steps are done.
+pub fn run_on_with<E: Elem, B: crate::engine::backend::Backend>(
+    backend: B,
+    case: &BenchCase,
+    micro_batch: usize,
+    techniques: Techniques,
+    warmup: usize,
+    steps: usize,
+    measuring: impl FnOnce(&B),
+) -> Result<(BenchResult, MemStats), crate::engine::backend::BackendError> {
     let Techniques { checkpointing, offload_params, offload_optimizer, offload_activations, delayed_update } =
         techniques;
     let hyper = Hyper {
@@ -150,6 +193,7 @@ pub fn run_on<E: Elem, B: crate::engine::backend::Backend>(
     for _ in 0..warmup {
         trainer.train_step(&mut batch)?;
     }
+    measuring(trainer.backend());
     let (mut times, mut fractions, mut hidden) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..steps {
         let step = trainer.train_step(&mut batch)?;
