@@ -204,6 +204,25 @@ pub struct MemorySpec {
     pub world_size: i64,
     #[serde(default)]
     pub offload: OffloadSpec,
+    /// `caching` (default): every request searches the pool's free blocks. `static`: the first
+    /// training step's allocations are recorded and packed into one arena; later steps are
+    /// served from that plan with no search (`memory::plan`).
+    #[serde(default, skip_serializing_if = "Allocator::is_caching")]
+    pub allocator: Allocator,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Allocator {
+    #[default]
+    Caching,
+    Static,
+}
+
+impl Allocator {
+    fn is_caching(&self) -> bool {
+        *self == Allocator::Caching
+    }
 }
 
 fn default_world_size() -> i64 {
@@ -218,6 +237,7 @@ impl Default for MemorySpec {
             zero_stage: 0,
             world_size: 1,
             offload: OffloadSpec::default(),
+            allocator: Allocator::Caching,
         }
     }
 }
@@ -349,6 +369,7 @@ impl JobSpec {
             world_size: self.memory.world_size as usize,
             zero_stage: self.memory.zero_stage as usize,
             expandable_segments: self.device.expandable_segments(),
+            static_allocator: self.memory.allocator == Allocator::Static,
         }
     }
 
@@ -497,6 +518,8 @@ pub struct Knobs {
     pub zero_stage: usize,
     /// The pool's large blocks come from an expandable segment (what `reserved` grows by).
     pub expandable_segments: bool,
+    /// `memory.allocator: static`: steps after the first are served from a packed plan.
+    pub static_allocator: bool,
 }
 
 impl Knobs {
@@ -515,6 +538,7 @@ impl Knobs {
             world_size: 1,
             zero_stage: 0,
             expandable_segments: false,
+            static_allocator: false,
         }
     }
 }
@@ -670,6 +694,17 @@ policy: default
         assert_eq!(e.field, "name");
         let e = JobSpec::parse("name: [unclosed").unwrap_err();
         assert!(e.to_string().contains("line"), "malformed YAML reports its location: {e}");
+    }
+
+    #[test]
+    fn the_allocator_is_caching_unless_asked_and_static_round_trips() {
+        assert!(!JobSpec::parse(EXAMPLE).unwrap().knobs().static_allocator);
+        let spec =
+            JobSpec::parse(&EXAMPLE.replace("  world_size: 1\n", "  world_size: 1\n  allocator: static\n")).unwrap();
+        assert!(spec.knobs().static_allocator);
+        assert_eq!(JobSpec::parse(&spec.to_yaml()).unwrap(), spec);
+        let e = err_of("  world_size: 1\n", "  world_size: 1\n  allocator: magic\n");
+        assert!(e.to_string().contains("memory") && e.to_string().contains("magic"), "{e}");
     }
 
     #[test]

@@ -26,6 +26,7 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
+use super::plan;
 use super::stats::{format_bytes, Category, MemStats};
 
 /// Every request is rounded up to a multiple of this many bytes.
@@ -248,6 +249,58 @@ struct PoolInner {
     /// Large requests go to the arena (created on first use) when the source can map pages.
     expandable: bool,
     arena: Option<Arena>,
+    /// The static allocator (`memory.allocator: static`): off, recording a step, or replaying.
+    static_plan: StaticPlan,
+}
+
+/// The static allocator's state: see [`Pool::static_begin_step`].
+#[derive(Debug, Default)]
+enum StaticPlan {
+    #[default]
+    Off,
+    /// Armed: the next step is recorded.
+    Armed,
+    /// Inside the recorded step: its allocations in order, and the event clock.
+    Recording {
+        recs: Vec<plan::Rec>,
+        clock: u64,
+    },
+    Replaying(Replay),
+    /// The arena did not fit: the caching allocator serves for good.
+    Declined,
+}
+
+/// A plan being served: the arena (a segment of its own, never in the free lists), the cursor
+/// into the step's allocation sequence, and which planned blocks are live.
+#[derive(Debug)]
+struct Replay {
+    plan: plan::Plan,
+    segment: usize,
+    address: u64,
+    cursor: usize,
+    live: Vec<bool>,
+    in_step: bool,
+}
+
+/// What packing the recorded step gave (`Pool::static_end_step`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StaticPlanReport {
+    /// Allocations the step made, and how many of them are planned (the rest outlived it).
+    pub allocations: usize,
+    pub planned: usize,
+    pub arena_bytes: usize,
+    pub live_peak: usize,
+    /// arena / live peak − 1.
+    pub fragmentation: f64,
+}
+
+/// How a buffer's block was made: the caching allocator (possibly recorded into a static
+/// plan), or the plan itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    Cached,
+    Recorded(u32),
+    Planned(u32),
 }
 
 // SAFETY: the raw segment pointers are owned by the pool and only handed out as disjoint blocks;
@@ -318,6 +371,7 @@ impl Pool {
                 stats: MemStats { capacity, ..MemStats::default() },
                 expandable: source.address_space().is_some(),
                 arena: None,
+                static_plan: StaticPlan::Off,
                 source,
             })),
             name: name.into(),
@@ -364,9 +418,104 @@ impl Pool {
     pub fn alloc(&self, bytes: usize, category: Category) -> Result<Buffer, OomError> {
         let size = block_bytes(bytes);
         let mut inner = self.lock();
+        if let Some((index, segment, offset, address)) = inner.replay_alloc(size, category) {
+            let origin = Origin::Planned(index);
+            return Ok(Buffer {
+                pool: self.clone(),
+                address,
+                len: bytes,
+                size,
+                segment,
+                offset,
+                category,
+                fresh_zero: false,
+                origin,
+            });
+        }
         let (segment, offset, address, fresh) = inner.alloc_block(size, bytes, category)?;
         let fresh_zero = fresh && inner.source.zero_filled();
-        Ok(Buffer { pool: self.clone(), address, len: bytes, size, segment, offset, category, fresh_zero })
+        let origin = match &mut inner.static_plan {
+            StaticPlan::Recording { recs, clock } => {
+                recs.push(plan::Rec { size, category, alloc_at: *clock, free_at: None });
+                *clock += 1;
+                Origin::Recorded(recs.len() as u32 - 1)
+            }
+            _ => Origin::Cached,
+        };
+        Ok(Buffer { pool: self.clone(), address, len: bytes, size, segment, offset, category, fresh_zero, origin })
+    }
+
+    /// Turn the static allocator on (large segments from now on are sized exactly to their
+    /// request, for the model state allocated next): the next step (between `static_begin_step` and
+    /// `static_end_step`) is recorded, packed into one arena at its end, and every later step
+    /// is served from that plan — each request the one recorded at its position, at its planned
+    /// offset, with no search (`MemStats::num_searches` stays put). A request that differs from
+    /// the recording (size, category), or whose planned bytes another planned block still
+    /// holds, goes to the caching allocator instead (`num_plan_misses`), so a step that changes
+    /// shape stays correct. Outside a step (evaluation, checkpoints) the caching allocator serves.
+    pub fn static_arm(&self) {
+        let mut inner = self.lock();
+        if matches!(inner.static_plan, StaticPlan::Off) {
+            inner.static_plan = StaticPlan::Armed;
+        }
+    }
+
+    /// A step starts: recording begins (armed) or the plan's sequence restarts (replaying).
+    pub fn static_begin_step(&self) {
+        let mut inner = self.lock();
+        match &mut inner.static_plan {
+            StaticPlan::Armed => inner.static_plan = StaticPlan::Recording { recs: Vec::new(), clock: 0 },
+            StaticPlan::Replaying(r) => {
+                r.cursor = 0;
+                r.in_step = true;
+            }
+            StaticPlan::Off | StaticPlan::Recording { .. } | StaticPlan::Declined => {}
+        }
+    }
+
+    /// A step ended. After the recorded one: pack it, give back the cached segments its
+    /// blocks came from, reserve the arena, and report the plan.
+    pub fn static_end_step(&self) -> Result<Option<StaticPlanReport>, OomError> {
+        let mut inner = self.lock();
+        match std::mem::take(&mut inner.static_plan) {
+            StaticPlan::Recording { recs, .. } => {
+                let packed = plan::pack(&recs);
+                let report = StaticPlanReport {
+                    allocations: recs.len(),
+                    planned: packed.planned(),
+                    arena_bytes: packed.arena_bytes,
+                    live_peak: packed.live_peak,
+                    fragmentation: packed.fragmentation(),
+                };
+                inner.release_free_segments();
+                let bytes = round_up(packed.arena_bytes.max(ROUND), ROUND);
+                let segment = match inner.new_segment(bytes, false, Category::Activations) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        // No room for the arena: the caching allocator goes on serving.
+                        inner.static_plan = StaticPlan::Declined;
+                        return Err(e);
+                    }
+                };
+                let seg = inner.segments[segment].as_mut().expect("new segment");
+                // One block spanning the arena, marked used: never carved, never released.
+                seg.blocks.insert(0, BlockState { size: bytes, category: Some(Category::Activations) });
+                let address = seg.address;
+                let live = vec![false; packed.entries.len()];
+                inner.static_plan =
+                    StaticPlan::Replaying(Replay { plan: packed, segment, address, cursor: 0, live, in_step: false });
+                Ok(Some(report))
+            }
+            StaticPlan::Replaying(mut r) => {
+                r.in_step = false;
+                inner.static_plan = StaticPlan::Replaying(r);
+                Ok(None)
+            }
+            other => {
+                inner.static_plan = other;
+                Ok(None)
+            }
+        }
     }
 
     /// Release every cached segment that holds no live block.
@@ -400,12 +549,56 @@ impl Pool {
         inner.stats.summary(&self.name, segments, free_blocks)
     }
 
-    fn free(&self, segment: usize, offset: usize, size: usize, category: Category) {
-        self.lock().free_block(segment, offset, size, category);
+    fn free(&self, segment: usize, offset: usize, size: usize, category: Category, origin: Origin) {
+        let mut inner = self.lock();
+        match origin {
+            Origin::Planned(i) => inner.replay_free(i as usize, size, category),
+            Origin::Recorded(i) => {
+                if let StaticPlan::Recording { recs, clock } = &mut inner.static_plan {
+                    recs[i as usize].free_at = Some(*clock);
+                    *clock += 1;
+                }
+                inner.free_block(segment, offset, size, category);
+            }
+            Origin::Cached => inner.free_block(segment, offset, size, category),
+        }
     }
 }
 
 impl PoolInner {
+    /// The next request of a replayed step, from the plan when it is the one recorded there and
+    /// its bytes are free: (plan index, segment, offset, address).
+    fn replay_alloc(&mut self, size: usize, category: Category) -> Option<(u32, usize, usize, u64)> {
+        let StaticPlan::Replaying(r) = &mut self.static_plan else { return None };
+        if !r.in_step {
+            return None;
+        }
+        let i = r.cursor;
+        r.cursor += 1;
+        let served = r.plan.entries.get(i).and_then(|e| {
+            let free = e.shares_with.iter().all(|&j| !r.live[j as usize]);
+            (e.size == size && e.category == category && !r.live[i] && free).then_some(e.offset).flatten()
+        });
+        let Some(offset) = served else {
+            self.stats.num_plan_misses += 1;
+            return None;
+        };
+        r.live[i] = true;
+        let (segment, address) = (r.segment, r.address + offset as u64);
+        self.stats.add(category, size);
+        self.stats.num_allocs += 1;
+        self.stats.num_planned += 1;
+        Some((i as u32, segment, offset, address))
+    }
+
+    fn replay_free(&mut self, index: usize, size: usize, category: Category) {
+        if let StaticPlan::Replaying(r) = &mut self.static_plan {
+            r.live[index] = false;
+        }
+        self.stats.sub(category, size);
+        self.stats.num_frees += 1;
+    }
+
     fn new_segment(&mut self, size: usize, small: bool, category: Category) -> Result<usize, OomError> {
         if self.stats.reserved + size > self.capacity {
             // Give back cached segments before failing, like the CUDA allocator's retry.
@@ -569,6 +762,7 @@ impl PoolInner {
         requested: usize,
         category: Category,
     ) -> Result<(usize, usize, u64, bool), OomError> {
+        self.stats.num_searches += 1;
         let small = size <= SMALL_LIMIT;
         let arena = if !small && self.expandable { self.arena_segment() } else { None };
         let probe = FreeKey { size, segment: 0, offset: 0 };
@@ -588,7 +782,14 @@ impl PoolInner {
             // The arena's address span is exhausted by holes: nothing to map into.
             None if arena.is_some() => return Err(self.oom(requested, category)),
             None => {
-                let seg_size = if small { SMALL_SEGMENT } else { round_up(size, LARGE_ROUND) };
+                // Under the static allocator every large segment is exactly its first block
+                // (the model state's, then the arena): nothing rounds reserved bytes up.
+                let exact = !matches!(self.static_plan, StaticPlan::Off | StaticPlan::Declined);
+                let seg_size = match (small, exact) {
+                    (true, _) => SMALL_SEGMENT,
+                    (false, true) => size,
+                    (false, false) => round_up(size, LARGE_ROUND),
+                };
                 let seg = self.new_segment(seg_size, small, category).map_err(|mut e| {
                     e.requested_bytes = requested;
                     e
@@ -714,6 +915,7 @@ pub struct Buffer {
     category: Category,
     /// Carved from memory that reads as zeros and that no block used before.
     fresh_zero: bool,
+    origin: Origin,
 }
 
 // SAFETY: a Buffer is the unique owner of its block; access goes through &self / &mut self.
@@ -780,6 +982,6 @@ impl Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        self.pool.free(self.segment, self.offset, self.size, self.category);
+        self.pool.free(self.segment, self.offset, self.size, self.category, self.origin);
     }
 }

@@ -64,6 +64,12 @@ pub struct MemStats {
     pub num_frees: u64,
     pub num_ooms: u64,
     pub num_segments: usize,
+    /// Requests the caching allocator served by searching its free blocks.
+    pub num_searches: u64,
+    /// Requests the static plan served (no search), and those it could not (the caching
+    /// allocator served them).
+    pub num_planned: u64,
+    pub num_plan_misses: u64,
     /// The largest free block cached in the pool (filled by `Pool::stats`).
     pub largest_free_block: usize,
 }

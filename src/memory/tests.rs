@@ -380,3 +380,53 @@ fn only_never_used_zero_memory_is_handed_out_as_fresh_zero() {
     let device = Pool::with_source("cuda:0", 64 * MIB, std::sync::Arc::new(OpaqueDevice));
     assert!(!device.alloc(4 * MIB, Category::Optimizer).unwrap().fresh_zero());
 }
+
+/// The static allocator at the pool: a step recorded, then replayed at the same addresses with
+/// no search; a request that differs from the recording, or whose planned bytes a block kept
+/// from the last step still holds, is served by the caching allocator instead (counted), never
+/// at an address a live block uses.
+#[test]
+fn a_static_plan_replays_its_step_and_falls_back_when_the_step_differs() {
+    let pool = Pool::new("cpu", 64 * MIB);
+    pool.static_arm();
+    let step = |pool: &Pool, keep_last: bool| -> (Vec<u64>, Option<Buffer>) {
+        pool.static_begin_step();
+        let a = pool.alloc(2 * MIB, Category::Activations).unwrap();
+        let b = pool.alloc(MIB, Category::Workspace).unwrap();
+        let addrs = vec![a.address(), b.address()];
+        drop(b);
+        let c = pool.alloc(MIB, Category::Workspace).unwrap(); // may reuse b's bytes
+        let mut addrs = addrs;
+        addrs.push(c.address());
+        drop(c);
+        (addrs, if keep_last { Some(a) } else { None })
+    };
+    let (first, _) = step(&pool, false);
+    let report = pool.static_end_step().unwrap().expect("the recorded step is packed");
+    assert_eq!((report.allocations, report.planned), (3, 3));
+    assert_eq!(report.arena_bytes, 3 * MIB, "b and c share bytes: 2 + 1 MiB");
+    assert_eq!(report.fragmentation, 0.0);
+    let _ = first;
+    let searches = pool.stats().num_searches;
+    let (second, _) = step(&pool, false);
+    pool.static_end_step().unwrap();
+    let (third, kept) = step(&pool, true);
+    pool.static_end_step().unwrap();
+    assert_eq!(second, third, "the same planned addresses every step");
+    assert_eq!(second[1], second[2], "c takes b's planned bytes");
+    assert_eq!(pool.stats().num_searches, searches, "no search while replaying");
+    assert_eq!(pool.stats().num_planned, 6);
+    // `a` kept into the next step: the next step's `a` cannot have its planned bytes.
+    let kept = kept.unwrap();
+    pool.static_begin_step();
+    let a2 = pool.alloc(2 * MIB, Category::Activations).unwrap();
+    assert_ne!(a2.address(), kept.address(), "never two live blocks at one address");
+    // A request the recording did not have at this position: the caching allocator serves it.
+    let odd = pool.alloc(3 * MIB, Category::Workspace).unwrap();
+    let s = pool.stats();
+    assert_eq!(s.num_plan_misses, 2, "the held bytes, then the odd request");
+    assert_eq!(s.num_searches, searches + 2);
+    drop((a2, odd, kept));
+    pool.static_end_step().unwrap();
+    assert_eq!(pool.stats().allocated(), 0, "every block given back, planned or not");
+}

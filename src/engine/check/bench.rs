@@ -172,6 +172,7 @@ pub fn run_on_with<E: Elem, B: crate::engine::backend::Backend>(
             zero_stage: 0,
             precision: crate::config::Precision::Fp32,
             expandable_segments: backend.pool().expandable(),
+            static_allocator: false,
         },
         steps: (warmup + steps) as u64,
         global_batch: case.batch,

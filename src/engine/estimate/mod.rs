@@ -364,6 +364,7 @@ mod tests {
                 zero_stage: 0,
                 precision: crate::config::Precision::Fp32,
                 expandable_segments: false,
+                static_allocator: false,
             },
             steps: 2,
             global_batch: global,

@@ -223,6 +223,10 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
     /// milliseconds), then initialised.
     pub fn on_backend(cfg: GptConfig, hyper: Hyper, backend: B, comm: Option<LocalComm>) -> BackendResult<Self> {
         let pool = backend.pool().clone();
+        if hyper.knobs.static_allocator {
+            // Armed before the model state: its large buffers get segments of their exact size.
+            pool.static_arm();
+        }
         let n = cfg.num_params();
         let (rank, world) = comm.as_ref().map(|c| (c.rank(), c.world())).unwrap_or((0, 1));
         let stage = if world > 1 { hyper.knobs.zero_stage } else { 0 };
@@ -466,6 +470,30 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
 
     /// One optimizer step over the global batch, accumulating `grad_accum` micro-batches.
     pub fn train_step(&mut self, batch: &mut BatchFn<'_>) -> BackendResult<StepStats> {
+        // The static allocator records this step (the first) or replays its plan.
+        let pool = self.backend.pool().clone();
+        if self.hyper.knobs.static_allocator {
+            pool.static_begin_step();
+        }
+        let step = self.train_step_inner(batch);
+        if self.hyper.knobs.static_allocator {
+            match pool.static_end_step() {
+                Ok(Some(r)) => tracing::info!(
+                    "static allocation plan: {} of the step's {} allocations packed into {} (live peak {}, fragmentation {:.2}%)",
+                    r.planned,
+                    r.allocations,
+                    crate::memory::format_bytes(r.arena_bytes),
+                    crate::memory::format_bytes(r.live_peak),
+                    100.0 * r.fragmentation
+                ),
+                Ok(None) => {}
+                Err(e) => tracing::warn!("the static allocator is off for this run: no room for its arena ({e})"),
+            }
+        }
+        step
+    }
+
+    fn train_step_inner(&mut self, batch: &mut BatchFn<'_>) -> BackendResult<StepStats> {
         let started = std::time::Instant::now();
         let h = self.hyper.clone();
         let (b, t) = (h.knobs.micro_batch, h.knobs.seq_len);
@@ -985,6 +1013,7 @@ mod tests {
                 zero_stage: 0,
                 precision: crate::config::Precision::Fp32,
                 expandable_segments: false,
+                static_allocator: false,
             },
             steps: 10,
             global_batch: 4,
@@ -1022,6 +1051,54 @@ mod tests {
         assert!(!s.skipped && s.grad_norm.is_finite());
         assert_ne!(tr.master_params().unwrap(), before, "a good step updates the weights");
         assert_eq!(tr.step, 2, "the skipped step still consumed its batch");
+    }
+
+    /// `memory.allocator: static`: the same training bit for bit; after the recorded first
+    /// step no request searches the pool, none misses the plan, and the step's reserved bytes
+    /// stay within 2% of its allocated peak.
+    #[test]
+    fn the_static_allocator_trains_identically_with_no_search_after_the_first_step() {
+        // Model state above the small-block limit (1 MiB per buffer), as any real model's.
+        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 128, block_size: 32, vocab: 256 };
+        let run = |static_allocator: bool, checkpointing: Checkpointing| {
+            let (_, mut hyper) = tiny();
+            hyper.knobs = Knobs { seq_len: 32, static_allocator, checkpointing, ..hyper.knobs };
+            let pool = Pool::new("cpu", 256 << 20);
+            let mut tr = Trainer::<f32>::new(cfg, hyper, pool.clone()).unwrap();
+            let mut batch = |s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
+                for p in 0..32u64 {
+                    inp.push((mix64(s * 31 + i * 7 + p) % 256) as u32);
+                    tgt.push((mix64(s * 31 + i * 7 + p + 1) % 256) as u32);
+                }
+            };
+            let mut losses = Vec::new();
+            let mut searches = Vec::new();
+            let mut ratio = 0.0f64;
+            for step in 0..5 {
+                pool.reset_window_peaks();
+                losses.push(tr.train_step(&mut batch).unwrap().loss.to_bits());
+                let st = pool.stats();
+                searches.push(st.num_searches);
+                if step >= 1 {
+                    ratio = ratio.max(st.window_peak_reserved as f64 / st.window_peak_allocated as f64);
+                }
+            }
+            (losses, tr.master_params().unwrap(), searches, ratio, pool.stats())
+        };
+        for checkpointing in [Checkpointing::None, Checkpointing::Full] {
+            let (losses, master, _, cached_ratio, _) = run(false, checkpointing);
+            let (static_losses, static_master, searches, ratio, stats) = run(true, checkpointing);
+            assert_eq!(static_losses, losses, "{checkpointing:?}: losses bitwise");
+            assert_eq!(static_master, master, "{checkpointing:?}: weights bitwise");
+            assert!(
+                searches[1..].windows(2).all(|w| w[0] == w[1]),
+                "{checkpointing:?}: no search after step 1: {searches:?}"
+            );
+            assert_eq!(stats.num_plan_misses, 0, "{checkpointing:?}");
+            assert!(stats.num_planned > 0);
+            println!("{checkpointing:?}: peak reserved / peak allocated per step: caching {cached_ratio:.4}, static {ratio:.4}");
+            assert!(ratio <= 1.02, "{checkpointing:?}: reserved {ratio:.4}× allocated");
+        }
     }
 
     #[test]
