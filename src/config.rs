@@ -265,6 +265,11 @@ pub struct DeviceSpec {
     /// Default: off (see [`DeviceSpec::expandable_segments`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expandable_segments: Option<bool>,
+    /// A fraction of `device_memory` (or of the GPU's free memory) the pool reserves up front as
+    /// one segment, which the model state and every large block are then carved from (the
+    /// seed's "pre-allocate, leave ~10% margin"). Absent: segments as needed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserve: Option<f64>,
 }
 
 impl DeviceSpec {
@@ -318,6 +323,7 @@ impl Default for DeviceSpec {
             index: 0,
             device_memory: Some(Bytes::from(DEFAULT_CPU_DEVICE_MEMORY.to_string())),
             expandable_segments: None,
+            reserve: None,
         }
     }
 }
@@ -452,6 +458,11 @@ impl JobSpec {
                 p.push("device.device_memory", "is required for a cpu device (e.g. 512MiB)")
             }
             None => {}
+        }
+        if let Some(r) = self.device.reserve {
+            if !(r > 0.0 && r <= 1.0) {
+                p.push("device.reserve", format!("{r} must be in (0, 1] (a fraction of the device's memory)"));
+            }
         }
         let policy_ok = !self.policy.is_empty()
             && self.policy.len() <= 64

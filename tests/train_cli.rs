@@ -51,6 +51,39 @@ fn too_small_device_exits_3_after_an_oom_line_and_enough_memory_finishes() {
     assert!(peak > 6 << 20 && peak <= 32 << 20, "needs more than the small device: {peak}");
 }
 
+/// `device.reserve` and `memory.allocator: static` change where blocks live, never what is
+/// computed: the same losses as the plain run; the reserve holds its share from the first step,
+/// the static plan ends with reserved = allocated.
+#[test]
+fn reserve_and_static_allocator_train_the_same_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = job_yaml("plain", 12, 8, 4, "64MiB");
+    let reserve = plain.replace("device_memory: 64MiB }", "device_memory: 64MiB, reserve: 0.9 }");
+    let static_ = plain.clone() + "memory: { allocator: static }\n";
+    let run = |yaml: &str, name: &str| {
+        let job = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(&job, yaml).unwrap();
+        let out = train(&job, &dir.path().join(name), &[]);
+        assert_eq!(out.status.code(), Some(0), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        events(&out)
+    };
+    let (a, b, c) = (run(&plain, "plain"), run(&reserve, "reserve"), run(&static_, "static"));
+    let bits = |ev: &[serde_json::Value]| losses(ev).into_iter().map(|(s, l)| (s, l.to_bits())).collect::<Vec<_>>();
+    assert_eq!(bits(&b), bits(&a), "reserve: same losses");
+    assert_eq!(bits(&c), bits(&a), "static allocator: same losses");
+    let steps = |ev: &[serde_json::Value]| of_kind(ev, "step").into_iter().cloned().collect::<Vec<_>>();
+    let first = steps(&b)[0]["mem"].clone();
+    assert!(first["reserved"].as_u64().unwrap() >= (64u64 << 20) * 9 / 10, "the reserve is taken up front: {first}");
+    let last = steps(&c).last().unwrap()["mem"].clone();
+    assert_eq!(last["reserved"], last["allocated"], "the static plan: nothing reserved beyond the peak: {last}");
+    // A reserve outside (0, 1] is refused, naming the field.
+    let job = dir.path().join("bad.yaml");
+    std::fs::write(&job, plain.replace("device_memory: 64MiB }", "device_memory: 64MiB, reserve: 1.5 }")).unwrap();
+    let out = train(&job, &dir.path().join("bad"), &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("device.reserve: 1.5 must be in (0, 1]"));
+}
+
 #[test]
 fn resume_reproduces_the_straight_run_bitwise() {
     let dir = tempfile::tempdir().unwrap();

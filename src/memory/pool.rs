@@ -445,7 +445,7 @@ impl Pool {
         Ok(Buffer { pool: self.clone(), address, len: bytes, size, segment, offset, category, fresh_zero, origin })
     }
 
-    /// Turn the static allocator on (large segments from now on are sized exactly to their
+    /// Turn the static allocator on (new segments from now on are sized exactly to their
     /// request, for the model state allocated next): the next step (between `static_begin_step` and
     /// `static_end_step`) is recorded, packed into one arena at its end, and every later step
     /// is served from that plan — each request the one recorded at its position, at its planned
@@ -763,7 +763,10 @@ impl PoolInner {
         category: Category,
     ) -> Result<(usize, usize, u64, bool), OomError> {
         self.stats.num_searches += 1;
-        let small = size <= SMALL_LIMIT;
+        // Under the static allocator every new segment is exactly its first block (the model
+        // state's, the recorded step's, then the arena): nothing rounds reserved bytes up.
+        let exact = !matches!(self.static_plan, StaticPlan::Off | StaticPlan::Declined);
+        let small = size <= SMALL_LIMIT && !exact;
         let arena = if !small && self.expandable { self.arena_segment() } else { None };
         let probe = FreeKey { size, segment: 0, offset: 0 };
         let found = {
@@ -782,9 +785,6 @@ impl PoolInner {
             // The arena's address span is exhausted by holes: nothing to map into.
             None if arena.is_some() => return Err(self.oom(requested, category)),
             None => {
-                // Under the static allocator every large segment is exactly its first block
-                // (the model state's, then the arena): nothing rounds reserved bytes up.
-                let exact = !matches!(self.static_plan, StaticPlan::Off | StaticPlan::Declined);
                 let seg_size = match (small, exact) {
                     (true, _) => SMALL_SEGMENT,
                     (false, true) => size,

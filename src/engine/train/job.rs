@@ -347,7 +347,11 @@ impl Run<'_> {
         // On a GPU, NVML's view of the device joins each step's telemetry: the driver's count,
         // which includes what the pool does not see (context, cuBLAS workspace, other processes).
         let nvml = gpu_readings(spec, &pool);
-        let trainer = Trainer::<E, B>::on_backend(cfg, hyper.clone(), backend, comm.clone());
+        // `device.reserve`: the pool's share taken up front, one segment the state and the
+        // steps' large blocks are carved from.
+        let reserved =
+            spec.device.reserve.map_or(Ok(()), |fraction| pool.prereserve(fraction).map_err(BackendError::from));
+        let trainer = reserved.and_then(|()| Trainer::<E, B>::on_backend(cfg, hyper.clone(), backend, comm.clone()));
         let all_ok = comm.as_ref().map_or(trainer.is_ok(), |c| c.agree(trainer.is_ok()));
         let mut trainer = match (trainer, all_ok) {
             (Ok(t), true) => t,
