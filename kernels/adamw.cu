@@ -19,3 +19,4 @@ __device__ void adamw(float* master, P* params, const G* grads, float* m, float*
 
 extern "C" __global__ void adamw_f32(float* w, float* p, const float* g, float* m, float* v, long N, float lr, float b1, float b2, float eps, float wd, float bc1, float bc2, float gm) { adamw(w, p, g, m, v, N, lr, b1, b2, eps, wd, bc1, bc2, gm); }
 extern "C" __global__ void adamw_bf16(float* w, bf16_t* p, const bf16_t* g, float* m, float* v, long N, float lr, float b1, float b2, float eps, float wd, float bc1, float bc2, float gm) { adamw(w, p, g, m, v, N, lr, b1, b2, eps, wd, bc1, bc2, gm); }
+extern "C" __global__ void adamw_f16(float* w, f16_t* p, const f16_t* g, float* m, float* v, long N, float lr, float b1, float b2, float eps, float wd, float bc1, float bc2, float gm) { adamw(w, p, g, m, v, N, lr, b1, b2, eps, wd, bc1, bc2, gm); }

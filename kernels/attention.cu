@@ -74,11 +74,16 @@ __device__ void softmax_causal_backward(float* dpreatt, const float* datt, const
 
 extern "C" __global__ void permute_qkv_f32(float* q, float* k, float* v, const float* x, int B, int T, int NH, int HS) { permute_qkv(q, k, v, x, B, T, NH, HS); }
 extern "C" __global__ void permute_qkv_bf16(bf16_t* q, bf16_t* k, bf16_t* v, const bf16_t* x, int B, int T, int NH, int HS) { permute_qkv(q, k, v, x, B, T, NH, HS); }
+extern "C" __global__ void permute_qkv_f16(f16_t* q, f16_t* k, f16_t* v, const f16_t* x, int B, int T, int NH, int HS) { permute_qkv(q, k, v, x, B, T, NH, HS); }
 extern "C" __global__ void permute_qkv_backward_f32(float* d, const float* dq, const float* dk, const float* dv, int B, int T, int NH, int HS) { permute_qkv_backward(d, dq, dk, dv, B, T, NH, HS); }
 extern "C" __global__ void permute_qkv_backward_bf16(bf16_t* d, const float* dq, const float* dk, const float* dv, int B, int T, int NH, int HS) { permute_qkv_backward(d, dq, dk, dv, B, T, NH, HS); }
+extern "C" __global__ void permute_qkv_backward_f16(f16_t* d, const float* dq, const float* dk, const float* dv, int B, int T, int NH, int HS) { permute_qkv_backward(d, dq, dk, dv, B, T, NH, HS); }
 extern "C" __global__ void heads_permute_f32(float* o, const float* x, int B, int T, int NH, int HS, int merge) { heads_permute(o, x, B, T, NH, HS, merge); }
 extern "C" __global__ void heads_permute_bf16(bf16_t* o, const bf16_t* x, int B, int T, int NH, int HS, int merge) { heads_permute(o, x, B, T, NH, HS, merge); }
+extern "C" __global__ void heads_permute_f16(f16_t* o, const f16_t* x, int B, int T, int NH, int HS, int merge) { heads_permute(o, x, B, T, NH, HS, merge); }
 extern "C" __global__ void softmax_causal_forward_f32(float* a, const float* p, float s, int rows, int T) { softmax_causal_forward(a, p, s, rows, T); }
 extern "C" __global__ void softmax_causal_forward_bf16(bf16_t* a, const float* p, float s, int rows, int T) { softmax_causal_forward(a, p, s, rows, T); }
+extern "C" __global__ void softmax_causal_forward_f16(f16_t* a, const float* p, float s, int rows, int T) { softmax_causal_forward(a, p, s, rows, T); }
 extern "C" __global__ void softmax_causal_backward_f32(float* dp, const float* da, const float* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }
 extern "C" __global__ void softmax_causal_backward_bf16(float* dp, const float* da, const bf16_t* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }
+extern "C" __global__ void softmax_causal_backward_f16(float* dp, const float* da, const f16_t* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }

@@ -1,4 +1,4 @@
-// Precision casts between the f32 master / accumulators and bf16 storage.
+// Precision casts between the f32 master / accumulators and 16-bit storage (bf16, fp16).
 #include "common.cuh"
 
 extern "C" __global__ void cast_f32_to_bf16(bf16_t* out, const float* in, long N) {
@@ -6,6 +6,14 @@ extern "C" __global__ void cast_f32_to_bf16(bf16_t* out, const float* in, long N
     if (i < N) store_f32(out, i, in[i]);
 }
 extern "C" __global__ void cast_bf16_to_f32(float* out, const bf16_t* in, long N) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < N) out[i] = load_f32(in, i);
+}
+extern "C" __global__ void cast_f32_to_f16(f16_t* out, const float* in, long N) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < N) store_f32(out, i, in[i]);
+}
+extern "C" __global__ void cast_f16_to_f32(float* out, const f16_t* in, long N) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < N) out[i] = load_f32(in, i);
 }

@@ -34,5 +34,7 @@ __device__ void crossentropy_backward(T* probs, const unsigned int* targets, flo
 
 extern "C" __global__ void crossentropy_forward_f32(float* l, float* loss, const unsigned int* t, int N, int V) { crossentropy_forward(l, loss, t, N, V); }
 extern "C" __global__ void crossentropy_forward_bf16(bf16_t* l, float* loss, const unsigned int* t, int N, int V) { crossentropy_forward(l, loss, t, N, V); }
+extern "C" __global__ void crossentropy_forward_f16(f16_t* l, float* loss, const unsigned int* t, int N, int V) { crossentropy_forward(l, loss, t, N, V); }
 extern "C" __global__ void crossentropy_backward_f32(float* p, const unsigned int* t, float d, int N, int V) { crossentropy_backward(p, t, d, N, V); }
 extern "C" __global__ void crossentropy_backward_bf16(bf16_t* p, const unsigned int* t, float d, int N, int V) { crossentropy_backward(p, t, d, N, V); }
+extern "C" __global__ void crossentropy_backward_f16(f16_t* p, const unsigned int* t, float d, int N, int V) { crossentropy_backward(p, t, d, N, V); }

@@ -1,8 +1,11 @@
-// Shared helpers for every kernel family: bf16 stored as raw 16-bit words (no CUDA headers
-// needed under NVRTC), converted to and from f32 with round-to-nearest-even.
+// Shared helpers for every kernel family: bf16 and fp16 stored as raw 16-bit words (no CUDA
+// headers needed under NVRTC), converted to and from f32 with round-to-nearest-even — bf16 by
+// bit arithmetic, fp16 by the hardware's cvt instructions. fp16 is a struct so the two 16-bit
+// types overload apart.
 #pragma once
 #define NEG_INF __int_as_float(0xff800000)
 typedef unsigned short bf16_t;
+struct f16_t { unsigned short bits; };
 
 __device__ __forceinline__ float load_f32(const float* p, long i) { return p[i]; }
 __device__ __forceinline__ float load_f32(const bf16_t* p, long i) {
@@ -14,6 +17,17 @@ __device__ __forceinline__ void store_f32(bf16_t* p, long i, float v) {
     if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) { p[i] = (bf16_t)((u >> 16) | 0x40); return; }
     u += 0x7fffu + ((u >> 16) & 1u);
     p[i] = (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float load_f32(const f16_t* p, long i) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i].bits));
+    return f;
+}
+__device__ __forceinline__ void store_f32(f16_t* p, long i, float v) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    p[i].bits = h;
 }
 
 // p[i] += v atomically. bf16: a compare-and-swap on the aligned 32-bit word holding it (rounds
@@ -30,6 +44,22 @@ __device__ __forceinline__ void atomic_add(bf16_t* p, long i, float v) {
         store_f32(&next, 0, load_f32(&cur, 0) + v);
         unsigned int updated = high ? ((assumed & 0xffffu) | ((unsigned int)next << 16))
                                     : ((assumed & 0xffff0000u) | (unsigned int)next);
+        old = atomicCAS(word, assumed, updated);
+    } while (old != assumed);
+}
+
+// fp16: the same compare-and-swap on the aligned word, with fp16 conversions.
+__device__ __forceinline__ void atomic_add(f16_t* p, long i, float v) {
+    unsigned int* word = (unsigned int*)((size_t)(p + i) & ~(size_t)3);
+    bool high = ((size_t)(p + i) & 2) != 0;
+    unsigned int old = *word, assumed;
+    do {
+        assumed = old;
+        f16_t cur = { high ? (unsigned short)(assumed >> 16) : (unsigned short)(assumed & 0xffffu) };
+        f16_t next;
+        store_f32(&next, 0, load_f32(&cur, 0) + v);
+        unsigned int updated = high ? ((assumed & 0xffffu) | ((unsigned int)next.bits << 16))
+                                    : ((assumed & 0xffff0000u) | (unsigned int)next.bits);
         old = atomicCAS(word, assumed, updated);
     } while (old != assumed);
 }

@@ -22,5 +22,7 @@ __device__ void encoder_backward(T* dwte, T* dwpe, const T* dout, const unsigned
 
 extern "C" __global__ void encoder_forward_f32(float* o, const unsigned int* i, const float* w, const float* p, int BT, int T, int C) { encoder_forward(o, i, w, p, BT, T, C); }
 extern "C" __global__ void encoder_forward_bf16(bf16_t* o, const unsigned int* i, const bf16_t* w, const bf16_t* p, int BT, int T, int C) { encoder_forward(o, i, w, p, BT, T, C); }
+extern "C" __global__ void encoder_forward_f16(f16_t* o, const unsigned int* i, const f16_t* w, const f16_t* p, int BT, int T, int C) { encoder_forward(o, i, w, p, BT, T, C); }
 extern "C" __global__ void encoder_backward_f32(float* dw, float* dp, const float* d, const unsigned int* i, int BT, int T, int C) { encoder_backward(dw, dp, d, i, BT, T, C); }
 extern "C" __global__ void encoder_backward_bf16(bf16_t* dw, bf16_t* dp, const bf16_t* d, const unsigned int* i, int BT, int T, int C) { encoder_backward(dw, dp, d, i, BT, T, C); }
+extern "C" __global__ void encoder_backward_f16(f16_t* dw, f16_t* dp, const f16_t* d, const unsigned int* i, int BT, int T, int C) { encoder_backward(dw, dp, d, i, BT, T, C); }

@@ -22,5 +22,7 @@ __device__ void gelu_backward_inplace(T* dinout, const T* inp, long N) {
 
 extern "C" __global__ void gelu_forward_f32(float* o, const float* x, long N) { gelu_forward(o, x, N); }
 extern "C" __global__ void gelu_forward_bf16(bf16_t* o, const bf16_t* x, long N) { gelu_forward(o, x, N); }
+extern "C" __global__ void gelu_forward_f16(f16_t* o, const f16_t* x, long N) { gelu_forward(o, x, N); }
 extern "C" __global__ void gelu_backward_f32(float* d, const float* x, long N) { gelu_backward_inplace(d, x, N); }
 extern "C" __global__ void gelu_backward_bf16(bf16_t* d, const bf16_t* x, long N) { gelu_backward_inplace(d, x, N); }
+extern "C" __global__ void gelu_backward_f16(f16_t* d, const f16_t* x, long N) { gelu_backward_inplace(d, x, N); }

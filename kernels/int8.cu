@@ -25,5 +25,7 @@ __device__ void unpack_int8(T* x, const signed char* q, const float* scales, int
 
 extern "C" __global__ void pack_int8_f32(signed char* q, float* s, const float* x, int rows, int C) { pack_int8(q, s, x, rows, C); }
 extern "C" __global__ void pack_int8_bf16(signed char* q, float* s, const bf16_t* x, int rows, int C) { pack_int8(q, s, x, rows, C); }
+extern "C" __global__ void pack_int8_f16(signed char* q, float* s, const f16_t* x, int rows, int C) { pack_int8(q, s, x, rows, C); }
 extern "C" __global__ void unpack_int8_f32(float* x, const signed char* q, const float* s, int rows, int C) { unpack_int8(x, q, s, rows, C); }
 extern "C" __global__ void unpack_int8_bf16(bf16_t* x, const signed char* q, const float* s, int rows, int C) { unpack_int8(x, q, s, rows, C); }
+extern "C" __global__ void unpack_int8_f16(f16_t* x, const signed char* q, const float* s, int rows, int C) { unpack_int8(x, q, s, rows, C); }

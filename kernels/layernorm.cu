@@ -80,9 +80,13 @@ __device__ void layernorm_param_backward(T* dw, T* db, const T* dout, const T* i
 
 extern "C" __global__ void layernorm_forward_f32(float* o, float* m, float* r, const float* x, const float* w, const float* b, int N, int C) { layernorm_forward(o, m, r, x, w, b, N, C); }
 extern "C" __global__ void layernorm_forward_bf16(bf16_t* o, float* m, float* r, const bf16_t* x, const bf16_t* w, const bf16_t* b, int N, int C) { layernorm_forward(o, m, r, x, w, b, N, C); }
+extern "C" __global__ void layernorm_forward_f16(f16_t* o, float* m, float* r, const f16_t* x, const f16_t* w, const f16_t* b, int N, int C) { layernorm_forward(o, m, r, x, w, b, N, C); }
 extern "C" __global__ void layernorm_recompute_f32(float* o, const float* x, const float* w, const float* b, const float* m, const float* r, int N, int C) { layernorm_recompute(o, x, w, b, m, r, N, C); }
 extern "C" __global__ void layernorm_recompute_bf16(bf16_t* o, const bf16_t* x, const bf16_t* w, const bf16_t* b, const float* m, const float* r, int N, int C) { layernorm_recompute(o, x, w, b, m, r, N, C); }
+extern "C" __global__ void layernorm_recompute_f16(f16_t* o, const f16_t* x, const f16_t* w, const f16_t* b, const float* m, const float* r, int N, int C) { layernorm_recompute(o, x, w, b, m, r, N, C); }
 extern "C" __global__ void layernorm_backward_f32(float* dx, const float* d, const float* x, const float* w, const float* m, const float* r, int N, int C) { layernorm_backward(dx, d, x, w, m, r, N, C); }
 extern "C" __global__ void layernorm_backward_bf16(bf16_t* dx, const bf16_t* d, const bf16_t* x, const bf16_t* w, const float* m, const float* r, int N, int C) { layernorm_backward(dx, d, x, w, m, r, N, C); }
+extern "C" __global__ void layernorm_backward_f16(f16_t* dx, const f16_t* d, const f16_t* x, const f16_t* w, const float* m, const float* r, int N, int C) { layernorm_backward(dx, d, x, w, m, r, N, C); }
 extern "C" __global__ void layernorm_param_backward_f32(float* dw, float* db, const float* d, const float* x, const float* m, const float* r, int N, int C) { layernorm_param_backward(dw, db, d, x, m, r, N, C); }
 extern "C" __global__ void layernorm_param_backward_bf16(bf16_t* dw, bf16_t* db, const bf16_t* d, const bf16_t* x, const float* m, const float* r, int N, int C) { layernorm_param_backward(dw, db, d, x, m, r, N, C); }
+extern "C" __global__ void layernorm_param_backward_f16(f16_t* dw, f16_t* db, const f16_t* d, const f16_t* x, const float* m, const float* r, int N, int C) { layernorm_param_backward(dw, db, d, x, m, r, N, C); }

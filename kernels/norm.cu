@@ -15,3 +15,4 @@ __device__ void sum_squares(float* partial, const T* x, long N) {
 
 extern "C" __global__ void sum_squares_f32(float* p, const float* x, long N) { sum_squares(p, x, N); }
 extern "C" __global__ void sum_squares_bf16(float* p, const bf16_t* x, long N) { sum_squares(p, x, N); }
+extern "C" __global__ void sum_squares_f16(float* p, const f16_t* x, long N) { sum_squares(p, x, N); }

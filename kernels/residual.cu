@@ -34,7 +34,10 @@ __device__ void bias_backward(T* dbias, const T* dout, int rows, int OC) {
 
 extern "C" __global__ void residual_forward_f32(float* o, const float* x, long N) { residual_forward(o, x, N); }
 extern "C" __global__ void residual_forward_bf16(bf16_t* o, const bf16_t* x, long N) { residual_forward(o, x, N); }
+extern "C" __global__ void residual_forward_f16(f16_t* o, const f16_t* x, long N) { residual_forward(o, x, N); }
 extern "C" __global__ void bias_broadcast_f32(float* o, const float* b, long rows, int OC) { bias_broadcast(o, b, rows, OC); }
 extern "C" __global__ void bias_broadcast_bf16(bf16_t* o, const bf16_t* b, long rows, int OC) { bias_broadcast(o, b, rows, OC); }
+extern "C" __global__ void bias_broadcast_f16(f16_t* o, const f16_t* b, long rows, int OC) { bias_broadcast(o, b, rows, OC); }
 extern "C" __global__ void bias_backward_f32(float* db, const float* d, int rows, int OC) { bias_backward(db, d, rows, OC); }
 extern "C" __global__ void bias_backward_bf16(bf16_t* db, const bf16_t* d, int rows, int OC) { bias_backward(db, d, rows, OC); }
+extern "C" __global__ void bias_backward_f16(f16_t* db, const f16_t* d, int rows, int OC) { bias_backward(db, d, rows, OC); }

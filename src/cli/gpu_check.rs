@@ -174,7 +174,7 @@ fn checks<B: crate::engine::backend::Backend>(
     let passed = rows.iter().filter(|r| r.passed()).count();
     let worst = rows.iter().filter(|r| r.error.is_none()).map(|r| r.rel_err / r.threshold).fold(0.0, f64::max);
     checks.push(Check {
-        name: format!("op parity ({} shapes × fp32/bf16)", shapes.len()),
+        name: format!("op parity ({} shapes × fp32/bf16/fp16)", shapes.len()),
         ok: passed == rows.len(),
         figure: format!("{passed}/{} rows within bounds; worst error {:.2} of its bound", rows.len(), worst),
     });
@@ -238,6 +238,8 @@ fn checks<B: crate::engine::backend::Backend>(
                 let reports = vec![
                     train_parity::<f32, _, _>(reference, device, &plain, tokens),
                     train_parity::<half::bf16, _, _>(reference, device, &plain, tokens),
+                    // fp16 storage with dynamic loss scaling (the CPU reference's).
+                    train_parity::<half::f16, _, _>(reference, device, &plain, tokens),
                     // Checkpointing, int8 activation offload, host weights and host optimizer:
                     // every host↔device copy path of the trainer.
                     train_parity::<half::bf16, _, _>(reference, device, &offloaded, tokens),
@@ -555,7 +557,7 @@ mod tests {
         assert!(names.iter().any(|n| n.starts_with("profile of the")), "{names:?}");
         assert!(names.contains(&"op workspace = cpu declarations"), "{names:?}");
         let trained = names.iter().filter(|n| n.starts_with("training parity")).count();
-        assert_eq!(trained, 5, "plain fp32, plain bf16, offloaded bf16, 2 ranks at ZeRO-1 and ZeRO-3: {names:?}");
+        assert_eq!(trained, 6, "plain fp32, bf16 and fp16, offloaded bf16, 2 ranks at ZeRO-1 and ZeRO-3: {names:?}");
         assert!(names.contains(&"training parity 2 ranks z3 bf16 (3 steps)"), "{names:?}");
         assert!(names.iter().any(|n| n.starts_with("OOM in training")), "{names:?}");
         assert!(names.iter().any(|n| n.starts_with("expandable segments")), "{names:?}");

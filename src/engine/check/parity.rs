@@ -187,6 +187,7 @@ pub fn run<R: Backend, C: Backend>(reference: &R, candidate: &C, shape: ParitySh
     };
     ops::<f32, R, C>(&mut h, shape);
     ops::<bf16, R, C>(&mut h, shape);
+    ops::<half::f16, R, C>(&mut h, shape);
     h.rows
 }
 
@@ -566,7 +567,7 @@ pub(crate) mod tests {
         let rows = run(&reference, &candidate, ParityShape::ODD, 7);
         let wall_ms = started.elapsed().as_secs_f64() * 1e3;
         eprintln!("{}", table(&rows));
-        assert_eq!(rows.len(), 2 * 19, "19 ops × {{fp32, bf16}}");
+        assert_eq!(rows.len(), 3 * 19, "19 ops × {{fp32, bf16, fp16}}");
         for r in &rows {
             assert!(r.error.is_none(), "{} {}: {:?}", r.op, r.dtype, r.error);
             assert_eq!(r.rel_err, 0.0, "{} {}: the same code on the same inputs", r.op, r.dtype);
@@ -592,6 +593,8 @@ pub(crate) mod tests {
                 ("gelu_forward", "fp32", "out"),
                 ("layernorm_forward", "bf16", "rstd"),
                 ("gelu_forward", "bf16", "out"),
+                ("layernorm_forward", "fp16", "rstd"),
+                ("gelu_forward", "fp16", "out"),
             ],
             "{table}"
         );

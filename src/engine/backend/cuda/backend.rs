@@ -117,7 +117,7 @@ impl Arg {
 }
 
 /// The storage types the kernels are compiled for: (`Elem::NAME`, entry-point suffix).
-const DTYPES: &[(&str, &str)] = &[("fp32", "f32"), ("bf16", "bf16")];
+const DTYPES: &[(&str, &str)] = &[("fp32", "f32"), ("bf16", "bf16"), ("fp16", "f16")];
 
 /// The entry-point suffix of `E`, or the op's "unsupported" error.
 fn suffix<E: Elem>(backend: &CudaBackend, op: &'static str) -> BackendResult<&'static str> {
@@ -129,10 +129,10 @@ fn suffix<E: Elem>(backend: &CudaBackend, op: &'static str) -> BackendResult<&'s
 }
 
 fn data_type<E: Elem>() -> blas_sys::cudaDataType {
-    if E::is_f32() {
-        blas_sys::cudaDataType::CUDA_R_32F
-    } else {
-        blas_sys::cudaDataType::CUDA_R_16BF
+    match E::NAME {
+        "fp16" => blas_sys::cudaDataType::CUDA_R_16F,
+        "bf16" => blas_sys::cudaDataType::CUDA_R_16BF,
+        _ => blas_sys::cudaDataType::CUDA_R_32F,
     }
 }
 
@@ -382,16 +382,18 @@ impl CudaBackend {
         Ok(self.pool.alloc(bytes, Category::Workspace)?)
     }
 
-    /// n elements from `src` to `dst` between f32 and `E`: a copy when `E` is f32, else the
-    /// `bf16_kernel` cast (`cast_f32_to_bf16` or `cast_bf16_to_f32`).
-    fn convert<E: Elem>(&self, op: &'static str, bf16_kernel: &str, dst: u64, src: u64, n: usize) -> BackendResult {
+    /// n elements from `src` to `dst` between f32 and `E` (`to_f32`: from `E` to f32): a copy
+    /// when `E` is f32, else the cast kernel (`cast_f32_to_<dt>` or `cast_<dt>_to_f32`).
+    fn convert<E: Elem>(&self, op: &'static str, to_f32: bool, dst: u64, src: u64, n: usize) -> BackendResult {
         if E::is_f32() {
             self.bind(op)?;
             // SAFETY: both ranges hold n f32 (checked by the caller).
             unsafe { drv::memcpy_dtod_async(dst, src, n * 4, self.stream.cu_stream()) }
                 .map_err(|e| self.device_err(op, e))
         } else {
-            self.launch(op, bf16_kernel, elementwise(n), &[Arg::Ptr(dst), Arg::Ptr(src), long(n)])
+            let dt = suffix::<E>(self, op)?;
+            let kernel = if to_f32 { format!("cast_{dt}_to_f32") } else { format!("cast_f32_to_{dt}") };
+            self.launch(op, &kernel, elementwise(n), &[Arg::Ptr(dst), Arg::Ptr(src), long(n)])
         }
     }
 }
@@ -922,8 +924,8 @@ impl Backend for CudaBackend {
         self.launch(OP, &format!("softmax_causal_backward_{dt}"), warp_rows(bh * t), &args)?;
         // dq = dpreatt · k ; dk = dpreattᵀ · q, in f32 (cuBLAS takes no f32 × bf16 product).
         let (q32, k32) = (self.scratch(ws.heads_f32)?, self.scratch(ws.heads_f32)?);
-        self.convert::<E>(OP, "cast_bf16_to_f32", q32.address(), q.address(), elems)?;
-        self.convert::<E>(OP, "cast_bf16_to_f32", k32.address(), k.address(), elems)?;
+        self.convert::<E>(OP, true, q32.address(), q.address(), elems)?;
+        self.convert::<E>(OP, true, k32.address(), k.address(), elems)?;
         drop((q, k));
         let (dq, dk) = (self.scratch(ws.heads_f32)?, self.scratch(ws.heads_f32)?);
         self.gemm(
@@ -1076,14 +1078,14 @@ impl Backend for CudaBackend {
         const OP: &str = "narrow";
         suffix::<E>(self, OP)?;
         shapes::same(OP, "dst", dst.len(), src.len())?;
-        self.convert::<E>(OP, "cast_f32_to_bf16", dst.address(), src.address(), src.len())
+        self.convert::<E>(OP, false, dst.address(), src.address(), src.len())
     }
 
     fn widen<E: Elem>(&self, dst: ViewMut<f32>, src: View<E>) -> BackendResult {
         const OP: &str = "widen";
         suffix::<E>(self, OP)?;
         shapes::same(OP, "dst", dst.len(), src.len())?;
-        self.convert::<E>(OP, "cast_bf16_to_f32", dst.address(), src.address(), src.len())
+        self.convert::<E>(OP, true, dst.address(), src.address(), src.len())
     }
 
     fn pack_int8<E: Elem>(&self, q: ViewMut<i8>, scales: ViewMut<f32>, x: View<E>, c: usize) -> BackendResult {

@@ -328,15 +328,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_family_declares_f32_and_bf16_entry_points() {
+    fn every_family_declares_f32_bf16_and_f16_entry_points() {
         for (family, _) in KERNELS {
             let eps = entry_points(family).unwrap();
             assert!(!eps.is_empty(), "{family}");
-            assert!(
-                eps.iter().any(|e| e.ends_with("_f32")) && eps.iter().any(|e| e.ends_with("_bf16")),
-                "{family}: {eps:?}"
-            );
+            for dt in ["_f32", "_bf16", "_f16"] {
+                assert!(eps.iter().any(|e| e.ends_with(dt)), "{family} has no {dt} entry point: {eps:?}");
+            }
             assert!(!source(family).unwrap().contains("#include \"common.cuh\""));
+            // Each bf16 entry point has an fp16 twin taking the same parameters.
+            let sigs = signatures(family).unwrap();
+            for (name, params) in sigs.iter().filter(|(n, _)| n.contains("bf16")) {
+                let twin = name.replace("bf16", "f16");
+                let found = sigs.iter().find(|(n, _)| *n == twin);
+                assert_eq!(found.map(|(_, p)| p), Some(params), "{family}: {twin} mirrors {name}");
+            }
         }
     }
 
