@@ -1,4 +1,5 @@
-// int8 transfer packing for activation offload: one scale (absmax / 127) per row of C.
+// int8 transfer packing for activation offload: one scale (absmax / 127) per row of C; and the
+// 4-bit weights of quantized inference, two per byte (low nibble first), a scale per group.
 #include "common.cuh"
 
 template <typename T>
@@ -29,3 +30,17 @@ extern "C" __global__ void pack_int8_f16(signed char* q, float* s, const f16_t* 
 extern "C" __global__ void unpack_int8_f32(float* x, const signed char* q, const float* s, int rows, int C) { unpack_int8(x, q, s, rows, C); }
 extern "C" __global__ void unpack_int8_bf16(bf16_t* x, const signed char* q, const float* s, int rows, int C) { unpack_int8(x, q, s, rows, C); }
 extern "C" __global__ void unpack_int8_f16(f16_t* x, const signed char* q, const float* s, int rows, int C) { unpack_int8(x, q, s, rows, C); }
+
+template <typename T>
+__device__ void unpack_int4(T* x, const unsigned char* packed, const float* scales, long N, int group) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= N) return;
+    int byte = packed[i / 2];
+    int v = (i % 2 == 0) ? (byte & 0xf) : (byte >> 4);
+    v = v >= 8 ? v - 16 : v;
+    store_f32(x, i, (float)v * scales[i / group]);
+}
+
+extern "C" __global__ void unpack_int4_f32(float* x, const unsigned char* p, const float* s, long N, int group) { unpack_int4(x, p, s, N, group); }
+extern "C" __global__ void unpack_int4_bf16(bf16_t* x, const unsigned char* p, const float* s, long N, int group) { unpack_int4(x, p, s, N, group); }
+extern "C" __global__ void unpack_int4_f16(f16_t* x, const unsigned char* p, const float* s, long N, int group) { unpack_int4(x, p, s, N, group); }

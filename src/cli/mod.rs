@@ -13,6 +13,7 @@ use crate::protocol::ExitCode;
 mod client;
 mod gpu_check;
 mod plan_bench;
+mod quantize;
 mod serve;
 
 #[derive(Debug, Parser)]
@@ -30,6 +31,11 @@ pub enum Command {
     Bench(BenchArgs),
     /// Predict peak device memory per category for a job (and each rung of a policy).
     Estimate(EstimateArgs),
+    /// Quantize a run's newest checkpoint (INT8 per output channel, INT4 group-wise) into a file.
+    Quantize(quantize::QuantizeArgs),
+    /// Validation loss and perplexity of a run's newest checkpoint under each storage scheme
+    /// (fp32, int8, int4 by group size), or of a quantized file, with the weight bytes it took.
+    Eval(quantize::EvalArgs),
     /// Run the supervisor daemon: HTTP API, job runner, experiment database, web page.
     Serve(serve::ServeArgs),
     /// Submit a job file to a running daemon.
@@ -53,6 +59,8 @@ impl Command {
             self,
             Command::Bench(_)
                 | Command::Estimate(_)
+                | Command::Eval(_)
+                | Command::Quantize(_)
                 | Command::Submit(_)
                 | Command::Jobs(_)
                 | Command::Show(_)
@@ -235,6 +243,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Train(args) => train(args),
         Command::Bench(args) => run_bench(args),
         Command::Estimate(args) => estimate(args),
+        Command::Quantize(args) => quantize::quantize(args),
+        Command::Eval(args) => quantize::eval(args),
         Command::Serve(args) => serve::serve(args),
         Command::Submit(args) => client::submit(args),
         Command::Jobs(args) => client::jobs(args),

@@ -7,6 +7,8 @@
 //! - `parallel/`: ranks' collectives, placement of weights and gradients, swap accounting;
 //! - `train/`: the trainer, the `headroom train` job loop, checkpoints, data;
 //! - `estimate.rs` (the memory model), `rng.rs`;
+//! - `quant.rs`: post-training INT8/INT4 weight quantization, its file, and the dequantizing
+//!   weight source inference reads through;
 //! - `check/`: parity, gradcheck, `DeviceSim`, benchmarks — verification, not the training path.
 
 pub mod backend;
@@ -14,6 +16,7 @@ pub mod check;
 pub mod estimate;
 pub mod model;
 pub mod parallel;
+pub mod quant;
 pub mod rng;
 pub mod train;
 

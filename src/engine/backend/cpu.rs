@@ -384,6 +384,18 @@ impl Backend for CpuBackend {
         layers::unpack_int8(x.host_mut(), q.host(), scales.host(), c);
         Ok(())
     }
+
+    fn unpack_int4<E: Elem>(
+        &self,
+        mut x: ViewMut<E>,
+        packed: View<u8>,
+        scales: View<f32>,
+        group: usize,
+    ) -> BackendResult {
+        shapes::int4("unpack_int4", x.len(), packed.len(), scales.len(), group)?;
+        layers::unpack_int4(x.host_mut(), packed.host(), scales.host(), group);
+        Ok(())
+    }
 }
 
 #[cfg(test)]

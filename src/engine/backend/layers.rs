@@ -702,6 +702,17 @@ pub fn pack_int8<E: Elem>(q: &mut [i8], scales: &mut [f32], x: &[E], c: usize) {
 }
 
 /// x: (N,C) = q · scale of its row.
+/// x: (N) = each 4-bit value of `packed` (low nibble first, two's complement) · its group's scale.
+pub fn unpack_int4<E: Elem>(x: &mut [E], packed: &[u8], scales: &[f32], group: usize) {
+    for ((xg, pg), &scale) in x.chunks_mut(group).zip(packed.chunks(group / 2)).zip(scales) {
+        for (pair, &byte) in xg.chunks_mut(2).zip(pg) {
+            let (lo, hi) = (((byte << 4) as i8) >> 4, (byte as i8) >> 4);
+            pair[0] = E::from_f32(lo as f32 * scale);
+            pair[1] = E::from_f32(hi as f32 * scale);
+        }
+    }
+}
+
 pub fn unpack_int8<E: Elem>(x: &mut [E], q: &[i8], scales: &[f32], c: usize) {
     for ((row, qrow), &scale) in x.chunks_mut(c).zip(q.chunks(c)).zip(scales) {
         for (v, &qi) in row.iter_mut().zip(qrow) {

@@ -286,4 +286,8 @@ pub trait Backend: Send {
     fn pack_int8<E: Elem>(&self, q: ViewMut<i8>, scales: ViewMut<f32>, x: View<E>, c: usize) -> BackendResult;
     /// x: (N,C) = q · scale of its row.
     fn unpack_int8<E: Elem>(&self, x: ViewMut<E>, q: View<i8>, scales: View<f32>, c: usize) -> BackendResult;
+    /// x: (N) = the 4-bit values of `packed` (N/2 bytes: element 2i in the low nibble, 2i+1 in
+    /// the high one, two's complement in [-8, 7]) · the scale of their group of `group`
+    /// (scales: N/group) — quantized weights for inference.
+    fn unpack_int4<E: Elem>(&self, x: ViewMut<E>, packed: View<u8>, scales: View<f32>, group: usize) -> BackendResult;
 }

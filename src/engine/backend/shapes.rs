@@ -209,6 +209,17 @@ pub fn adamw<E: Elem>(n: usize, params: Option<usize>, grads: usize, m: usize, v
     }
 }
 
+/// `unpack_int4`: x elements in whole groups of an even size; packed x/2 bytes; a scale per group.
+pub fn int4(op: &'static str, x: usize, packed: usize, scales: usize, group: usize) -> BackendResult<usize> {
+    if group == 0 || !group.is_multiple_of(2) {
+        return Err(BackendError::Shape { op, detail: format!("group {group} must be even and positive") });
+    }
+    let groups = rows(op, x, group)?;
+    same(op, "packed", packed, x / 2)?;
+    same(op, "scales", scales, groups)?;
+    Ok(groups)
+}
+
 pub fn int8(op: &'static str, x: usize, q: usize, scales: usize, c: usize) -> BackendResult<usize> {
     let n = rows(op, x, c)?;
     same(op, "q", q, x)?;

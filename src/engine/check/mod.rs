@@ -112,6 +112,11 @@ macro_rules! delegate_ops {
             $wrap!(self, "unpack_int8", [x, q, scales], self.$to.unpack_int8($m(x), $m(q), $m(scales), c))
         }
     };
+    (@op $to:tt, $m:path, $wrap:ident, unpack_int4) => {
+        fn unpack_int4<E: Elem>(&self, x: ViewMut<E>, packed: View<u8>, scales: View<f32>, group: usize) -> BackendResult {
+            $wrap!(self, "unpack_int4", [x, packed, scales], self.$to.unpack_int4($m(x), $m(packed), $m(scales), group))
+        }
+    };
 }
 
 /// `delegate_ops!`'s default: the call itself (the test backends' wrappers use it).

@@ -460,6 +460,16 @@ fn ops<E: Elem, R: Backend, C: Backend>(h: &mut Harness<'_, R, C>, s: ParityShap
         both!(h, unpack_int8::<E>(&mut back, &q, &scales_shared, c));
         Ok(vec![("q", q_err), ("scales", h.err::<f32>(&scales)?), ("unpacked", h.err::<E>(&back)?)])
     });
+    h.record::<E>("unpack_int4", |h| {
+        // Every byte value (so every nibble pair, both signs), groups of 32.
+        let group = 32;
+        let len = (n * c).div_ceil(group) * group;
+        let bytes: Vec<u8> = (0..len / 2).map(|i| (i * 37 % 256) as u8).collect();
+        let (packed, scales) = (h.pair(&bytes)?, h.input::<f32>(len / group, 0.1)?);
+        let mut x = h.poisoned::<E>(len)?;
+        both!(h, unpack_int4::<E>(&mut x, &packed, &scales, group));
+        Ok(vec![("x", h.err::<E>(&x)?)])
+    });
 }
 
 /// The rows as a table, in run order.
@@ -556,7 +566,7 @@ pub(crate) mod tests {
             encoder_forward, encoder_backward, layernorm_recompute, layernorm_backward, matmul_forward,
             matmul_backward, attention_forward, attention_backward, gelu_backward_inplace,
             residual_forward_inplace, crossentropy_forward, crossentropy_backward_inplace, adamw, sum_squares,
-            narrow, widen, pack_int8, unpack_int8);
+            narrow, widen, pack_int8, unpack_int8, unpack_int4);
     }
 
     #[test]
@@ -567,7 +577,7 @@ pub(crate) mod tests {
         let rows = run(&reference, &candidate, ParityShape::ODD, 7);
         let wall_ms = started.elapsed().as_secs_f64() * 1e3;
         eprintln!("{}", table(&rows));
-        assert_eq!(rows.len(), 3 * 19, "19 ops × {{fp32, bf16, fp16}}");
+        assert_eq!(rows.len(), 3 * 20, "20 ops × {{fp32, bf16, fp16}}");
         for r in &rows {
             assert!(r.error.is_none(), "{} {}: {:?}", r.op, r.dtype, r.error);
             assert_eq!(r.rel_err, 0.0, "{} {}: the same code on the same inputs", r.op, r.dtype);

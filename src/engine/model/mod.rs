@@ -25,7 +25,7 @@ pub struct GptConfig {
 }
 
 /// One named tensor of the parameter layout.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorInfo {
     pub name: String,
     pub offset: usize,

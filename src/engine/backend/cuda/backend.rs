@@ -1115,4 +1115,19 @@ impl Backend for CudaBackend {
         ];
         self.launch(OP, &format!("unpack_int8_{dt}"), elementwise(n * c), &args)
     }
+
+    fn unpack_int4<E: Elem>(&self, x: ViewMut<E>, packed: View<u8>, scales: View<f32>, group: usize) -> BackendResult {
+        const OP: &str = "unpack_int4";
+        let dt = suffix::<E>(self, OP)?;
+        shapes::int4(OP, x.len(), packed.len(), scales.len(), group)?;
+        let n = x.len();
+        let args = [
+            Arg::Ptr(x.address()),
+            Arg::Ptr(packed.address()),
+            Arg::Ptr(scales.address()),
+            long(n),
+            int(OP, "group", group)?,
+        ];
+        self.launch(OP, &format!("unpack_int4_{dt}"), elementwise(n), &args)
+    }
 }

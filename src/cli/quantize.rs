@@ -1,0 +1,147 @@
+//! `headroom quantize` and `headroom eval`: a run's newest checkpoint quantized (INT8 per
+//! output channel, INT4 group-wise) into a file, and validation loss and perplexity of each
+//! storage scheme side by side, with the weight bytes the pool held.
+
+use std::path::{Path, PathBuf};
+
+use super::client::UsageError;
+use crate::config::JobSpec;
+use crate::engine::backend::CpuBackend;
+use crate::engine::quant::{self, QuantModel, Scheme};
+use crate::engine::train::checkpoint;
+use crate::engine::train::data::{load_tokens, Dataset};
+use crate::engine::train::trainer::gpt_config;
+use crate::memory::{format_bytes, Pool};
+
+#[derive(Debug, clap::Args)]
+pub struct QuantizeArgs {
+    /// The job whose run to quantize (its model, data and run directory).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Run directory holding the checkpoints (default: runs/<name>).
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+    /// int8, int4-g32, int4-g64 or int4-g128.
+    #[arg(long, default_value = "int4-g64")]
+    pub scheme: String,
+    /// The quantized model file to write.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct EvalArgs {
+    /// The job whose run to evaluate (its model, data, validation split and run directory).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Run directory holding the checkpoints (default: runs/<name>).
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+    /// Storage schemes to compare, the first the reference of the Δ column.
+    #[arg(long, default_value = "fp32,int8,int4-g128,int4-g64,int4-g32", value_delimiter = ',')]
+    pub schemes: Vec<String>,
+    /// Evaluate this quantized model file (from `headroom quantize`) instead of the checkpoint.
+    #[arg(long, conflicts_with = "schemes")]
+    pub quantized: Option<PathBuf>,
+    /// Validation sequences (default: the job's eval_batches × global_batch).
+    #[arg(long)]
+    pub sequences: Option<usize>,
+}
+
+/// The newest checkpoint's fp32 weights, checked against the job's model.
+fn newest_weights(spec: &JobSpec, run_dir: &Option<PathBuf>) -> anyhow::Result<(PathBuf, Vec<f32>)> {
+    let dir = run_dir.clone().unwrap_or_else(|| Path::new("runs").join(&spec.name));
+    let cfg = gpt_config(spec);
+    let (path, ckpt) =
+        checkpoint::load_latest(&dir, None, |e| tracing::warn!("skipping checkpoint: {e}")).ok_or_else(|| {
+            UsageError(format!("--run-dir {}: no checkpoint to read (train the job first)", dir.display()))
+        })?;
+    if ckpt.header.model != cfg.dims() {
+        return Err(UsageError(format!(
+            "{}: a model of dimensions {:?}, not the job's {:?}",
+            path.display(),
+            ckpt.header.model,
+            cfg.dims()
+        ))
+        .into());
+    }
+    Ok((path, ckpt.params))
+}
+
+fn scheme(text: &str, flag: &str) -> anyhow::Result<Scheme> {
+    Scheme::parse(text).map_err(|e| UsageError(format!("{flag}: {e}")).into())
+}
+
+pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
+    let spec = JobSpec::load(&args.config)?;
+    let scheme = scheme(&args.scheme, "--scheme")?;
+    let (from, weights) = newest_weights(&spec, &args.run_dir)?;
+    let model = quant::quantize(&gpt_config(&spec), &weights, scheme);
+    model.write(&args.out)?;
+    println!(
+        "{} → {}: {} ({}), {} of weights ({:.3} of fp32's {})",
+        from.display(),
+        args.out.display(),
+        spec.name,
+        scheme.name(),
+        format_bytes(model.bytes()),
+        model.bytes() as f64 / (4 * weights.len()) as f64,
+        format_bytes(4 * weights.len())
+    );
+    Ok(())
+}
+
+pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
+    let spec = JobSpec::load(&args.config)?;
+    let cfg = gpt_config(&spec);
+    let models: Vec<QuantModel> = match &args.quantized {
+        Some(file) => {
+            let model = QuantModel::read(file).map_err(|e| UsageError(e.to_string()))?;
+            if model.cfg != cfg {
+                return Err(
+                    UsageError(format!("{}: quantized from another model than the job's", file.display())).into()
+                );
+            }
+            vec![model]
+        }
+        None => {
+            let schemes = args.schemes.iter().map(|s| scheme(s, "--schemes")).collect::<anyhow::Result<Vec<_>>>()?;
+            let (_, weights) = newest_weights(&spec, &args.run_dir)?;
+            schemes.into_iter().map(|s| quant::quantize(&cfg, &weights, s)).collect()
+        }
+    };
+    let cache = args.run_dir.clone().unwrap_or_else(|| Path::new("runs").join(&spec.name));
+    let tokens = load_tokens(&spec.data.path, spec.model.vocab, &cache)?;
+    let data = Dataset::new(tokens, spec.data.val_fraction, cfg.block_size, spec.train.seed)
+        .map_err(|e| UsageError(format!("data.path {}: {e}", spec.data.path.display())))?;
+    let count = args.sequences.unwrap_or(spec.train.eval_batches as usize * spec.train.global_batch as usize).max(1);
+    let micro = spec.train.micro_batch as usize;
+    println!(
+        "{} ({} parameters), {count} validation sequences of {} tokens",
+        spec.name,
+        cfg.num_params(),
+        cfg.block_size
+    );
+    println!(
+        "{:<11} {:>14} {:>9} {:>10} {:>11} {:>9}",
+        "scheme", "weight bytes", "× fp32", "val loss", "perplexity", "Δ ppl"
+    );
+    let fp32_bytes = 4 * cfg.num_params();
+    let mut first = None;
+    for model in &models {
+        let backend = CpuBackend::new(Pool::new("cpu", 64 << 30));
+        let (loss, bytes) = quant::validation_loss(&backend, model, &data, count, micro)?;
+        let ppl = loss.exp();
+        let reference = *first.get_or_insert(ppl);
+        println!(
+            "{:<11} {:>14} {:>9.3} {:>10.4} {:>11.3} {:>8.2}%",
+            model.scheme.name(),
+            format_bytes(bytes),
+            bytes as f64 / fp32_bytes as f64,
+            loss,
+            ppl,
+            100.0 * (ppl / reference - 1.0)
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,509 @@
+//! Post-training weight quantization for inference: INT8 per output channel (absmax) and INT4
+//! group-wise (a clipping search per group), the versioned file that holds a quantized model,
+//! and `Quantized`, the parameter source that keeps the quantized weights in the device pool and
+//! dequantizes one segment at a time when a pass fetches it.
+//!
+//! Matrices (the tensors that get weight decay: embeddings and the four linear layers of each
+//! block) are quantized, row by row — a row of a linear weight (oc, c) is one output channel.
+//! Biases and LayerNorm parameters stay in f32 (a few thousand values a layer).
+//!
+//! File format (version 1, little-endian): `HRQUANT\0`, u32 version, u64 length of a JSON header
+//! (`QuantHeader`: model dimensions, scheme, and per tensor its name, offset, length, kind and
+//! where its blobs lie), the blobs, then a CRC-32 of everything before it.
+
+use std::ops::Range;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::backend::layers::Elem;
+use crate::engine::backend::{Backend, BackendResult, View, ViewMut};
+use crate::engine::model::{GptConfig, TensorInfo};
+use crate::engine::parallel::placement::{ParamSource, Weights};
+use crate::memory::{Buffer, Category};
+
+/// How the matrices are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Scheme {
+    /// Every value in f32 (the reference the others are measured against).
+    Fp32,
+    /// One int8 code per value, one f32 scale (absmax / 127) per row.
+    Int8,
+    /// Two 4-bit codes per byte, one f32 scale per `group` values of a row.
+    Int4 { group: usize },
+}
+
+impl Scheme {
+    /// `fp32`, `int8`, `int4-g64` (the CLI's spelling).
+    pub fn parse(text: &str) -> Result<Scheme, String> {
+        match text {
+            "fp32" => Ok(Scheme::Fp32),
+            "int8" => Ok(Scheme::Int8),
+            _ => match text.strip_prefix("int4-g").and_then(|g| g.parse::<usize>().ok()) {
+                Some(group @ (32 | 64 | 128)) => Ok(Scheme::Int4 { group }),
+                _ => Err(format!("`{text}` is not a scheme: fp32, int8, int4-g32, int4-g64 or int4-g128")),
+            },
+        }
+    }
+
+    pub fn name(&self) -> String {
+        match self {
+            Scheme::Fp32 => "fp32".into(),
+            Scheme::Int8 => "int8".into(),
+            Scheme::Int4 { group } => format!("int4-g{group}"),
+        }
+    }
+}
+
+/// One tensor as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub enum QTensor {
+    Full(Vec<f32>),
+    Int8 { q: Vec<i8>, scales: Vec<f32>, row: usize },
+    Int4 { packed: Vec<u8>, scales: Vec<f32>, group: usize },
+}
+
+impl QTensor {
+    /// Bytes of its codes and scales (or its f32 values).
+    pub fn bytes(&self) -> usize {
+        match self {
+            QTensor::Full(v) => 4 * v.len(),
+            QTensor::Int8 { q, scales, .. } => q.len() + 4 * scales.len(),
+            QTensor::Int4 { packed, scales, .. } => packed.len() + 4 * scales.len(),
+        }
+    }
+
+    /// The values it stands for (the host reference of the device's dequantization).
+    pub fn dequantize(&self) -> Vec<f32> {
+        match self {
+            QTensor::Full(v) => v.clone(),
+            QTensor::Int8 { q, scales, row } => {
+                let mut out = vec![0f32; q.len()];
+                crate::engine::backend::layers::unpack_int8(&mut out, q, scales, *row);
+                out
+            }
+            QTensor::Int4 { packed, scales, group } => {
+                let mut out = vec![0f32; packed.len() * 2];
+                crate::engine::backend::layers::unpack_int4(&mut out, packed, scales, *group);
+                out
+            }
+        }
+    }
+}
+
+/// A model's weights, quantized.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantModel {
+    pub cfg: GptConfig,
+    pub scheme: Scheme,
+    pub tensors: Vec<(TensorInfo, QTensor)>,
+}
+
+/// The length of a row (one output channel) of a quantized tensor.
+fn row_len(cfg: &GptConfig, t: &TensorInfo) -> usize {
+    if t.name.ends_with("fcprojw") {
+        4 * cfg.n_embd
+    } else {
+        cfg.n_embd
+    }
+}
+
+/// Quantize fp32 weights (`master`, the layout of `cfg.tensors()`) under `scheme`.
+pub fn quantize(cfg: &GptConfig, master: &[f32], scheme: Scheme) -> QuantModel {
+    assert_eq!(master.len(), cfg.num_params(), "one weight per parameter");
+    let tensors = cfg
+        .tensors()
+        .into_iter()
+        .map(|t| {
+            let x = &master[t.offset..t.offset + t.len];
+            let row = row_len(cfg, &t);
+            let q = match scheme {
+                _ if !t.decay => QTensor::Full(x.to_vec()),
+                Scheme::Fp32 => QTensor::Full(x.to_vec()),
+                Scheme::Int8 => {
+                    let (q, scales) = int8_rows(x, row);
+                    QTensor::Int8 { q, scales, row }
+                }
+                // A row shorter than the group, or not a multiple of it, uses the row as its group.
+                Scheme::Int4 { group } => {
+                    let group = if row.is_multiple_of(group) { group } else { row };
+                    let (packed, scales) = int4_groups(x, group);
+                    QTensor::Int4 { packed, scales, group }
+                }
+            };
+            (t, q)
+        })
+        .collect();
+    QuantModel { cfg: *cfg, scheme, tensors }
+}
+
+/// int8 codes and one scale (absmax / 127) per row of `row` values.
+pub fn int8_rows(x: &[f32], row: usize) -> (Vec<i8>, Vec<f32>) {
+    let mut q = vec![0i8; x.len()];
+    let mut scales = vec![0f32; x.len() / row];
+    crate::engine::backend::layers::pack_int8(&mut q, &mut scales, x, row);
+    (q, scales)
+}
+
+/// The clip factors the INT4 search tries per group (of the group's absmax).
+pub const INT4_CLIPS: [f32; 11] = [1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5];
+
+/// 4-bit codes in [-8, 7] (two per byte, low nibble first) and one scale per group: for each
+/// group the clip of its absmax (from `INT4_CLIPS`) whose rounding leaves the least squared
+/// error — clipping a few outliers buys finer steps for the rest.
+pub fn int4_groups(x: &[f32], group: usize) -> (Vec<u8>, Vec<f32>) {
+    assert!(group.is_multiple_of(2) && x.len().is_multiple_of(group), "whole groups of an even size");
+    let mut packed = vec![0u8; x.len() / 2];
+    let mut scales = vec![0f32; x.len() / group];
+    let code = |v: f32, scale: f32| (v / scale).round().clamp(-8.0, 7.0) as i8;
+    for ((g, p), s) in x.chunks(group).zip(packed.chunks_mut(group / 2)).zip(scales.iter_mut()) {
+        let amax = g.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let mut best = (f32::INFINITY, if amax > 0.0 { amax / 7.0 } else { 1.0 });
+        if amax > 0.0 {
+            for clip in INT4_CLIPS {
+                let scale = clip * amax / 7.0;
+                let err: f32 = g.iter().map(|&v| (v - code(v, scale) as f32 * scale).powi(2)).sum();
+                if err < best.0 {
+                    best = (err, scale);
+                }
+            }
+        }
+        *s = best.1;
+        for (byte, pair) in p.iter_mut().zip(g.chunks(2)) {
+            let (lo, hi) = (code(pair[0], *s) as u8 & 0xf, code(pair[1], *s) as u8 & 0xf);
+            *byte = lo | (hi << 4);
+        }
+    }
+    (packed, scales)
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct QuantHeader {
+    model: [usize; 5],
+    scheme: Scheme,
+    tensors: Vec<TensorEntry>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct TensorEntry {
+    name: String,
+    offset: usize,
+    len: usize,
+    decay: bool,
+    /// `full`, `int8` (with `row`) or `int4` (with `group`).
+    kind: String,
+    #[serde(default)]
+    row: usize,
+    #[serde(default)]
+    group: usize,
+}
+
+const MAGIC: &[u8; 8] = b"HRQUANT\0";
+const VERSION: u32 = 1;
+
+/// Why a quantized file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum QuantFileError {
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("{path}: {detail}")]
+    Format { path: String, detail: String },
+}
+
+impl QuantModel {
+    /// Bytes of every tensor as stored.
+    pub fn bytes(&self) -> usize {
+        self.tensors.iter().map(|(_, q)| q.bytes()).sum()
+    }
+
+    pub fn write(&self, path: &Path) -> Result<(), QuantFileError> {
+        let io = |source| QuantFileError::Io { path: path.display().to_string(), source };
+        let c = &self.cfg;
+        let mut blobs = Vec::new();
+        let tensors = self
+            .tensors
+            .iter()
+            .map(|(t, q)| {
+                let (kind, row, group) = match q {
+                    QTensor::Full(v) => {
+                        blobs.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+                        ("full", 0, 0)
+                    }
+                    QTensor::Int8 { q, scales, row } => {
+                        blobs.extend(q.iter().map(|&b| b as u8));
+                        blobs.extend(scales.iter().flat_map(|x| x.to_le_bytes()));
+                        ("int8", *row, 0)
+                    }
+                    QTensor::Int4 { packed, scales, group } => {
+                        blobs.extend_from_slice(packed);
+                        blobs.extend(scales.iter().flat_map(|x| x.to_le_bytes()));
+                        ("int4", 0, *group)
+                    }
+                };
+                TensorEntry {
+                    name: t.name.clone(),
+                    offset: t.offset,
+                    len: t.len,
+                    decay: t.decay,
+                    kind: kind.into(),
+                    row,
+                    group,
+                }
+            })
+            .collect();
+        let header =
+            QuantHeader { model: [c.n_layer, c.n_head, c.n_embd, c.block_size, c.vocab], scheme: self.scheme, tensors };
+        let json = serde_json::to_vec(&header).expect("the header serialises");
+        let mut out = Vec::with_capacity(24 + json.len() + blobs.len());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+        out.extend_from_slice(&json);
+        out.extend_from_slice(&blobs);
+        out.extend_from_slice(&crc32fast::hash(&out).to_le_bytes());
+        let tmp = path.with_extension("part");
+        std::fs::write(&tmp, &out).map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
+    }
+
+    pub fn read(path: &Path) -> Result<QuantModel, QuantFileError> {
+        let name = path.display().to_string();
+        let bad = |detail: String| QuantFileError::Format { path: name.clone(), detail };
+        let data = std::fs::read(path).map_err(|source| QuantFileError::Io { path: name.clone(), source })?;
+        if data.len() < 24 || &data[..8] != MAGIC {
+            return Err(bad("not a headroom quantized model (no HRQUANT header)".into()));
+        }
+        let (body, crc) = data.split_at(data.len() - 4);
+        if crc32fast::hash(body) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
+            return Err(bad("checksum mismatch (the file is damaged or truncated)".into()));
+        }
+        let version = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes"));
+        if version != VERSION {
+            return Err(bad(format!("version {version}; this build reads version {VERSION}")));
+        }
+        let json_len = u64::from_le_bytes(body[12..20].try_into().expect("8 bytes")) as usize;
+        let header: QuantHeader = body
+            .get(20..20 + json_len)
+            .and_then(|j| serde_json::from_slice(j).ok())
+            .ok_or_else(|| bad("unreadable header".into()))?;
+        let [n_layer, n_head, n_embd, block_size, vocab] = header.model;
+        let cfg = GptConfig { n_layer, n_head, n_embd, block_size, vocab };
+        let mut at = 20 + json_len;
+        let mut take = |n: usize| -> Result<&[u8], QuantFileError> {
+            let blob = body.get(at..at + n).ok_or_else(|| bad("blobs end early".into()))?;
+            at += n;
+            Ok(blob)
+        };
+        let floats =
+            |b: &[u8]| b.chunks(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect::<Vec<_>>();
+        let mut tensors = Vec::new();
+        for e in header.tensors {
+            let q = match e.kind.as_str() {
+                "full" => QTensor::Full(floats(take(4 * e.len)?)),
+                "int8" if e.row > 0 && e.len % e.row == 0 => {
+                    let q = take(e.len)?.iter().map(|&b| b as i8).collect();
+                    QTensor::Int8 { q, scales: floats(take(4 * (e.len / e.row))?), row: e.row }
+                }
+                "int4" if e.group > 0 && e.group % 2 == 0 && e.len % e.group == 0 => {
+                    let packed = take(e.len / 2)?.to_vec();
+                    QTensor::Int4 { packed, scales: floats(take(4 * (e.len / e.group))?), group: e.group }
+                }
+                other => {
+                    return Err(bad(format!("tensor {}: kind `{other}` with row {} group {}", e.name, e.row, e.group)))
+                }
+            };
+            tensors.push((TensorInfo { name: e.name, offset: e.offset, len: e.len, decay: e.decay }, q));
+        }
+        let expected = cfg.tensors();
+        if tensors.len() != expected.len()
+            || tensors.iter().zip(&expected).any(|((t, _), e)| t.offset != e.offset || t.len != e.len)
+        {
+            return Err(bad("its tensors do not match its model's layout".into()));
+        }
+        Ok(QuantModel { cfg, scheme: header.scheme, tensors })
+    }
+}
+
+/// One tensor in the device pool.
+enum Stored {
+    Full(Buffer),
+    Int8 { q: Buffer, scales: Buffer, row: usize },
+    Int4 { packed: Buffer, scales: Buffer, group: usize },
+}
+
+/// The quantized weights in the device's pool (category params), dequantized into `E` one
+/// fetched segment at a time (a workspace block freed when the pass moves on).
+pub struct Quantized<'a, B: Backend> {
+    backend: &'a B,
+    tensors: Vec<(TensorInfo, Stored)>,
+}
+
+impl<'a, B: Backend> Quantized<'a, B> {
+    /// Upload `model` into `backend`'s pool.
+    pub fn upload(backend: &'a B, model: &QuantModel) -> BackendResult<Quantized<'a, B>> {
+        let pool = backend.pool();
+        let put = |bytes: &[u8]| -> BackendResult<Buffer> {
+            let mut buf = pool.alloc(bytes.len(), Category::Params)?;
+            backend.upload(ViewMut::of(&mut buf), bytes)?;
+            Ok(buf)
+        };
+        let floats = |v: &[f32]| put(bytemuck::cast_slice(v));
+        let tensors = model
+            .tensors
+            .iter()
+            .map(|(t, q)| {
+                let stored = match q {
+                    QTensor::Full(v) => Stored::Full(floats(v)?),
+                    QTensor::Int8 { q, scales, row } => {
+                        Stored::Int8 { q: put(bytemuck::cast_slice(q))?, scales: floats(scales)?, row: *row }
+                    }
+                    QTensor::Int4 { packed, scales, group } => {
+                        Stored::Int4 { packed: put(packed)?, scales: floats(scales)?, group: *group }
+                    }
+                };
+                Ok((t.clone(), stored))
+            })
+            .collect::<BackendResult<Vec<_>>>()?;
+        Ok(Quantized { backend, tensors })
+    }
+}
+
+impl<E: Elem, B: Backend> ParamSource<E> for Quantized<'_, B> {
+    fn fetch(&self, range: Range<usize>, _next: Option<Range<usize>>) -> BackendResult<Weights<'_, E>> {
+        let be = self.backend;
+        let mut out = crate::engine::model::alloc_elems::<E>(be.pool(), range.len(), Category::Workspace)?;
+        for (t, stored) in self.tensors.iter().filter(|(t, _)| t.offset < range.end && range.start < t.offset + t.len) {
+            debug_assert!(range.start <= t.offset && t.offset + t.len <= range.end, "segments hold whole tensors");
+            let at = t.offset - range.start..t.offset - range.start + t.len;
+            let dst = ViewMut::<E>::range(&mut out, at);
+            match stored {
+                Stored::Full(v) => be.narrow::<E>(dst, View::of(v))?,
+                Stored::Int8 { q, scales, row } => be.unpack_int8::<E>(dst, View::of(q), View::of(scales), *row)?,
+                Stored::Int4 { packed, scales, group } => {
+                    be.unpack_int4::<E>(dst, View::of(packed), View::of(scales), *group)?
+                }
+            }
+        }
+        Ok(Weights::Staged(out))
+    }
+}
+
+/// The validation loss of `model` under the causal LM objective: `count` sequences of the val
+/// split (`Dataset::val_sequence`, as the trainer's evaluation), `micro` at a time, weights
+/// dequantized on the fly from the pool. Also the bytes the stored weights took in the pool.
+pub fn validation_loss<B: Backend>(
+    backend: &B,
+    model: &QuantModel,
+    data: &crate::engine::train::data::Dataset,
+    count: usize,
+    micro: usize,
+) -> BackendResult<(f64, usize)> {
+    let before = backend.pool().stats().current(Category::Params);
+    let source = Quantized::upload(backend, model)?;
+    let weight_bytes = backend.pool().stats().current(Category::Params) - before;
+    let t = data.seq_len;
+    let (mut total, mut done) = (0.0f64, 0);
+    while done < count {
+        let n = micro.min(count - done);
+        let (mut inputs, mut targets) = (Vec::with_capacity(n * t), Vec::with_capacity(n * t));
+        for i in 0..n {
+            data.val_sequence(done + i, count, &mut inputs, &mut targets);
+        }
+        let loss = crate::engine::model::forward_loss::<f32, B>(backend, &model.cfg, &source, &inputs, &targets, n, t)?;
+        total += loss as f64 * n as f64;
+        done += n;
+    }
+    Ok((total / count as f64, weight_bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::backend::CpuBackend;
+    use crate::memory::Pool;
+
+    fn weights(cfg: &GptConfig) -> Vec<f32> {
+        let mut w = vec![0f32; cfg.num_params()];
+        cfg.init_params(&mut w, 5);
+        w
+    }
+
+    #[test]
+    fn each_scheme_reconstructs_within_its_step_and_int4_clipping_never_hurts() {
+        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 32, vocab: 256 };
+        let w = weights(&cfg);
+        for scheme in [Scheme::Int8, Scheme::Int4 { group: 32 }, Scheme::Int4 { group: 64 }] {
+            let m = quantize(&cfg, &w, scheme);
+            for (t, q) in &m.tensors {
+                let x = &w[t.offset..t.offset + t.len];
+                let back = q.dequantize();
+                match q {
+                    QTensor::Full(_) => assert_eq!(back, x, "{}: kept exactly", t.name),
+                    QTensor::Int8 { scales, row, .. } => {
+                        for (i, (a, b)) in x.iter().zip(&back).enumerate() {
+                            assert!((a - b).abs() <= scales[i / row] / 2.0 + 1e-7, "{}: half a step", t.name);
+                        }
+                    }
+                    QTensor::Int4 { scales, group, .. } => {
+                        // The clip search never does worse than plain absmax scaling.
+                        for (g, (xg, bg)) in x.chunks(*group).zip(back.chunks(*group)).enumerate() {
+                            let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
+                            let plain = amax / 7.0;
+                            let err = |s: f32| -> f32 {
+                                xg.iter().map(|&v| (v - (v / s).round().clamp(-8.0, 7.0) * s).powi(2)).sum()
+                            };
+                            let got: f32 = xg.iter().zip(bg).map(|(a, b)| (a - b).powi(2)).sum();
+                            assert!(got <= err(plain) * (1.0 + 1e-5) + 1e-12, "{} group {g}", t.name);
+                            assert!(scales[g] <= plain * 1.0001);
+                        }
+                    }
+                }
+            }
+            let ratio = m.bytes() as f64 / (4 * cfg.num_params()) as f64;
+            let expected = match scheme {
+                Scheme::Int8 => 0.25..0.30,
+                _ => 0.125..0.19,
+            };
+            assert!(expected.contains(&ratio), "{}: {ratio:.3} of fp32", scheme.name());
+        }
+    }
+
+    #[test]
+    fn the_file_round_trips_and_a_damaged_one_is_refused() {
+        let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 32, block_size: 16, vocab: 64 };
+        let m = quantize(&cfg, &weights(&cfg), Scheme::Int4 { group: 32 });
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.hrq");
+        m.write(&path).unwrap();
+        assert_eq!(QuantModel::read(&path).unwrap(), m);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(QuantModel::read(&path).unwrap_err().to_string().contains("checksum"));
+        std::fs::write(&path, b"not a model at all, clearly").unwrap();
+        assert!(QuantModel::read(&path).unwrap_err().to_string().contains("HRQUANT"));
+    }
+
+    /// The device path: what `Quantized` fetches is the host reference's dequantization, and
+    /// the pool holds the quantized bytes (a quarter, an eighth of fp32, plus scales).
+    #[test]
+    fn fetched_segments_are_the_dequantized_weights_and_the_pool_holds_the_codes() {
+        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 32, vocab: 256 };
+        let w = weights(&cfg);
+        for scheme in [Scheme::Fp32, Scheme::Int8, Scheme::Int4 { group: 64 }] {
+            let m = quantize(&cfg, &w, scheme);
+            let reference: Vec<f32> = m.tensors.iter().flat_map(|(_, q)| q.dequantize()).collect();
+            let be = CpuBackend::new(Pool::new("cpu", 64 << 20));
+            let source = Quantized::upload(&be, &m).unwrap();
+            let params = be.pool().stats().current(Category::Params);
+            let stored: usize = m.tensors.iter().map(|(_, q)| crate::memory::block_bytes(q.bytes())).sum();
+            assert_eq!(params, stored, "{}: the pool holds what the scheme stores", scheme.name());
+            for range in [cfg.embed_range(), cfg.layer_range(0), cfg.layer_range(1), cfg.lnf_range()] {
+                let got = ParamSource::<f32>::fetch(&source, range.clone(), None).unwrap();
+                assert_eq!(got.view().host(), &reference[range], "{}", scheme.name());
+            }
+        }
+    }
+}
