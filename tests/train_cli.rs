@@ -718,7 +718,17 @@ fn quantized_weights_take_a_quarter_or_an_eighth_and_keep_perplexity() {
     let table = headroom(&["eval", "--quantized", file.to_str().unwrap()]);
     let line = table.lines().find(|l| l.starts_with("int4-g64 ")).unwrap_or_else(|| panic!("{table}"));
     assert_eq!(line.split_whitespace().nth(4).unwrap().parse::<f64>().unwrap(), int4_loss, "{table}");
+    // Text from the run, and from the quantized file: the prompt continued, the same for a seed.
+    let text = headroom(&["generate", "--prompt", "ROMEO:", "--tokens", "40", "--seed", "3"]);
+    assert!(text.starts_with("ROMEO:") && text.len() > "ROMEO:".len() + 20, "{text}");
+    assert_eq!(headroom(&["generate", "--prompt", "ROMEO:", "--tokens", "40", "--seed", "3"]), text);
+    let quantized =
+        headroom(&["generate", "--quantized", file.to_str().unwrap(), "--prompt", "ROMEO:", "--tokens", "10"]);
+    assert!(quantized.starts_with("ROMEO:"), "{quantized}");
     // Bad input names the flag and exits 2.
+    let out = Command::new(bin()).args(["generate", "--temperature", "-1"]).arg("--config").arg(&job).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--temperature"));
     let out = Command::new(bin()).args(["eval", "--schemes", "int3"]).arg("--config").arg(&job).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--schemes: `int3` is not a scheme"));

@@ -36,6 +36,8 @@ pub enum Command {
     /// Validation loss and perplexity of a run's newest checkpoint under each storage scheme
     /// (fp32, int8, int4 by group size), or of a quantized file, with the weight bytes it took.
     Eval(quantize::EvalArgs),
+    /// Continue a prompt with a run's model (its newest checkpoint, or a quantized file).
+    Generate(quantize::GenerateArgs),
     /// Run the supervisor daemon: HTTP API, job runner, experiment database, web page.
     Serve(serve::ServeArgs),
     /// Submit a job file to a running daemon.
@@ -60,6 +62,7 @@ impl Command {
             Command::Bench(_)
                 | Command::Estimate(_)
                 | Command::Eval(_)
+                | Command::Generate(_)
                 | Command::Quantize(_)
                 | Command::Submit(_)
                 | Command::Jobs(_)
@@ -245,6 +248,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Estimate(args) => estimate(args),
         Command::Quantize(args) => quantize::quantize(args),
         Command::Eval(args) => quantize::eval(args),
+        Command::Generate(args) => quantize::generate(args),
         Command::Serve(args) => serve::serve(args),
         Command::Submit(args) => client::submit(args),
         Command::Jobs(args) => client::jobs(args),

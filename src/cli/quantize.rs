@@ -1,6 +1,7 @@
-//! `headroom quantize` and `headroom eval`: a run's newest checkpoint quantized (INT8 per
-//! output channel, INT4 group-wise) into a file, and validation loss and perplexity of each
-//! storage scheme side by side, with the weight bytes the pool held.
+//! Inference from a run: `headroom quantize` (its newest checkpoint, INT8 per output channel or
+//! INT4 group-wise, into a file), `headroom eval` (validation loss and perplexity of each storage
+//! scheme side by side, with the weight bytes the pool held) and `headroom generate` (text from
+//! a prompt).
 
 use std::path::{Path, PathBuf};
 
@@ -46,6 +47,68 @@ pub struct EvalArgs {
     /// Validation sequences (default: the job's eval_batches × global_batch).
     #[arg(long)]
     pub sequences: Option<usize>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct GenerateArgs {
+    /// The job whose run to sample from (its model, vocabulary and run directory).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Run directory holding the checkpoints (default: runs/<name>).
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+    /// Sample from this quantized model file instead of the checkpoint.
+    #[arg(long)]
+    pub quantized: Option<PathBuf>,
+    /// The text to continue.
+    #[arg(long, default_value = "\n")]
+    pub prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 200)]
+    pub tokens: usize,
+    /// 0: always the most likely token; higher: more varied.
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
+    pub temperature: f32,
+    /// Draw only among the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
+    use crate::config::Vocab;
+    let spec = JobSpec::load(&args.config)?;
+    let cfg = gpt_config(&spec);
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        return Err(UsageError(format!("--temperature: {} must be >= 0", args.temperature)).into());
+    }
+    let model = match &args.quantized {
+        Some(file) => QuantModel::read(file).map_err(|e| UsageError(e.to_string()))?,
+        None => quant::quantize(&cfg, &newest_weights(&spec, &args.run_dir)?.1, Scheme::Fp32),
+    };
+    if model.cfg != cfg {
+        return Err(UsageError("the quantized file holds another model than the job's".into()).into());
+    }
+    let prompt: Vec<u32> = crate::engine::train::data::tokenize(args.prompt.as_bytes(), spec.model.vocab)
+        .map_err(|e| UsageError(format!("--prompt: {e}")))?
+        .into_iter()
+        .map(u32::from)
+        .collect();
+    if prompt.is_empty() {
+        return Err(UsageError("--prompt: empty (give at least one character)".into()).into());
+    }
+    let sampling = quant::Sampling { temperature: args.temperature, top_k: args.top_k, seed: args.seed };
+    let backend = CpuBackend::new(Pool::new("cpu", 64 << 30));
+    let out = quant::generate(&backend, &model, &prompt, args.tokens, &sampling)?;
+    let text = match spec.model.vocab {
+        Vocab::Bytes => String::from_utf8_lossy(&out.iter().map(|&t| t as u8).collect::<Vec<_>>()).into_owned(),
+        Vocab::Gpt2 => {
+            tiktoken_rs::r50k_base_singleton().decode(&out).unwrap_or_else(|e| format!("<undecodable: {e}>"))
+        }
+    };
+    println!("{}{text}", args.prompt);
+    Ok(())
 }
 
 /// The newest checkpoint's fp32 weights, checked against the job's model.

@@ -417,6 +417,76 @@ pub fn validation_loss<B: Backend>(
     Ok((total / count as f64, weight_bytes))
 }
 
+/// How the next token is drawn from the model's distribution.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// 0: always the most likely token; else probabilities raised to 1/temperature.
+    pub temperature: f32,
+    /// Only the k most likely tokens are candidates (0: all).
+    pub top_k: usize,
+    pub seed: u64,
+}
+
+/// The token `probs` (one distribution over the vocabulary) gives under `sampling`, with `u` a
+/// uniform draw in [0, 1). Pure: the tests pin each rule.
+pub fn sample(probs: &[f32], sampling: &Sampling, u: f64) -> usize {
+    let mut order: Vec<usize> = (0..probs.len()).collect();
+    order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+    if sampling.temperature <= 0.0 {
+        return order[0];
+    }
+    let k = if sampling.top_k == 0 { probs.len() } else { sampling.top_k.min(probs.len()) };
+    let weights: Vec<f64> =
+        order[..k].iter().map(|&i| (probs[i].max(0.0) as f64).powf(1.0 / sampling.temperature as f64)).collect();
+    let total: f64 = weights.iter().sum();
+    let mut target = u * total;
+    for (&i, w) in order[..k].iter().zip(&weights) {
+        if target < *w {
+            return i;
+        }
+        target -= w;
+    }
+    order[k - 1]
+}
+
+/// `count` tokens continuing `prompt`, each drawn from the model's next-token distribution over
+/// the last `block_size` tokens. Without a KV cache: each token runs the forward pass over its
+/// whole window (O(T²) attention per token), weights dequantized on the fly as in evaluation.
+pub fn generate<B: Backend>(
+    backend: &B,
+    model: &QuantModel,
+    prompt: &[u32],
+    count: usize,
+    sampling: &Sampling,
+) -> BackendResult<Vec<u32>> {
+    use crate::engine::model::forward;
+    let cfg = &model.cfg;
+    let source = Quantized::upload(backend, model)?;
+    let mut rng = crate::engine::rng::Rng::new(sampling.seed);
+    let mut tokens = prompt.to_vec();
+    let (v, mut probs) = (cfg.vocab, vec![0f32; cfg.vocab]);
+    for _ in 0..count {
+        let window = &tokens[tokens.len().saturating_sub(cfg.block_size)..];
+        let t = window.len();
+        let acts = forward::<f32, B>(
+            backend,
+            cfg,
+            &source,
+            window,
+            &vec![0; t],
+            1,
+            t,
+            crate::config::Checkpointing::Full,
+            crate::config::OffloadTarget::None,
+        )?;
+        // After the loss the logits buffer holds probabilities: the last position's row.
+        let row = acts.logits.as_ref().expect("forward keeps the logits");
+        backend.download(View::<f32>::range(row, (t - 1) * v..t * v), &mut probs)?;
+        tokens.push(sample(&probs, sampling, rng.uniform()) as u32);
+    }
+    Ok(tokens[prompt.len()..].to_vec())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -467,6 +537,42 @@ mod tests {
             };
             assert!(expected.contains(&ratio), "{}: {ratio:.3} of fp32", scheme.name());
         }
+    }
+
+    #[test]
+    fn sampling_follows_temperature_and_top_k() {
+        let p = [0.1f32, 0.6, 0.3];
+        let greedy = Sampling { temperature: 0.0, top_k: 0, seed: 0 };
+        assert_eq!(sample(&p, &greedy, 0.99), 1, "temperature 0: the most likely");
+        let plain = Sampling { temperature: 1.0, top_k: 0, seed: 0 };
+        // Candidates in order of probability: 1 (0.6), 2 (0.3), 0 (0.1).
+        assert_eq!([0.0, 0.59, 0.61, 0.89, 0.91].map(|u| sample(&p, &plain, u)), [1, 1, 2, 2, 0]);
+        let top2 = Sampling { top_k: 2, ..plain };
+        assert_eq!(sample(&p, &top2, 0.999), 2, "the third is never drawn");
+        let sharp = Sampling { temperature: 0.1, ..plain };
+        assert_eq!(sample(&p, &sharp, 0.99), 1, "a low temperature concentrates on the top");
+    }
+
+    /// Generation is deterministic per seed (greedy ignores it), goes on past the window by
+    /// sliding it, and leaves nothing in the pool.
+    #[test]
+    fn generation_is_deterministic_per_seed_and_slides_its_window() {
+        let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 32, block_size: 8, vocab: 64 };
+        let m = quantize(&cfg, &weights(&cfg), Scheme::Int8);
+        let be = CpuBackend::new(Pool::new("cpu", 64 << 20));
+        let s = Sampling { temperature: 1.0, top_k: 10, seed: 3 };
+        let a = generate(&be, &m, &[1, 2, 3], 12, &s).unwrap();
+        assert_eq!(a.len(), 12, "more tokens than the window holds");
+        assert!(a.iter().all(|&t| (t as usize) < cfg.vocab));
+        assert_eq!(generate(&be, &m, &[1, 2, 3], 12, &s).unwrap(), a, "same seed, same text");
+        let greedy = Sampling { temperature: 0.0, ..s };
+        let g = generate(&be, &m, &[1, 2, 3], 4, &greedy).unwrap();
+        assert_eq!(
+            generate(&be, &m, &[1, 2, 3], 4, &Sampling { seed: 99, ..greedy }).unwrap(),
+            g,
+            "greedy ignores the seed"
+        );
+        assert_eq!(be.pool().stats().current(Category::Workspace), 0, "nothing left behind");
     }
 
     #[test]
