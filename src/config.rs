@@ -615,7 +615,7 @@ fn yaml_error(e: &serde_yaml::Error) -> ConfigError {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]

@@ -289,7 +289,13 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
         activations: live.of(Category::Activations),
         workspace: live.of(Category::Workspace),
         peak_allocated: live.total(),
-        reserved_allowance: live.reserved_allowance(k.expandable_segments),
+        // The static allocator packs each step into an arena of its live peak and sizes every
+        // other segment exactly (the pool releases cached segments before it would fail).
+        reserved_allowance: if k.static_allocator {
+            live.total()
+        } else {
+            live.reserved_allowance(k.expandable_segments)
+        },
         peak_at,
         micro_batch,
         grad_accum,
@@ -301,7 +307,13 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
 
 /// The peak of a job as configured, on its device kind's backend.
 pub fn estimate_job(spec: &JobSpec) -> Estimate {
-    estimate_on(WorkspaceModel::of(spec.device.kind), &gpt_config(spec), &spec.knobs())
+    let mut e = estimate_on(WorkspaceModel::of(spec.device.kind), &gpt_config(spec), &spec.knobs());
+    // `device.reserve` holds its share of the capacity from the start, used or not.
+    if let (Some(fraction), Some(capacity)) = (spec.device.reserve, spec.device_capacity()) {
+        let reserve = ((capacity as f64 * fraction) as usize).div_ceil(LARGE_ROUND) * LARGE_ROUND;
+        e.reserved_allowance = e.reserved_allowance.max(reserve);
+    }
+    e
 }
 
 /// The predicted step of a job as configured, with its device kind's uncalibrated constants.
@@ -394,6 +406,22 @@ mod tests {
             .unwrap();
         let s = pool.stats();
         (s.peak_allocated, [s.peak(Category::Params), s.peak(Category::Grads), s.peak(Category::Optimizer)])
+    }
+
+    #[test]
+    fn the_static_allocator_and_a_reserve_change_the_reserved_allowance_not_the_peak() {
+        let spec = JobSpec::parse(&crate::config::tests::EXAMPLE.replace("512MiB", "64MiB")).unwrap();
+        let plain = estimate_job(&spec);
+        assert!(plain.reserved_allowance > plain.peak_allocated, "caching: segments round up");
+        let mut static_ = spec.clone();
+        static_.memory.allocator = crate::config::Allocator::Static;
+        let s = estimate_job(&static_);
+        assert_eq!((s.peak_allocated, s.reserved_allowance), (plain.peak_allocated, plain.peak_allocated));
+        let mut reserved = spec.clone();
+        reserved.device.reserve = Some(0.9);
+        let r = estimate_job(&reserved);
+        assert_eq!(r.peak_allocated, plain.peak_allocated);
+        assert!(r.reserved_allowance >= (64 << 20) * 9 / 10, "{}", r.reserved_allowance);
     }
 
     #[test]
