@@ -51,6 +51,17 @@ impl std::fmt::Debug for HostPin {
     }
 }
 
+/// `wait` on every fence, all of them even after an error (no copy may still be landing once
+/// its memory is reused); the first error.
+fn wait_every<F>(fences: impl IntoIterator<Item = F>, mut wait: impl FnMut(F) -> BackendResult) -> BackendResult {
+    let mut first = Ok(());
+    for fence in fences {
+        let waited = wait(fence);
+        first = first.and(waited);
+    }
+    first
+}
+
 /// The op set. Shapes follow llm.c: B batch, T time, C channels, NH heads, V vocabulary,
 /// N = B·T rows. A backend belongs to one rank and may be moved to that rank's thread.
 #[allow(clippy::too_many_arguments)]
@@ -102,12 +113,7 @@ pub trait Backend: Send {
     where
         Self: Sized,
     {
-        let mut first = Ok(());
-        for fence in fences {
-            let waited = self.wait_host(fence);
-            first = first.and(waited);
-        }
-        first
+        wait_every(fences, |f| self.wait_host(f))
     }
     /// Page-lock host memory this backend copies to and from, so copies into it run on the
     /// copy engine without a staging pass; released when the returned pin is dropped, which
@@ -123,12 +129,7 @@ pub trait Backend: Send {
     where
         Self: Sized,
     {
-        let mut first = Ok(());
-        for fence in fences {
-            let waited = self.wait_copy(fence);
-            first = first.and(waited);
-        }
-        first
+        wait_every(fences, |f| self.wait_copy(f))
     }
 
     /// out: (B,T,C) = wte[inp] + wpe[t]; inp: (B,T); wte: (V,C); wpe: (maxT,C).

@@ -382,6 +382,15 @@ impl CudaBackend {
         Ok(self.pool.alloc(bytes, Category::Workspace)?)
     }
 
+    /// Bind the context and make the copy stream start its next copy only after everything
+    /// issued on the compute stream so far (a copy ahead's ordering against the ops).
+    fn copy_after_compute(&self, op: &'static str) -> BackendResult {
+        let e = |err: DriverError| self.device_err(op, err);
+        self.ctx.bind_to_thread().map_err(e)?;
+        let issued = self.stream.record_event(None).map_err(e)?;
+        self.copy.wait(&issued).map_err(e)
+    }
+
     /// n elements from `src` to `dst` between f32 and `E` (`to_f32`: from `E` to f32): a copy
     /// when `E` is f32, else the cast kernel (`cast_f32_to_<dt>` or `cast_<dt>_to_f32`).
     fn convert<E: Elem>(&self, op: &'static str, to_f32: bool, dst: u64, src: u64, n: usize) -> BackendResult {
@@ -422,11 +431,8 @@ impl Backend for CudaBackend {
         const OP: &str = "upload_ahead";
         shapes::same(OP, "destination", dst.len(), src.len())?;
         let e = |err: DriverError| self.device_err(OP, err);
-        self.ctx.bind_to_thread().map_err(e)?;
-        // The destination may be pool memory that ops issued until now still use: the copy
-        // starts after them.
-        let issued = self.stream.record_event(None).map_err(e)?;
-        self.copy.wait(&issued).map_err(e)?;
+        // The destination may be pool memory that ops issued until now still use.
+        self.copy_after_compute(OP)?;
         let bytes: &[u8] = bytemuck::cast_slice(src);
         if !bytes.is_empty() {
             let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
@@ -461,10 +467,8 @@ impl Backend for CudaBackend {
         const OP: &str = "download_ahead";
         shapes::same(OP, "destination", dst.len(), src.len())?;
         let e = |err: DriverError| self.device_err(OP, err);
-        self.ctx.bind_to_thread().map_err(e)?;
-        // The source is written by ops issued until now: the copy starts after them.
-        let issued = self.stream.record_event(None).map_err(e)?;
-        self.copy.wait(&issued).map_err(e)?;
+        // The source is written by ops issued until now.
+        self.copy_after_compute(OP)?;
         if !dst.is_empty() {
             // SAFETY: src holds dst.len() elements; the caller keeps dst alive and untouched
             // until the fence is waited on (the contract). Into page-locked memory the copy is
