@@ -250,6 +250,9 @@ pub fn describe_knobs(spec: &JobSpec) -> String {
     if !off.is_empty() {
         parts.push(format!("offload {}", off.join("+")));
     }
+    if m.allocator == crate::config::Allocator::Static {
+        parts.push("static allocator".into());
+    }
     parts.join(", ")
 }
 
@@ -581,6 +584,41 @@ mod tests {
             .filter(|c| matches!(c.verdict, Verdict::Fits | Verdict::Chosen))
             .map(|c| c.predicted_tokens_per_s)
             .fold(0.0, f64::max)
+    }
+
+    /// A job whose live peak fits but whose cached segments would not: a rung that turns the
+    /// static allocator on (reserved = allocated) is the plan's way through, at the job's own
+    /// micro-batch — where without that rung the micro-batch has to shrink.
+    #[test]
+    fn a_static_allocator_rung_fits_what_segment_rounding_would_not() {
+        let with_static = Policy::parse(
+            "name: s\nthresholds: { warn: 0.9, preempt: 1.0, sustain: 3 }\nmargin: 0\nrungs:\n  \
+             - { name: static-allocator, set: { allocator: static } }\n  \
+             - { name: halve-micro-batch, set: { micro_batch: half }, repeat: true }",
+        )
+        .unwrap();
+        let mut spec = demo("12MiB");
+        // Capacity between the live peak and the caching allocator's segments at micro-batch 32.
+        let e = estimate_job(&spec);
+        assert!(e.reserved_allowance > e.peak_allocated, "caching rounds segments up");
+        let mid = (e.peak_allocated + e.reserved_allowance) / 2;
+        spec.device.device_memory = Some(Bytes::from(format!("{mid}")));
+        let cal = Calibration::uncalibrated(&with_static, "cpu");
+        let p = plan(&with_static, &base(&spec), &Excluded::default(), &cal, None).unwrap();
+        let verdict = |rung: &str, micro: i64| {
+            p.candidates.iter().find(|c| c.rung == rung && c.micro_batch == micro).map(|c| c.verdict)
+        };
+        assert_eq!(verdict("base", 32), Some(Verdict::TooBig), "{}", p.table());
+        assert!(matches!(verdict("static-allocator", 32), Some(Verdict::Fits | Verdict::Chosen)), "{}", p.table());
+        let static_32 = p.candidates.iter().find(|c| c.rung == "static-allocator" && c.micro_batch == 32).unwrap();
+        assert_eq!(static_32.knobs, "fp32, static allocator");
+        // The choice: the fastest that fits, or an earlier rung's within 5% of it (the rule).
+        let chosen = p.chosen().unwrap_or_else(|| panic!("{}", p.table()));
+        assert!(
+            chosen.predicted_tokens_per_s >= static_32.predicted_tokens_per_s * (1.0 - CLOSE_ENOUGH),
+            "{}",
+            p.table()
+        );
     }
 
     #[test]

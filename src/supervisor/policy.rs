@@ -109,6 +109,11 @@ pub struct RungSet {
     pub zero_stage: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offload: Option<OffloadSet>,
+    /// `static`: the first step's allocations packed into one arena, reserved = allocated
+    /// after it (`memory.allocator`); rescues a job whose live peak fits but whose cached
+    /// segments do not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocator: Option<crate::config::Allocator>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -344,6 +349,9 @@ pub fn apply_rung(rung: &Rung, spec: &JobSpec) -> Result<JobSpec, String> {
         if let Some(t) = o.activations {
             next.memory.offload.activations = t;
         }
+    }
+    if let Some(a) = set.allocator {
+        next.memory.allocator = a;
     }
     if next == *spec {
         return Err("already in effect".into());
