@@ -30,39 +30,32 @@ __device__ __forceinline__ void store_f32(f16_t* p, long i, float v) {
     p[i].bits = h;
 }
 
-// p[i] += v atomically. bf16: a compare-and-swap on the aligned 32-bit word holding it (rounds
-// at each add, like the CPU reference's per-token accumulation).
-__device__ __forceinline__ void atomic_add(float* p, long i, float v) { atomicAdd(p + i, v); }
-__device__ __forceinline__ void atomic_add(bf16_t* p, long i, float v) {
-    unsigned int* word = (unsigned int*)((size_t)(p + i) & ~(size_t)3);
-    bool high = ((size_t)(p + i) & 2) != 0;
-    unsigned int old = *word, assumed;
-    do {
-        assumed = old;
-        bf16_t cur = high ? (bf16_t)(assumed >> 16) : (bf16_t)(assumed & 0xffffu);
-        bf16_t next;
-        store_f32(&next, 0, load_f32(&cur, 0) + v);
-        unsigned int updated = high ? ((assumed & 0xffffu) | ((unsigned int)next << 16))
-                                    : ((assumed & 0xffff0000u) | (unsigned int)next);
-        old = atomicCAS(word, assumed, updated);
-    } while (old != assumed);
-}
+// The raw 16 bits of either half type, read and written alike.
+__device__ __forceinline__ unsigned short bits_of(bf16_t v) { return v; }
+__device__ __forceinline__ unsigned short bits_of(f16_t v) { return v.bits; }
+__device__ __forceinline__ void set_bits(bf16_t* v, unsigned short b) { *v = b; }
+__device__ __forceinline__ void set_bits(f16_t* v, unsigned short b) { v->bits = b; }
 
-// fp16: the same compare-and-swap on the aligned word, with fp16 conversions.
-__device__ __forceinline__ void atomic_add(f16_t* p, long i, float v) {
+// p[i] += v atomically. 16-bit types: a compare-and-swap on the aligned 32-bit word holding it
+// (rounds at each add, like the CPU reference's per-token accumulation).
+__device__ __forceinline__ void atomic_add(float* p, long i, float v) { atomicAdd(p + i, v); }
+template <typename H>
+__device__ __forceinline__ void atomic_add_16(H* p, long i, float v) {
     unsigned int* word = (unsigned int*)((size_t)(p + i) & ~(size_t)3);
     bool high = ((size_t)(p + i) & 2) != 0;
     unsigned int old = *word, assumed;
     do {
         assumed = old;
-        f16_t cur = { high ? (unsigned short)(assumed >> 16) : (unsigned short)(assumed & 0xffffu) };
-        f16_t next;
+        H cur, next;
+        set_bits(&cur, high ? (unsigned short)(assumed >> 16) : (unsigned short)(assumed & 0xffffu));
         store_f32(&next, 0, load_f32(&cur, 0) + v);
-        unsigned int updated = high ? ((assumed & 0xffffu) | ((unsigned int)next.bits << 16))
-                                    : ((assumed & 0xffff0000u) | (unsigned int)next.bits);
+        unsigned int updated = high ? ((assumed & 0xffffu) | ((unsigned int)bits_of(next) << 16))
+                                    : ((assumed & 0xffff0000u) | (unsigned int)bits_of(next));
         old = atomicCAS(word, assumed, updated);
     } while (old != assumed);
 }
+__device__ __forceinline__ void atomic_add(bf16_t* p, long i, float v) { atomic_add_16(p, i, v); }
+__device__ __forceinline__ void atomic_add(f16_t* p, long i, float v) { atomic_add_16(p, i, v); }
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
