@@ -8,9 +8,11 @@ use std::path::{Path, PathBuf};
 use super::client::UsageError;
 use crate::config::JobSpec;
 use crate::engine::backend::CpuBackend;
+use crate::engine::model::GptConfig;
 use crate::engine::quant::{self, QuantModel, Scheme};
 use crate::engine::train::checkpoint;
 use crate::engine::train::data::{load_tokens, Dataset};
+use crate::engine::train::job::default_run_dir;
 use crate::engine::train::trainer::gpt_config;
 use crate::memory::{format_bytes, Pool};
 
@@ -84,12 +86,9 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         return Err(UsageError(format!("--temperature: {} must be >= 0", args.temperature)).into());
     }
     let model = match &args.quantized {
-        Some(file) => QuantModel::read(file).map_err(|e| UsageError(e.to_string()))?,
+        Some(file) => read_quantized(file, &cfg)?,
         None => quant::quantize(&cfg, &newest_weights(&spec, &args.run_dir)?.1, Scheme::Fp32),
     };
-    if model.cfg != cfg {
-        return Err(UsageError("the quantized file holds another model than the job's".into()).into());
-    }
     let prompt: Vec<u32> = crate::engine::train::data::tokenize(args.prompt.as_bytes(), spec.model.vocab)
         .map_err(|e| UsageError(format!("--prompt: {e}")))?
         .into_iter()
@@ -111,9 +110,23 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A quantized model file, checked against the job's model.
+fn read_quantized(file: &Path, cfg: &GptConfig) -> anyhow::Result<QuantModel> {
+    let model = QuantModel::read(file).map_err(|e| UsageError(e.to_string()))?;
+    if model.cfg != *cfg {
+        return Err(UsageError(format!("{}: quantized from another model than the job's", file.display())).into());
+    }
+    Ok(model)
+}
+
+/// The run directory: as given, or the trainer's default.
+fn run_dir_of(spec: &JobSpec, run_dir: &Option<PathBuf>) -> PathBuf {
+    run_dir.clone().unwrap_or_else(|| default_run_dir(spec))
+}
+
 /// The newest checkpoint's fp32 weights, checked against the job's model.
 fn newest_weights(spec: &JobSpec, run_dir: &Option<PathBuf>) -> anyhow::Result<(PathBuf, Vec<f32>)> {
-    let dir = run_dir.clone().unwrap_or_else(|| Path::new("runs").join(&spec.name));
+    let dir = run_dir_of(spec, run_dir);
     let cfg = gpt_config(spec);
     let (path, ckpt) =
         checkpoint::load_latest(&dir, None, |e| tracing::warn!("skipping checkpoint: {e}")).ok_or_else(|| {
@@ -158,22 +171,14 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     let spec = JobSpec::load(&args.config)?;
     let cfg = gpt_config(&spec);
     let models: Vec<QuantModel> = match &args.quantized {
-        Some(file) => {
-            let model = QuantModel::read(file).map_err(|e| UsageError(e.to_string()))?;
-            if model.cfg != cfg {
-                return Err(
-                    UsageError(format!("{}: quantized from another model than the job's", file.display())).into()
-                );
-            }
-            vec![model]
-        }
+        Some(file) => vec![read_quantized(file, &cfg)?],
         None => {
             let schemes = args.schemes.iter().map(|s| scheme(s, "--schemes")).collect::<anyhow::Result<Vec<_>>>()?;
             let (_, weights) = newest_weights(&spec, &args.run_dir)?;
             schemes.into_iter().map(|s| quant::quantize(&cfg, &weights, s)).collect()
         }
     };
-    let cache = args.run_dir.clone().unwrap_or_else(|| Path::new("runs").join(&spec.name));
+    let cache = run_dir_of(&spec, &args.run_dir);
     let tokens = load_tokens(&spec.data.path, spec.model.vocab, &cache)?;
     let data = Dataset::new(tokens, spec.data.val_fraction, cfg.block_size, spec.train.seed)
         .map_err(|e| UsageError(format!("data.path {}: {e}", spec.data.path.display())))?;

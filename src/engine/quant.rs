@@ -402,19 +402,18 @@ pub fn validation_loss<B: Backend>(
     let before = backend.pool().stats().current(Category::Params);
     let source = Quantized::upload(backend, model)?;
     let weight_bytes = backend.pool().stats().current(Category::Params) - before;
-    let t = data.seq_len;
-    let (mut total, mut done) = (0.0f64, 0);
-    while done < count {
-        let n = micro.min(count - done);
-        let (mut inputs, mut targets) = (Vec::with_capacity(n * t), Vec::with_capacity(n * t));
-        for i in 0..n {
-            data.val_sequence(done + i, count, &mut inputs, &mut targets);
-        }
-        let loss = crate::engine::model::forward_loss::<f32, B>(backend, &model.cfg, &source, &inputs, &targets, n, t)?;
-        total += loss as f64 * n as f64;
-        done += n;
-    }
-    Ok((total / count as f64, weight_bytes))
+    let mut sequence =
+        |i: usize, inputs: &mut Vec<u32>, targets: &mut Vec<u32>| data.val_sequence(i, count, inputs, targets);
+    let loss = crate::engine::model::mean_loss::<f32, B>(
+        backend,
+        &model.cfg,
+        &source,
+        count,
+        micro,
+        data.seq_len,
+        &mut sequence,
+    )?;
+    Ok((loss, weight_bytes))
 }
 
 /// How the next token is drawn from the model's distribution.

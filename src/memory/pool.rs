@@ -418,29 +418,21 @@ impl Pool {
     pub fn alloc(&self, bytes: usize, category: Category) -> Result<Buffer, OomError> {
         let size = block_bytes(bytes);
         let mut inner = self.lock();
-        if let Some((index, segment, offset, address)) = inner.replay_alloc(size, category) {
-            let origin = Origin::Planned(index);
-            return Ok(Buffer {
-                pool: self.clone(),
-                address,
-                len: bytes,
-                size,
-                segment,
-                offset,
-                category,
-                fresh_zero: false,
-                origin,
-            });
-        }
-        let (segment, offset, address, fresh) = inner.alloc_block(size, bytes, category)?;
-        let fresh_zero = fresh && inner.source.zero_filled();
-        let origin = match &mut inner.static_plan {
-            StaticPlan::Recording { recs, clock } => {
-                recs.push(plan::Rec { size, category, alloc_at: *clock, free_at: None });
-                *clock += 1;
-                Origin::Recorded(recs.len() as u32 - 1)
+        let (segment, offset, address, fresh_zero, origin) = match inner.replay_alloc(size, category) {
+            Some((index, segment, offset, address)) => (segment, offset, address, false, Origin::Planned(index)),
+            None => {
+                let (segment, offset, address, fresh) = inner.alloc_block(size, bytes, category)?;
+                let fresh_zero = fresh && inner.source.zero_filled();
+                let origin = match &mut inner.static_plan {
+                    StaticPlan::Recording { recs, clock } => {
+                        recs.push(plan::Rec { size, category, alloc_at: *clock, free_at: None });
+                        *clock += 1;
+                        Origin::Recorded(recs.len() as u32 - 1)
+                    }
+                    _ => Origin::Cached,
+                };
+                (segment, offset, address, fresh_zero, origin)
             }
-            _ => Origin::Cached,
         };
         Ok(Buffer { pool: self.clone(), address, len: bytes, size, segment, offset, category, fresh_zero, origin })
     }
@@ -477,6 +469,10 @@ impl Pool {
     /// blocks came from, reserve the arena, and report the plan.
     pub fn static_end_step(&self) -> Result<Option<StaticPlanReport>, OomError> {
         let mut inner = self.lock();
+        if let StaticPlan::Replaying(r) = &mut inner.static_plan {
+            r.in_step = false;
+            return Ok(None);
+        }
         match std::mem::take(&mut inner.static_plan) {
             StaticPlan::Recording { recs, .. } => {
                 let packed = plan::pack(&recs);
@@ -505,11 +501,6 @@ impl Pool {
                 inner.static_plan =
                     StaticPlan::Replaying(Replay { plan: packed, segment, address, cursor: 0, live, in_step: false });
                 Ok(Some(report))
-            }
-            StaticPlan::Replaying(mut r) => {
-                r.in_step = false;
-                inner.static_plan = StaticPlan::Replaying(r);
-                Ok(None)
             }
             other => {
                 inner.static_plan = other;

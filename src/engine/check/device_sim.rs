@@ -398,7 +398,7 @@ mod tests {
     fn the_delayed_update_trains_one_step_stale_and_resumes_exactly() {
         let tokens = tokens();
         let case = TrainParityCase { offload_optimizer: true, ..TrainParityCase::small(6) };
-        let (t, t_len) = (case.cfg.block_size, case.cfg.block_size);
+        let t = case.cfg.block_size;
         // Delayed from the first step (past a warmup of 0 steps).
         let plain = Hyper { warmup_steps: 0, ..case.hyper() };
         let mut delayed = plain.clone();
@@ -426,8 +426,8 @@ mod tests {
             let mut hyper = case.hyper();
             assert_eq!(hyper.warmup_steps, 2);
             hyper.knobs.delayed_update = delayed_update;
-            let mut t = open(hyper);
-            (0..4).map(|_| t.train_step(&mut sequences(&tokens, t_len)).unwrap().loss.to_bits()).collect::<Vec<_>>()
+            let mut trainer = open(hyper);
+            (0..4).map(|_| trainer.train_step(&mut sequences(&tokens, t)).unwrap().loss.to_bits()).collect::<Vec<_>>()
         };
         let (gated, sync) = (warm(true), warm(false));
         assert_eq!(gated[..3], sync[..3], "no delay during the warmup");

@@ -303,6 +303,34 @@ pub fn forward_loss<E: Elem, B: Backend>(
     Ok(acts.mean_loss())
 }
 
+/// Where a validation sequence comes from: (index, inputs, targets).
+pub type EvalBatchFn<'a> = dyn FnMut(usize, &mut Vec<u32>, &mut Vec<u32>) + 'a;
+
+/// Mean loss over `count` sequences, `micro` at a time, each written by `sequence(index,
+/// inputs, targets)` (`t` tokens): the evaluation loop of training and of `headroom eval`.
+pub fn mean_loss<E: Elem, B: Backend>(
+    be: &B,
+    cfg: &GptConfig,
+    params: &dyn ParamSource<E>,
+    count: usize,
+    micro: usize,
+    t: usize,
+    sequence: &mut EvalBatchFn<'_>,
+) -> BackendResult<f64> {
+    let (mut total, mut done) = (0.0f64, 0);
+    while done < count {
+        let n = micro.min(count - done);
+        let (mut inputs, mut targets) = (Vec::with_capacity(n * t), Vec::with_capacity(n * t));
+        for i in 0..n {
+            sequence(done + i, &mut inputs, &mut targets);
+        }
+        let loss = forward_loss::<E, B>(be, cfg, params, &inputs, &targets, n, t)?;
+        total += loss as f64 * n as f64;
+        done += n;
+    }
+    Ok(total / count as f64)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn forward_pass<E: Elem, B: Backend>(
     be: &B,

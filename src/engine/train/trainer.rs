@@ -83,8 +83,7 @@ pub struct StepStats {
 /// Where a training sequence comes from: (step, index in global batch, inputs, targets).
 pub type BatchFn<'a> = dyn FnMut(u64, u64, &mut Vec<u32>, &mut Vec<u32>) + 'a;
 
-/// Where a validation sequence comes from: (index, inputs, targets).
-pub type EvalBatchFn<'a> = dyn FnMut(usize, &mut Vec<u32>, &mut Vec<u32>) + 'a;
+pub use crate::engine::model::EvalBatchFn;
 
 /// Initial fp16 loss scale (2^16) and the run of good steps after which it doubles.
 pub const INITIAL_LOSS_SCALE: f64 = 65536.0;
@@ -818,19 +817,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         let (b, t) = (self.hyper.knobs.micro_batch, self.hyper.knobs.seq_len);
         let be = &self.backend;
         let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), be);
-        let mut total = 0.0f64;
-        let mut done = 0;
-        while done < count {
-            let n = b.min(count - done);
-            let (mut inputs, mut targets) = (Vec::with_capacity(n * t), Vec::with_capacity(n * t));
-            for i in 0..n {
-                batch(done + i, &mut inputs, &mut targets);
-            }
-            let loss = model::forward_loss::<E, B>(be, &self.cfg, source.get(), &inputs, &targets, n, t)?;
-            total += loss as f64 * n as f64;
-            done += n;
-        }
-        Ok((total / count as f64) as f32)
+        Ok(model::mean_loss::<E, B>(be, &self.cfg, source.get(), count, b, t, batch)? as f32)
     }
 
     /// Write a checkpoint of the run `lineage` (see `run_dir`) into `run_dir` (rank 0 writes;
