@@ -87,3 +87,70 @@ extern "C" __global__ void softmax_causal_forward_f16(f16_t* a, const float* p, 
 extern "C" __global__ void softmax_causal_backward_f32(float* dp, const float* da, const float* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }
 extern "C" __global__ void softmax_causal_backward_bf16(float* dp, const float* da, const bf16_t* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }
 extern "C" __global__ void softmax_causal_backward_f16(float* dp, const float* da, const f16_t* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }
+
+// Incremental decoding. cache (2,B,context,C): keys then values. kv_append writes the keys and
+// values of the Tn new tokens of qkv (B,Tn,3C) at positions start..start+Tn.
+template <typename T>
+__device__ void kv_append(T* cache, const T* qkv, int B, int Tn, int start, int context, int C) {
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)B * Tn * C) return;
+    int c = idx % C, i = (idx / C) % Tn, b = idx / ((long)C * Tn);
+    long src = (long)(b * Tn + i) * 3 * C + c;
+    long dst = (long)(b * context + start + i) * C + c;
+    cache[dst] = qkv[src + C];
+    cache[(long)B * context * C + dst] = qkv[src + 2 * C];
+}
+
+// The value `store_f32` would leave in a T, read back (the CPU reference rounds the
+// probabilities to the storage type before they weight the values).
+template <typename T>
+__device__ __forceinline__ float rounded(float v) {
+    T tmp;
+    store_f32(&tmp, 0, v);
+    return load_f32(&tmp, 0);
+}
+
+// One warp per (b, h, new token i): scores against positions 0..=start+i into its row of
+// scores (B·NH·Tn, context) f32, softmax, then out (B,Tn,C) = probabilities · values.
+template <typename T>
+__device__ void attention_cached(T* out, float* scores, const T* cache, const T* qkv, int B, int Tn, int start, int context, int NH, int HS) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= B * NH * Tn) return;
+    int i = row % Tn, h = (row / Tn) % NH, b = row / (Tn * NH);
+    int C = NH * HS, last = start + i;
+    float scale = rsqrtf((float)HS);
+    const T* q = qkv + (long)(b * Tn + i) * 3 * C + h * HS;
+    const T* keys = cache + (long)b * context * C + h * HS;
+    const T* values = cache + (long)B * context * C + (long)b * context * C + h * HS;
+    float* s = scores + (long)row * context;
+    float mx = NEG_INF;
+    for (int t = lane; t <= last; t += 32) {
+        float d = 0.f;
+        for (int k = 0; k < HS; k++) d += load_f32(q, k) * load_f32(keys, (long)t * C + k);
+        s[t] = d * scale;
+        mx = fmaxf(mx, d * scale);
+    }
+    mx = warp_max(mx);
+    float sum = 0.f;
+    for (int t = lane; t <= last; t += 32) {
+        float e = expf(s[t] - mx);
+        s[t] = e;
+        sum += e;
+    }
+    float inv = 1.f / warp_sum(sum);
+    for (int t = lane; t <= last; t += 32) s[t] = rounded<T>(s[t] * inv);
+    __syncwarp();
+    for (int k = lane; k < HS; k += 32) {
+        float acc = 0.f;
+        for (int t = 0; t <= last; t++) acc += s[t] * load_f32(values, (long)t * C + k);
+        store_f32(out, (long)(b * Tn + i) * C + h * HS + k, acc);
+    }
+}
+
+extern "C" __global__ void kv_append_f32(float* cache, const float* qkv, int B, int Tn, int start, int context, int C) { kv_append(cache, qkv, B, Tn, start, context, C); }
+extern "C" __global__ void kv_append_bf16(bf16_t* cache, const bf16_t* qkv, int B, int Tn, int start, int context, int C) { kv_append(cache, qkv, B, Tn, start, context, C); }
+extern "C" __global__ void kv_append_f16(f16_t* cache, const f16_t* qkv, int B, int Tn, int start, int context, int C) { kv_append(cache, qkv, B, Tn, start, context, C); }
+extern "C" __global__ void attention_cached_f32(float* o, float* s, const float* cache, const float* qkv, int B, int Tn, int start, int context, int NH, int HS) { attention_cached(o, s, cache, qkv, B, Tn, start, context, NH, HS); }
+extern "C" __global__ void attention_cached_bf16(bf16_t* o, float* s, const bf16_t* cache, const bf16_t* qkv, int B, int Tn, int start, int context, int NH, int HS) { attention_cached(o, s, cache, qkv, B, Tn, start, context, NH, HS); }
+extern "C" __global__ void attention_cached_f16(f16_t* o, float* s, const f16_t* cache, const f16_t* qkv, int B, int Tn, int start, int context, int NH, int HS) { attention_cached(o, s, cache, qkv, B, Tn, start, context, NH, HS); }

@@ -270,6 +270,12 @@ pub struct DeviceSpec {
     /// seed's "pre-allocate, leave ~10% margin"). Absent: segments as needed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reserve: Option<f64>,
+    /// At each checkpoint, defragment the pool when the free bytes stranded in segments that
+    /// also hold live blocks exceed this share of `reserved`: persistent buffers move out of
+    /// sparsely used segments, which then go back (`engine::defrag`). Absent: never (the
+    /// `defragment` control line still works).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub defragment_above: Option<f64>,
 }
 
 impl DeviceSpec {
@@ -324,6 +330,7 @@ impl Default for DeviceSpec {
             device_memory: Some(Bytes::from(DEFAULT_CPU_DEVICE_MEMORY.to_string())),
             expandable_segments: None,
             reserve: None,
+            defragment_above: None,
         }
     }
 }
@@ -462,6 +469,11 @@ impl JobSpec {
         if let Some(r) = self.device.reserve {
             if !(r > 0.0 && r <= 1.0) {
                 p.push("device.reserve", format!("{r} must be in (0, 1] (a fraction of the device's memory)"));
+            }
+        }
+        if let Some(d) = self.device.defragment_above {
+            if !(d > 0.0 && d < 1.0) {
+                p.push("device.defragment_above", format!("{d} must be in (0, 1) (a share of the reserved bytes)"));
             }
         }
         let policy_ok = !self.policy.is_empty()

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::memory::MemStats;
+use crate::memory::{MemStats, PoolShape};
 
 /// One line on the trainer's stdout: the event and when it was written (unix seconds).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -51,6 +51,8 @@ pub enum Event {
     /// supervisor's DB event kind "oom", which records the attempt's summary.)
     Oom(Oom),
     Finished(Finished),
+    /// The trainer defragmented its pool.
+    Defragmented(Defragmented),
     /// A kind this supervisor does not know (written by a newer trainer): ignored.
     #[serde(other)]
     Unknown,
@@ -161,6 +163,20 @@ pub struct Oom {
     pub message: String,
 }
 
+/// Persistent buffers were moved out of sparsely used segments and the wholly free segments
+/// given back: at a checkpoint, when the stranded share of `reserved` was above the job's
+/// `device.defragment_above` (`reason` "checkpoint"), or on the `defragment` control line
+/// ("requested").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Defragmented {
+    pub step: u64,
+    pub reason: String,
+    pub moved_buffers: usize,
+    pub moved_bytes: usize,
+    pub before: PoolShape,
+    pub after: PoolShape,
+}
+
 /// Training is done and the final checkpoint written; the trainer exits [`ExitCode::Finished`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Finished {
@@ -214,7 +230,8 @@ pub struct Composition {
 }
 
 impl Composition {
-    fn of(c: [usize; 5], reserved: usize) -> Composition {
+    /// Training allocates no KV cache (inference only): the wire form has no field for it.
+    fn of(c: [usize; crate::memory::CATEGORIES], reserved: usize) -> Composition {
         Composition { params: c[0], grads: c[1], optimizer: c[2], activations: c[3], workspace: c[4], reserved }
     }
 
@@ -303,6 +320,9 @@ pub enum Control {
     /// Give every cached segment that holds no live block back to the device, then go on
     /// training (the supervisor's answer to a full cache, where live memory is not).
     ReleaseCache = 3,
+    /// Move persistent buffers out of sparsely used segments, give back every wholly free
+    /// segment (the `defragmented` event says what changed), then go on training.
+    Defragment = 4,
 }
 
 impl Control {
@@ -321,7 +341,9 @@ impl Control {
     }
 
     pub fn from_code(code: u8) -> Option<Control> {
-        [Control::CheckpointAndExit, Control::Stop, Control::ReleaseCache].into_iter().find(|c| c.code() == code)
+        [Control::CheckpointAndExit, Control::Stop, Control::ReleaseCache, Control::Defragment]
+            .into_iter()
+            .find(|c| c.code() == code)
     }
 }
 
@@ -538,7 +560,8 @@ mod tests {
         assert_eq!(Control::CheckpointAndExit.to_line(), "{\"cmd\":\"checkpoint_and_exit\"}\n");
         assert_eq!(Control::Stop.to_line(), "{\"cmd\":\"stop\"}\n");
         assert_eq!(Control::ReleaseCache.to_line(), "{\"cmd\":\"release_cache\"}\n");
-        for c in [Control::CheckpointAndExit, Control::Stop, Control::ReleaseCache] {
+        assert_eq!(Control::Defragment.to_line(), "{\"cmd\":\"defragment\"}\n");
+        for c in [Control::CheckpointAndExit, Control::Stop, Control::ReleaseCache, Control::Defragment] {
             assert_eq!(Control::parse(c.to_line().trim()), Some(c));
             assert_eq!(Control::from_code(c.code()), Some(c));
         }

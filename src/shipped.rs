@@ -11,10 +11,11 @@ pub const DEMO_JOB: &str = include_str!("../data/demo-job.yaml");
 pub const DEMO_CORPUS_NAME: &str = "shakespeare-tiny.txt";
 pub const DEMO_CORPUS: &str = include_str!("../data/shakespeare-tiny.txt");
 /// `policies/*.yaml` as shipped: (name, text).
-pub const POLICIES: [(&str, &str); 3] = [
+pub const POLICIES: [(&str, &str); 4] = [
     ("default", include_str!("../policies/default.yaml")),
     ("micro-batch-only", include_str!("../policies/micro-batch-only.yaml")),
     ("no-offload", include_str!("../policies/no-offload.yaml")),
+    ("seed-default", include_str!("../policies/seed-default.yaml")),
 ];
 
 /// The demo job reading its corpus from `corpus`.

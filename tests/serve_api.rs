@@ -638,3 +638,38 @@ async fn two_ranks_climb_the_zero_stages_until_the_state_fits() {
     assert!(text.contains("did not fit in 14.00 MiB"), "an OOM before `started` still names the capacity: {text}");
     s.shutdown().await.unwrap();
 }
+
+/// A policy's `base` is applied to every job submitted under it and recorded as a `base`
+/// event: the shipped `seed-default` starts a job in bf16 with a 90% reserve and the static
+/// allocator, and it trains. A base that cannot apply to a job refuses the job, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_base_is_where_its_jobs_start() {
+    let h = Harness::new();
+    let s = h.start(None).await;
+    let job = common::job_yaml("seeded", 6, 8, 8, "64MiB") + "policy: seed-default\n";
+    let id = submit(&s, &job).await;
+    let done = wait_terminal(&s, id).await;
+    assert_eq!(done["status"], "finished", "{done}");
+    let spec: Value = serde_json::from_str(done["current_spec"].as_str().unwrap()).unwrap();
+    assert_eq!(spec["memory"]["precision"], "bf16", "{spec}");
+    assert_eq!(spec["memory"]["allocator"], "static", "{spec}");
+    assert_eq!(spec["device"]["reserve"], 0.9, "{spec}");
+    let events = get(&s, &format!("/api/jobs/{id}/events")).await;
+    let base: Vec<&Value> = events.as_array().unwrap().iter().filter(|e| e["kind"] == "base").collect();
+    assert_eq!(base.len(), 1, "{events}");
+    assert!(base[0]["message"].as_str().unwrap().contains("seed-default"), "{events}");
+
+    let client = reqwest::Client::new();
+    let r = client
+        .put(url(&s, "/api/policies/sharded"))
+        .body("name: sharded\nbase: { zero_stage: 1 }\nrungs: [{ name: small, set: { micro_batch: half } }]")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let (status, err) = post(&s, "/api/jobs", &job.replace("policy: seed-default", "policy: sharded")).await;
+    assert_eq!(status, 400, "{err}");
+    assert!(err["error"].as_str().unwrap().contains("base does not apply"), "{err}");
+    assert!(err["error"].as_str().unwrap().contains("world_size"), "{err}");
+    s.shutdown().await.unwrap();
+}

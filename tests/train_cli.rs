@@ -53,7 +53,7 @@ fn too_small_device_exits_3_after_an_oom_line_and_enough_memory_finishes() {
 
 /// `device.reserve` and `memory.allocator: static` change where blocks live, never what is
 /// computed: the same losses as the plain run; the reserve holds its share from the first step,
-/// the static plan ends with reserved = allocated.
+/// the static plan ends with reserved = allocated; together, the plan lives in the reserve.
 #[test]
 fn reserve_and_static_allocator_train_the_same_losses() {
     let dir = tempfile::tempdir().unwrap();
@@ -64,13 +64,25 @@ fn reserve_and_static_allocator_train_the_same_losses() {
         let job = dir.path().join(format!("{name}.yaml"));
         std::fs::write(&job, yaml).unwrap();
         let out = train(&job, &dir.path().join(name), &[]);
-        assert_eq!(out.status.code(), Some(0), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(0), "{name}: {stderr}");
+        // The plan found room (with the reserve: inside it).
+        assert!(!stderr.contains("the static allocator is off"), "{name}: {stderr}");
         events(&out)
     };
+    // A reserve that leaves less than the plan's arena beside it.
+    let both = plain.replace("device_memory: 64MiB }", "device_memory: 64MiB, reserve: 0.97 }")
+        + "memory: { allocator: static }\n";
     let (a, b, c) = (run(&plain, "plain"), run(&reserve, "reserve"), run(&static_, "static"));
+    let d = run(&both, "both");
     let bits = |ev: &[serde_json::Value]| losses(ev).into_iter().map(|(s, l)| (s, l.to_bits())).collect::<Vec<_>>();
     assert_eq!(bits(&b), bits(&a), "reserve: same losses");
     assert_eq!(bits(&c), bits(&a), "static allocator: same losses");
+    assert_eq!(bits(&d), bits(&a), "both: same losses");
+    // Together, the static plan's arena is carved from the reserve: one segment, no OOM on the way.
+    let finished = &of_kind(&d, "finished")[0];
+    assert_eq!(finished["peak_reserved"], of_kind(&d, "step")[0]["mem"]["reserved"], "nothing beyond the reserve");
+    assert!(finished["peak_reserved"].as_u64().unwrap() <= 64 << 20);
     let steps = |ev: &[serde_json::Value]| of_kind(ev, "step").into_iter().cloned().collect::<Vec<_>>();
     let first = steps(&b)[0]["mem"].clone();
     assert!(first["reserved"].as_u64().unwrap() >= (64u64 << 20) * 9 / 10, "the reserve is taken up front: {first}");
@@ -177,6 +189,71 @@ fn release_cache_on_stdin_empties_the_cache_and_training_goes_on() {
     let w: Vec<&str> = line.rsplit("reserved ").next().unwrap().split_whitespace().collect();
     let parse = |n: &str, unit: &str| headroom::memory::parse_bytes(&format!("{n}{unit}")).unwrap();
     assert!(parse(w[3], w[4]) < parse(w[0], w[1]), "{line}");
+}
+
+/// `device.defragment_above` defragments at checkpoints where the stranded share is above it,
+/// and the `defragment` control line at once: each reports its pool before and after in a
+/// `defragmented` event, and training goes on to the same losses as without either.
+#[test]
+fn defragmentation_at_checkpoints_and_on_stdin_reports_and_changes_no_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = job_yaml("defrag", 12, 8, 4, "64MiB").replace("checkpoint_every: 50", "checkpoint_every: 4");
+    let out = train(&write_job(dir.path(), &plain), &dir.path().join("plain"), &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let losses = |ev: &[serde_json::Value]| -> Vec<String> {
+        of_kind(ev, "step").iter().map(|s| s["loss"].to_string()).collect()
+    };
+    let reference = losses(&events(&out));
+
+    let job = write_job(
+        dir.path(),
+        &plain.replace("device_memory: 64MiB }", "device_memory: 64MiB, defragment_above: 0.01 }"),
+    );
+    let mut child = Command::new(bin())
+        .args(["train", "--config"])
+        .arg(&job)
+        .arg("--run-dir")
+        .arg(dir.path().join("run"))
+        .env("HEADROOM_LOG", "warn")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut ev = Vec::new();
+    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+        let v: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+        if v["event"] == "step" && v["step"] == 1 {
+            writeln!(stdin, "{{\"cmd\":\"defragment\"}}").unwrap();
+            stdin.flush().unwrap();
+        }
+        ev.push(v);
+    }
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let defrags = of_kind(&ev, "defragmented");
+    let reasons: Vec<(&str, u64)> =
+        defrags.iter().map(|d| (d["reason"].as_str().unwrap(), d["step"].as_u64().unwrap())).collect();
+    // The control line is acted on before the step after it arrives (when depends on timing).
+    assert_eq!(reasons.len(), 3, "{defrags:?}");
+    assert!(reasons.contains(&("checkpoint", 4)) && reasons.contains(&("checkpoint", 8)), "{reasons:?}");
+    assert!(reasons.iter().any(|&(r, step)| r == "requested" && step >= 1), "{reasons:?}");
+    for d in &defrags {
+        let (before, after) = (&d["before"], &d["after"]);
+        let n = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap();
+        assert_eq!(n(before, "allocated"), n(after, "allocated"), "nothing freed or lost: {d}");
+        assert!(n(after, "reserved") <= n(before, "reserved"), "{d}");
+        assert!(n(after, "stranded") <= n(before, "stranded"), "{d}");
+    }
+    assert!(
+        defrags
+            .iter()
+            .filter(|d| d["reason"] == "checkpoint")
+            .all(|d| { d["before"]["stranded"].as_f64().unwrap() > 0.01 * d["before"]["reserved"].as_f64().unwrap() }),
+        "checkpoints defragment only above the threshold"
+    );
+    assert_eq!(losses(&ev), reference, "the same losses");
 }
 
 #[test]

@@ -7,14 +7,16 @@ use std::path::{Path, PathBuf};
 
 use super::client::UsageError;
 use crate::config::JobSpec;
-use crate::engine::backend::CpuBackend;
+use crate::engine::backend::workspace::WorkspaceModel;
+use crate::engine::backend::{Backend, CpuBackend};
+use crate::engine::estimate::inference::inference;
 use crate::engine::model::GptConfig;
-use crate::engine::quant::{self, QuantModel, Scheme};
+use crate::engine::quant::{self, DecodeShape, QuantModel, Scheme};
 use crate::engine::train::checkpoint;
 use crate::engine::train::data::{load_tokens, Dataset};
 use crate::engine::train::job::default_run_dir;
 use crate::engine::train::trainer::gpt_config;
-use crate::memory::{format_bytes, Pool};
+use crate::memory::{format_bytes, Category, Pool};
 
 #[derive(Debug, clap::Args)]
 pub struct QuantizeArgs {
@@ -76,6 +78,13 @@ pub struct GenerateArgs {
     pub top_k: usize,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Positions the KV cache holds (default: the model's block size); when it fills, the
+    /// newest half of it is run again from position 0.
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Prompt tokens run through the model at once (default: 64, at most the context).
+    #[arg(long)]
+    pub chunk: Option<usize>,
 }
 
 pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
@@ -98,8 +107,22 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         return Err(UsageError("--prompt: empty (give at least one character)".into()).into());
     }
     let sampling = quant::Sampling { temperature: args.temperature, top_k: args.top_k, seed: args.seed };
+    let shape = decode_shape(&cfg, args.context, args.chunk)?;
     let backend = CpuBackend::new(Pool::new("cpu", 64 << 30));
-    let out = quant::generate(&backend, &model, &prompt, args.tokens, &sampling)?;
+    let out = quant::generate(&backend, &model, &prompt, args.tokens, &sampling, shape)?;
+    let stats = backend.pool().stats();
+    let estimate = inference::<f32>(WorkspaceModel::Cpu, &cfg, model.scheme, shape);
+    eprintln!(
+        "memory: weights {} ({}), kv cache {} ({} positions), decoder {}, workspace {}; peak {} (estimated {})",
+        format_bytes(stats.peak(Category::Params)),
+        model.scheme.name(),
+        format_bytes(stats.peak(Category::KvCache)),
+        shape.context,
+        format_bytes(stats.peak(Category::Activations)),
+        format_bytes(stats.peak(Category::Workspace)),
+        format_bytes(stats.peak_allocated),
+        format_bytes(estimate.peak_allocated),
+    );
     let text = match spec.model.vocab {
         Vocab::Bytes => String::from_utf8_lossy(&out.iter().map(|&t| t as u8).collect::<Vec<_>>()).into_owned(),
         Vocab::Gpt2 => {
@@ -108,6 +131,25 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     };
     println!("{}{text}", args.prompt);
     Ok(())
+}
+
+/// The KV cache's positions and the prompt's chunk: as given (checked against the model), or
+/// the defaults.
+fn decode_shape(cfg: &GptConfig, context: Option<usize>, chunk: Option<usize>) -> anyhow::Result<DecodeShape> {
+    let default = DecodeShape::of(cfg);
+    let context = context.unwrap_or(default.context);
+    if !(1..=cfg.block_size).contains(&context) {
+        return Err(UsageError(format!(
+            "--context: {context} must be 1..={} (the model's block size)",
+            cfg.block_size
+        ))
+        .into());
+    }
+    let chunk = chunk.unwrap_or(default.chunk.min(context));
+    if !(1..=context).contains(&chunk) {
+        return Err(UsageError(format!("--chunk: {chunk} must be 1..={context} (the context)")).into());
+    }
+    Ok(DecodeShape { context, chunk })
 }
 
 /// A quantized model file, checked against the job's model.

@@ -13,6 +13,7 @@
 
 pub mod backend;
 pub mod check;
+pub mod defrag;
 pub mod estimate;
 pub mod model;
 pub mod parallel;

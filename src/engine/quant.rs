@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::{Backend, BackendResult, View, ViewMut};
+use crate::engine::model::decode::Decoder;
 use crate::engine::model::{GptConfig, TensorInfo};
 use crate::engine::parallel::placement::{ParamSource, Weights};
 use crate::memory::{Buffer, Category};
@@ -109,6 +110,37 @@ fn row_len(cfg: &GptConfig, t: &TensorInfo) -> usize {
     }
 }
 
+/// How one tensor is stored under a scheme.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Storage {
+    Full,
+    Int8 { row: usize },
+    Int4 { group: usize },
+}
+
+impl Storage {
+    fn of(cfg: &GptConfig, t: &TensorInfo, scheme: Scheme) -> Storage {
+        let row = row_len(cfg, t);
+        match scheme {
+            _ if !t.decay => Storage::Full,
+            Scheme::Fp32 => Storage::Full,
+            Scheme::Int8 => Storage::Int8 { row },
+            // A row shorter than the group, or not a multiple of it, uses the row as its group.
+            Scheme::Int4 { group } => Storage::Int4 { group: if row.is_multiple_of(group) { group } else { row } },
+        }
+    }
+
+    /// The bytes of the buffers a tensor of `len` values takes in the pool (values, or codes
+    /// then scales).
+    fn buffer_bytes(self, len: usize) -> Vec<usize> {
+        match self {
+            Storage::Full => vec![4 * len],
+            Storage::Int8 { row } => vec![len, 4 * (len / row)],
+            Storage::Int4 { group } => vec![len / 2, 4 * (len / group)],
+        }
+    }
+}
+
 /// Quantize fp32 weights (`master`, the layout of `cfg.tensors()`) under `scheme`.
 pub fn quantize(cfg: &GptConfig, master: &[f32], scheme: Scheme) -> QuantModel {
     assert_eq!(master.len(), cfg.num_params(), "one weight per parameter");
@@ -117,17 +149,13 @@ pub fn quantize(cfg: &GptConfig, master: &[f32], scheme: Scheme) -> QuantModel {
         .into_iter()
         .map(|t| {
             let x = &master[t.offset..t.offset + t.len];
-            let row = row_len(cfg, &t);
-            let q = match scheme {
-                _ if !t.decay => QTensor::Full(x.to_vec()),
-                Scheme::Fp32 => QTensor::Full(x.to_vec()),
-                Scheme::Int8 => {
+            let q = match Storage::of(cfg, &t, scheme) {
+                Storage::Full => QTensor::Full(x.to_vec()),
+                Storage::Int8 { row } => {
                     let (q, scales) = int8_rows(x, row);
                     QTensor::Int8 { q, scales, row }
                 }
-                // A row shorter than the group, or not a multiple of it, uses the row as its group.
-                Scheme::Int4 { group } => {
-                    let group = if row.is_multiple_of(group) { group } else { row };
+                Storage::Int4 { group } => {
                     let (packed, scales) = int4_groups(x, group);
                     QTensor::Int4 { packed, scales, group }
                 }
@@ -136,6 +164,12 @@ pub fn quantize(cfg: &GptConfig, master: &[f32], scheme: Scheme) -> QuantModel {
         })
         .collect();
     QuantModel { cfg: *cfg, scheme, tensors }
+}
+
+/// The bytes of every buffer `Quantized::upload` takes for a model of `cfg` under `scheme`
+/// (what the estimator counts, before the pool's rounding).
+pub fn stored_buffer_bytes(cfg: &GptConfig, scheme: Scheme) -> Vec<usize> {
+    cfg.tensors().iter().flat_map(|t| Storage::of(cfg, t, scheme).buffer_bytes(t.len)).collect()
 }
 
 /// int8 codes and one scale (absmax / 127) per row of `row` values.
@@ -448,40 +482,57 @@ pub fn sample(probs: &[f32], sampling: &Sampling, u: f64) -> usize {
     order[k - 1]
 }
 
-/// `count` tokens continuing `prompt`, each drawn from the model's next-token distribution over
-/// the last `block_size` tokens. Without a KV cache: each token runs the forward pass over its
-/// whole window (O(T²) attention per token), weights dequantized on the fly as in evaluation.
+/// How generation runs: the KV cache's positions and the prompt's chunk size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeShape {
+    /// Positions the KV cache holds (at most the model's block size).
+    pub context: usize,
+    /// Prompt tokens run through the model at once (1..=context).
+    pub chunk: usize,
+}
+
+impl DecodeShape {
+    /// The whole window, prompts in chunks of 64 tokens.
+    pub fn of(cfg: &GptConfig) -> DecodeShape {
+        DecodeShape { context: cfg.block_size, chunk: cfg.block_size.min(64) }
+    }
+}
+
+/// `count` tokens continuing `prompt`, each drawn from the model's next-token distribution,
+/// with a KV cache: the prompt's last `context` tokens are run once (in chunks), then each new
+/// token alone, attending to the cached keys and values. When the cache is full the window
+/// shifts: it is cleared and the newest half of it run again from position 0 (learned
+/// positions cannot slide). Weights dequantized on the fly as in evaluation.
 pub fn generate<B: Backend>(
     backend: &B,
     model: &QuantModel,
     prompt: &[u32],
     count: usize,
     sampling: &Sampling,
+    shape: DecodeShape,
 ) -> BackendResult<Vec<u32>> {
-    use crate::engine::model::forward;
     let cfg = &model.cfg;
     let source = Quantized::upload(backend, model)?;
+    let mut decoder = Decoder::<f32, B>::new(backend, cfg, shape.context, shape.chunk)?;
     let mut rng = crate::engine::rng::Rng::new(sampling.seed);
     let mut tokens = prompt.to_vec();
-    let (v, mut probs) = (cfg.vocab, vec![0f32; cfg.vocab]);
-    for _ in 0..count {
-        let window = &tokens[tokens.len().saturating_sub(cfg.block_size)..];
-        let t = window.len();
-        let acts = forward::<f32, B>(
-            backend,
-            cfg,
-            &source,
-            window,
-            &vec![0; t],
-            1,
-            t,
-            crate::config::Checkpointing::Full,
-            crate::config::OffloadTarget::None,
-        )?;
-        // After the loss the logits buffer holds probabilities: the last position's row.
-        let row = acts.logits.as_ref().expect("forward keeps the logits");
-        backend.download(View::<f32>::range(row, (t - 1) * v..t * v), &mut probs)?;
-        tokens.push(sample(&probs, sampling, rng.uniform()) as u32);
+    let mut probs = vec![0f32; cfg.vocab];
+    if count > 0 {
+        decoder.feed(&source, &tokens[tokens.len().saturating_sub(shape.context)..], &mut probs)?;
+    }
+    for i in 0..count {
+        let next = sample(&probs, sampling, rng.uniform()) as u32;
+        tokens.push(next);
+        if i + 1 == count {
+            break;
+        }
+        if decoder.cache().len() == shape.context {
+            decoder.clear();
+            let keep = (shape.context / 2).max(1);
+            decoder.feed(&source, &tokens[tokens.len() - keep..], &mut probs)?;
+        } else {
+            decoder.feed(&source, &[next], &mut probs)?;
+        }
     }
     Ok(tokens[prompt.len()..].to_vec())
 }
@@ -560,18 +611,50 @@ mod tests {
         let m = quantize(&cfg, &weights(&cfg), Scheme::Int8);
         let be = CpuBackend::new(Pool::new("cpu", 64 << 20));
         let s = Sampling { temperature: 1.0, top_k: 10, seed: 3 };
-        let a = generate(&be, &m, &[1, 2, 3], 12, &s).unwrap();
+        let shape = DecodeShape::of(&cfg);
+        let a = generate(&be, &m, &[1, 2, 3], 12, &s, shape).unwrap();
         assert_eq!(a.len(), 12, "more tokens than the window holds");
         assert!(a.iter().all(|&t| (t as usize) < cfg.vocab));
-        assert_eq!(generate(&be, &m, &[1, 2, 3], 12, &s).unwrap(), a, "same seed, same text");
+        assert_eq!(generate(&be, &m, &[1, 2, 3], 12, &s, shape).unwrap(), a, "same seed, same text");
         let greedy = Sampling { temperature: 0.0, ..s };
-        let g = generate(&be, &m, &[1, 2, 3], 4, &greedy).unwrap();
+        let g = generate(&be, &m, &[1, 2, 3], 4, &greedy, shape).unwrap();
         assert_eq!(
-            generate(&be, &m, &[1, 2, 3], 4, &Sampling { seed: 99, ..greedy }).unwrap(),
+            generate(&be, &m, &[1, 2, 3], 4, &Sampling { seed: 99, ..greedy }, shape).unwrap(),
             g,
             "greedy ignores the seed"
         );
         assert_eq!(be.pool().stats().current(Category::Workspace), 0, "nothing left behind");
+    }
+
+    /// The pool's peaks per category during a generation that runs a full chunk are the
+    /// inference estimate's, to the byte, for every scheme and shape.
+    #[test]
+    fn generation_peaks_where_the_inference_estimate_says() {
+        use crate::engine::backend::workspace::WorkspaceModel;
+        use crate::engine::estimate::inference::inference;
+        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 32, vocab: 96 };
+        let w = weights(&cfg);
+        let sampling = Sampling { temperature: 0.0, top_k: 0, seed: 1 };
+        for scheme in [Scheme::Fp32, Scheme::Int8, Scheme::Int4 { group: 32 }, Scheme::Int4 { group: 128 }] {
+            let m = quantize(&cfg, &w, scheme);
+            let stored: usize = crate::memory::blocks_bytes(&stored_buffer_bytes(&cfg, scheme));
+            for shape in [DecodeShape { context: 32, chunk: 8 }, DecodeShape { context: 12, chunk: 12 }] {
+                let be = CpuBackend::new(Pool::new("cpu", 64 << 20));
+                let prompt: Vec<u32> = (0..20).collect();
+                let out = generate(&be, &m, &prompt, 30, &sampling, shape).unwrap();
+                assert_eq!(out.len(), 30);
+                let s = be.pool().stats();
+                let e = inference::<f32>(WorkspaceModel::Cpu, &cfg, scheme, shape);
+                let at = format!("{} {shape:?}", scheme.name());
+                assert_eq!(s.peak(Category::Params), stored, "{at}: what upload took is what the sizes say");
+                assert_eq!(s.peak(Category::Params), e.weights, "{at}");
+                assert_eq!(s.peak(Category::KvCache), e.kv_cache, "{at}");
+                assert_eq!(s.peak(Category::Activations), e.activations, "{at}");
+                assert_eq!(s.peak(Category::Workspace), e.workspace, "{at}");
+                assert_eq!(s.peak_allocated, e.peak_allocated, "{at}");
+                assert_eq!(s.allocated(), 0, "{at}: nothing left behind");
+            }
+        }
     }
 
     #[test]

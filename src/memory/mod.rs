@@ -5,10 +5,10 @@ mod pool;
 mod stats;
 
 pub use pool::{
-    block_bytes, blocks_bytes, AddressSpace, Buffer, HostAddressSpace, HostSegments, OomError, Pool, SegmentSource,
-    StaticPlanReport, LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT,
+    block_bytes, blocks_bytes, AddressSpace, Buffer, HostAddressSpace, HostSegments, OomError, Pool, PoolShape,
+    SegmentSource, StaticPlanReport, LARGE_ROUND, ROUND, SMALL_LIMIT, SMALL_SEGMENT,
 };
-pub use stats::{format_bytes, parse_bytes, Category, MemStats};
+pub use stats::{format_bytes, parse_bytes, Category, MemStats, CATEGORIES};
 
 #[cfg(test)]
 mod tests;

@@ -282,6 +282,29 @@ struct Replay {
     in_step: bool,
 }
 
+/// How a pool's reservation is used: what defragmentation reports before and after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct PoolShape {
+    pub allocated: usize,
+    pub reserved: usize,
+    /// Free bytes cached in segments that also hold live blocks: what releasing the cache
+    /// cannot give back and compaction can.
+    pub stranded: usize,
+    pub largest_free_block: usize,
+    pub segments: usize,
+}
+
+impl PoolShape {
+    /// Stranded bytes as a share of the reservation (0 when nothing is reserved).
+    pub fn stranded_share(&self) -> f64 {
+        if self.reserved == 0 {
+            0.0
+        } else {
+            self.stranded as f64 / self.reserved as f64
+        }
+    }
+}
+
 /// What packing the recorded step gave (`Pool::static_end_step`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct StaticPlanReport {
@@ -485,18 +508,25 @@ impl Pool {
                 };
                 inner.release_free_segments();
                 let bytes = round_up(packed.arena_bytes.max(ROUND), ROUND);
-                let segment = match inner.new_segment(bytes, false, Category::Activations) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        // No room for the arena: the caching allocator goes on serving.
-                        inner.static_plan = StaticPlan::Declined;
-                        return Err(e);
+                // The arena is carved from a cached free block big enough (a pre-reserved
+                // segment's free part), else it is a segment of its own.
+                let (segment, address) = match inner.carve_arena(bytes) {
+                    Some(at) => at,
+                    None => {
+                        let segment = match inner.new_segment(bytes, false, Category::Activations) {
+                            Ok(s) => s,
+                            Err(e) => {
+                                // No room for the arena: the caching allocator goes on serving.
+                                inner.static_plan = StaticPlan::Declined;
+                                return Err(e);
+                            }
+                        };
+                        let seg = inner.segments[segment].as_mut().expect("new segment");
+                        // One block spanning the arena, marked used: never carved, never released.
+                        seg.blocks.insert(0, BlockState { size: bytes, category: Some(Category::Activations) });
+                        (segment, seg.address)
                     }
                 };
-                let seg = inner.segments[segment].as_mut().expect("new segment");
-                // One block spanning the arena, marked used: never carved, never released.
-                seg.blocks.insert(0, BlockState { size: bytes, category: Some(Category::Activations) });
-                let address = seg.address;
                 let live = vec![false; packed.entries.len()];
                 inner.static_plan =
                     StaticPlan::Replaying(Replay { plan: packed, segment, address, cursor: 0, live, in_step: false });
@@ -506,6 +536,55 @@ impl Pool {
                 inner.static_plan = other;
                 Ok(None)
             }
+        }
+    }
+
+    /// New homes for `buffers` (this pool's, from the caching allocator) that leave whole
+    /// segments without any of them, so that once each buffer's contents are copied to its home
+    /// and the old block is dropped, [`Pool::empty_cache`] can give those segments back: the
+    /// first half of defragmentation (the engine's `defragment` does the copies). Only
+    /// segments whose every live block is among `buffers` can be emptied, and the homes come
+    /// from free blocks already reserved. Returns (index into `buffers`, its new home, same
+    /// length and category); buffers that stay where they are are not listed.
+    pub fn compaction_homes(&self, buffers: &[&Buffer]) -> Vec<(usize, Buffer)> {
+        let movable: Vec<(usize, (usize, usize))> = buffers
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| Arc::ptr_eq(&b.pool.inner, &self.inner) && b.origin == Origin::Cached)
+            .map(|(i, b)| (i, (b.segment, b.offset)))
+            .collect();
+        let at: Vec<(usize, usize)> = movable.iter().map(|&(_, at)| at).collect();
+        let moves = self.lock().plan_compaction(&at);
+        moves
+            .into_iter()
+            .map(|(m, segment, offset, address)| {
+                let i = movable[m].0;
+                let b = buffers[i];
+                let home = Buffer {
+                    pool: self.clone(),
+                    address,
+                    len: b.len,
+                    size: b.size,
+                    segment,
+                    offset,
+                    category: b.category,
+                    fresh_zero: false,
+                    origin: Origin::Cached,
+                };
+                (i, home)
+            })
+            .collect()
+    }
+
+    /// The figures compaction changes, now.
+    pub fn shape(&self) -> PoolShape {
+        let inner = self.lock();
+        PoolShape {
+            allocated: inner.stats.allocated(),
+            reserved: inner.stats.reserved,
+            stranded: inner.stranded(),
+            largest_free_block: inner.largest_free_block(),
+            segments: inner.stats.num_segments,
         }
     }
 
@@ -788,6 +867,13 @@ impl PoolInner {
                 (FreeKey { size: seg_size, segment: seg, offset: 0 }, true)
             }
         };
+        let address = self.take_block(key, small, size, category);
+        Ok((key.segment, key.offset, address, fresh))
+    }
+
+    /// Use free block `key` (in the small or large free set) for a request of `size` bytes:
+    /// split off the remainder when it is worth keeping, count the request. Its address.
+    fn take_block(&mut self, key: FreeKey, small: bool, size: usize, category: Category) -> u64 {
         let set = if small { &mut self.free_small } else { &mut self.free_large };
         set.remove(&key);
         let seg = self.segments[key.segment].as_mut().expect("live segment");
@@ -808,7 +894,157 @@ impl PoolInner {
         // Allocated counts the rounded request; an unsplit tail shows up as fragmentation.
         self.stats.add(category, size);
         self.stats.num_allocs += 1;
-        Ok((key.segment, key.offset, address, fresh))
+        address
+    }
+
+    /// The best-fitting free block of `set` for `size` bytes in a segment that holds a live
+    /// block (moving into a wholly free segment would only trade one segment for another).
+    fn home_in(&self, set: &BTreeSet<FreeKey>, size: usize) -> Option<FreeKey> {
+        set.range(FreeKey { size, segment: 0, offset: 0 }..).copied().find(|k| {
+            let seg = self.segments[k.segment].as_ref().expect("live segment");
+            seg.blocks.values().any(|b| b.category.is_some())
+        })
+    }
+
+    /// The static plan's arena of `bytes` as a block of a cached free block (best fit, the
+    /// expandable arena excepted), marked used but counted in no category (the planned
+    /// requests are): (segment, address), or `None` when no free block is big enough.
+    fn carve_arena(&mut self, bytes: usize) -> Option<(usize, u64)> {
+        let arena = self.arena.as_ref().map(|a| a.segment);
+        let key = self
+            .free_large
+            .range(FreeKey { size: bytes, segment: 0, offset: 0 }..)
+            .copied()
+            .find(|k| Some(k.segment) != arena)?;
+        self.free_large.remove(&key);
+        let seg = self.segments[key.segment].as_mut().expect("live segment");
+        if key.size > bytes {
+            let rest = FreeKey { size: key.size - bytes, segment: key.segment, offset: key.offset + bytes };
+            seg.blocks.insert(rest.offset, BlockState { size: rest.size, category: None });
+            self.free_large.insert(rest);
+        }
+        seg.blocks.insert(key.offset, BlockState { size: bytes, category: Some(Category::Activations) });
+        Some((key.segment, seg.address + key.offset as u64))
+    }
+
+    /// Free bytes in segments that also hold live blocks: the cache a release cannot give
+    /// back, which compaction can (the arena's and the static plan's segments left out).
+    fn stranded(&self) -> usize {
+        let fixed = self.fixed_segments();
+        fixed
+            .iter()
+            .map(|&i| {
+                let seg = self.segments[i].as_ref().expect("live segment");
+                let free: usize = seg.blocks.values().filter(|b| b.category.is_none()).map(|b| b.size).sum();
+                if free == seg.size {
+                    0
+                } else {
+                    free
+                }
+            })
+            .sum()
+    }
+
+    /// The segments compaction may empty or fill: every live one but the arena and the static
+    /// plan's.
+    fn fixed_segments(&self) -> Vec<usize> {
+        let arena = self.arena.as_ref().map(|a| a.segment);
+        let plan = match &self.static_plan {
+            StaticPlan::Replaying(r) => Some(r.segment),
+            _ => None,
+        };
+        (0..self.segments.len())
+            .filter(|&i| self.segments[i].is_some() && Some(i) != arena && Some(i) != plan)
+            .collect()
+    }
+
+    /// New homes for movable blocks (given as (segment, offset)), so that whole segments hold
+    /// none of them: segments whose live blocks are all movable are tried emptiest first; each
+    /// of their blocks, largest first, gets the best-fitting free block of the same kind
+    /// (small or large) in a segment that is neither being emptied nor was emptied; a segment
+    /// whose blocks do not all fit keeps them (its tentative homes are given back), and one
+    /// that received blocks is not emptied afterwards. No new segment is reserved. The homes
+    /// are counted as allocated from here on: (index into `movable`, segment, offset, address).
+    fn plan_compaction(&mut self, movable: &[(usize, usize)]) -> Vec<(usize, usize, usize, u64)> {
+        let index: std::collections::HashMap<(usize, usize), usize> =
+            movable.iter().enumerate().map(|(i, &at)| (at, i)).collect();
+        let mut candidates: Vec<(usize, usize)> = self
+            .fixed_segments()
+            .into_iter()
+            .filter_map(|i| {
+                let seg = self.segments[i].as_ref().expect("live segment");
+                let used: Vec<(&usize, &BlockState)> =
+                    seg.blocks.iter().filter(|(_, b)| b.category.is_some()).collect();
+                let all_movable = !used.is_empty() && used.iter().all(|(&off, _)| index.contains_key(&(i, off)));
+                all_movable.then(|| (used.iter().map(|(_, b)| b.size).sum(), i))
+            })
+            .collect();
+        candidates.sort();
+        // Segments being emptied (their free blocks out of the free sets until the end) and
+        // those that received blocks.
+        let mut closed: Vec<(usize, Vec<FreeKey>)> = Vec::new();
+        let mut receivers = std::collections::HashSet::new();
+        let mut moves = Vec::new();
+        for (_, s) in candidates {
+            if receivers.contains(&s) {
+                continue;
+            }
+            let seg = self.segments[s].as_ref().expect("live segment");
+            let small = seg.small;
+            let free: Vec<FreeKey> = seg
+                .blocks
+                .iter()
+                .filter(|(_, b)| b.category.is_none())
+                .map(|(&offset, b)| FreeKey { size: b.size, segment: s, offset })
+                .collect();
+            let mut blocks: Vec<(usize, BlockState)> =
+                seg.blocks.iter().filter(|(_, b)| b.category.is_some()).map(|(&o, &b)| (o, b)).collect();
+            blocks.sort_by_key(|&(o, b)| (std::cmp::Reverse(b.size), o));
+            let set = if small { &mut self.free_small } else { &mut self.free_large };
+            for k in &free {
+                set.remove(k);
+            }
+            // A dry run on a copy of the free set first, so a segment that cannot be emptied
+            // leaves no trace; then the same choices for real.
+            let mut trial = if small { self.free_small.clone() } else { self.free_large.clone() };
+            let split_threshold = if small { ROUND } else { SMALL_LIMIT };
+            let fits = blocks.iter().all(|&(_, b)| {
+                let Some(key) = self.home_in(&trial, b.size) else {
+                    return false;
+                };
+                trial.remove(&key);
+                if key.size - b.size >= split_threshold {
+                    trial.insert(FreeKey {
+                        size: key.size - b.size,
+                        segment: key.segment,
+                        offset: key.offset + b.size,
+                    });
+                }
+                true
+            });
+            if !fits {
+                let set = if small { &mut self.free_small } else { &mut self.free_large };
+                set.extend(free);
+                continue;
+            }
+            for &(offset, b) in &blocks {
+                let key =
+                    self.home_in(if small { &self.free_small } else { &self.free_large }, b.size).expect("dry run");
+                let address = self.take_block(key, small, b.size, b.category.expect("a used block"));
+                receivers.insert(key.segment);
+                moves.push((index[&(s, offset)], key.segment, key.offset, address));
+            }
+            closed.push((s, free));
+        }
+        for (s, free) in closed {
+            let set = if self.segments[s].as_ref().expect("live segment").small {
+                &mut self.free_small
+            } else {
+                &mut self.free_large
+            };
+            set.extend(free);
+        }
+        moves
     }
 
     fn free_block(&mut self, segment: usize, offset: usize, size: usize, category: Category) {

@@ -12,11 +12,22 @@ pub enum Category {
     Optimizer,
     Activations,
     Workspace,
+    /// Keys and values of earlier tokens kept by incremental decoding (inference only).
+    KvCache,
 }
 
+/// How many categories there are: the length of every per-category array.
+pub const CATEGORIES: usize = 6;
+
 impl Category {
-    pub const ALL: [Category; 5] =
-        [Category::Params, Category::Grads, Category::Optimizer, Category::Activations, Category::Workspace];
+    pub const ALL: [Category; CATEGORIES] = [
+        Category::Params,
+        Category::Grads,
+        Category::Optimizer,
+        Category::Activations,
+        Category::Workspace,
+        Category::KvCache,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -25,6 +36,7 @@ impl Category {
             Category::Optimizer => "optimizer",
             Category::Activations => "activations",
             Category::Workspace => "workspace",
+            Category::KvCache => "kv_cache",
         }
     }
 
@@ -43,9 +55,9 @@ impl fmt::Display for Category {
 #[derive(Debug, Clone, Default)]
 pub struct MemStats {
     pub capacity: usize,
-    pub current: [usize; 5],
-    pub peak: [usize; 5],
-    pub window_peak: [usize; 5],
+    pub current: [usize; CATEGORIES],
+    pub peak: [usize; CATEGORIES],
+    pub window_peak: [usize; CATEGORIES],
     pub reserved: usize,
     pub peak_allocated: usize,
     pub peak_reserved: usize,
@@ -54,12 +66,12 @@ pub struct MemStats {
     /// What each category held, and what the pool reserved, at the moment the window's
     /// allocated total peaked: a composition whose sum is `window_peak_allocated` (the
     /// per-category window peaks may come from different moments and sum to more).
-    pub window_at_peak: [usize; 5],
+    pub window_at_peak: [usize; CATEGORIES],
     pub window_reserved_at_peak: usize,
-    pub host: [usize; 5],
+    pub host: [usize; CATEGORIES],
     /// Host-bytes peaks: lifetime and current window.
-    pub host_peak: [usize; 5],
-    pub host_window_peak: [usize; 5],
+    pub host_peak: [usize; CATEGORIES],
+    pub host_window_peak: [usize; CATEGORIES],
     pub num_allocs: u64,
     pub num_frees: u64,
     pub num_ooms: u64,

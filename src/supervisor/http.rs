@@ -292,17 +292,20 @@ pub fn check_data_path(path: &Path, allowed: &[PathBuf]) -> Result<PathBuf, Stri
 async fn submit_job(State(state): State<AppState>, body: BoundedBody) -> ApiResult<impl IntoResponse> {
     let text = body.text()?;
     let (job, machine) = (text.clone(), state.machine.clone());
-    let mut spec = parse_off_runtime("job", move || {
+    let spec = parse_off_runtime("job", move || {
         let spec = JobSpec::parse(&job).map_err(|e| e.to_string())?;
         admission::admit(&spec, &machine)?;
         Ok(spec)
     })
     .await?;
-    match policy::load(&state.runner.cfg.policies_dir, &spec.policy) {
-        Ok(_) => {}
+    let policy = match policy::load(&state.runner.cfg.policies_dir, &spec.policy) {
+        Ok((p, _)) => p,
         Err(PolicyError::NotFound(n)) => return Err(ApiError::BadRequest(format!("policy: `{n}` does not exist"))),
         Err(e) => return Err(ApiError::BadRequest(format!("policy `{}` cannot be used: {e}", spec.policy))),
-    }
+    };
+    let (mut spec, based) = policy::apply_base(&policy, &spec).map_err(|e| {
+        ApiError::BadRequest(format!("policy `{}`: its base does not apply to this job: {e}", policy.name))
+    })?;
     spec.data.path = check_data_path(&spec.data.path, &state.data_dirs).map_err(ApiError::BadRequest)?;
     let current = serde_json::to_string(&spec).map_err(anyhow::Error::from)?;
     let capacity = spec.device_capacity().map(|c| c as i64);
@@ -315,6 +318,9 @@ async fn submit_job(State(state): State<AppState>, body: BoundedBody) -> ApiResu
         capacity,
     };
     let id = state.db.create_job(&new).await?;
+    if let Some(message) = based {
+        state.db.event(id, None, "base", &message).await?;
+    }
     state.runner.enqueue(id);
     Ok((StatusCode::CREATED, Json(json!({ "id": id }))))
 }

@@ -381,6 +381,26 @@ impl Monitor {
                 self.mean_tokens_per_s = ev.mean_tokens_per_s.filter(|v| v.is_finite());
                 self.bump_peaks(ev.mem.peak_columns());
             }
+            Event::Defragmented(d) => {
+                let mb = crate::memory::format_bytes;
+                out.push((
+                    "defragmented",
+                    format!(
+                        "step {} ({}): moved {} buffers ({}); reserved {} -> {}, stranded {} -> {}, largest free \
+                         block {} -> {}",
+                        d.step,
+                        d.reason,
+                        d.moved_buffers,
+                        mb(d.moved_bytes),
+                        mb(d.before.reserved),
+                        mb(d.after.reserved),
+                        mb(d.before.stranded),
+                        mb(d.after.stranded),
+                        mb(d.before.largest_free_block),
+                        mb(d.after.largest_free_block)
+                    ),
+                ));
+            }
             Event::Checkpoint(_) | Event::Unknown => {}
         }
         out

@@ -48,6 +48,11 @@ pub struct Policy {
     pub margin: Option<f64>,
     #[serde(default)]
     pub thresholds: Thresholds,
+    /// Applied to every job submitted under the policy, over the job's own values, before its
+    /// first attempt (the job's `base` event says what it changed): the configuration the
+    /// policy starts from, where rungs are what it steps down to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<RungSet>,
     pub rungs: Vec<Rung>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub swap_bound: Option<SwapBound>,
@@ -114,6 +119,9 @@ pub struct RungSet {
     /// segments do not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allocator: Option<crate::config::Allocator>,
+    /// The share of the device the pool reserves up front as one segment (`device.reserve`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserve: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -218,22 +226,34 @@ impl Policy {
         if self.rungs.is_empty() {
             bad("rungs".to_string(), "must list at least one rung (a ladder with none cannot step down)".to_string());
         }
+        let sets = self.rungs.iter().enumerate().map(|(i, r)| (format!("rungs[{i}].set"), &r.set));
+        for (at, set) in self.base.iter().map(|b| ("base".to_string(), b)).chain(sets) {
+            if *set == RungSet::default() {
+                bad(at.clone(), "must change at least one knob".to_string());
+            }
+            match set.micro_batch {
+                Some(MicroBatchSet::Value(v)) if v < 1 => {
+                    bad(format!("{at}.micro_batch"), format!("{v} must be >= 1 or `half`"));
+                }
+                Some(MicroBatchSet::Keyword(_)) if at == "base" => {
+                    bad(format!("{at}.micro_batch"), "`half` steps down; a base sets a value".to_string());
+                }
+                _ => {}
+            }
+            if let Some(z) = set.zero_stage {
+                if !(0..=3).contains(&z) {
+                    bad(format!("{at}.zero_stage"), format!("{z} must be in [0, 3]"));
+                }
+            }
+            if let Some(r) = set.reserve {
+                if !(r > 0.0 && r <= 1.0) {
+                    bad(format!("{at}.reserve"), format!("{r} must be in (0, 1] (a fraction of the device's memory)"));
+                }
+            }
+        }
         for (i, r) in self.rungs.iter().enumerate() {
             if r.name.is_empty() {
                 bad(format!("rungs[{i}].name"), "must not be empty".to_string());
-            }
-            if r.set == RungSet::default() {
-                bad(format!("rungs[{i}].set"), "must change at least one knob".to_string());
-            }
-            if let Some(MicroBatchSet::Value(v)) = r.set.micro_batch {
-                if v < 1 {
-                    bad(format!("rungs[{i}].set.micro_batch"), format!("{v} must be >= 1 or `half`"));
-                }
-            }
-            if let Some(z) = r.set.zero_stage {
-                if !(0..=3).contains(&z) {
-                    bad(format!("rungs[{i}].set.zero_stage"), format!("{z} must be in [0, 3]"));
-                }
             }
         }
         if let Some(s) = &self.swap_bound {
@@ -353,11 +373,29 @@ pub fn apply_rung(rung: &Rung, spec: &JobSpec) -> Result<JobSpec, String> {
     if let Some(a) = set.allocator {
         next.memory.allocator = a;
     }
+    if let Some(r) = set.reserve {
+        next.device.reserve = Some(r);
+    }
     if next == *spec {
         return Err("already in effect".into());
     }
     next.validate().map_err(|e| e.to_string())?;
     Ok(next)
+}
+
+/// A job submitted under `policy`: its spec with the policy's `base` applied, and what that
+/// changed (`None`: the policy has no base, or the job already has it).
+pub fn apply_base(policy: &Policy, spec: &JobSpec) -> Result<(JobSpec, Option<String>), String> {
+    let Some(base) = &policy.base else { return Ok((spec.clone(), None)) };
+    let rung = Rung { name: "base".into(), set: base.clone(), repeat: false };
+    match apply_rung(&rung, spec) {
+        Ok(next) => {
+            let said = serde_json::to_string(base).unwrap_or_default();
+            Ok((next, Some(format!("policy `{}` starts the job from its base {said}", policy.name))))
+        }
+        Err(e) if e == "already in effect" => Ok((spec.clone(), None)),
+        Err(e) => Err(e),
+    }
 }
 
 /// The next applicable rung after `from` (repeating rungs are retried first).

@@ -74,6 +74,13 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn copy<T: Pod>(&self, mut dst: ViewMut<T>, src: View<T>) -> BackendResult {
+        shapes::same("copy", "destination", dst.len(), src.len())?;
+        let (d, s): (&mut [u8], &[u8]) = (bytemuck::cast_slice_mut(dst.host_mut()), bytemuck::cast_slice(src.host()));
+        d.par_chunks_mut(PAR_COPY).zip(s.par_chunks(PAR_COPY)).for_each(|(d, s)| d.copy_from_slice(s));
+        Ok(())
+    }
+
     fn zero<T: Pod>(&self, mut dst: ViewMut<T>) -> BackendResult {
         // All-zero bytes are T's zero (Pod).
         let d: &mut [u8] = bytemuck::cast_slice_mut(dst.host_mut());
@@ -265,6 +272,19 @@ impl Backend for CpuBackend {
         shapes::attention_forward(out.len(), att.len(), qkv.len(), b, t, c, nh)?;
         let mut scratch = self.scratch(layers::attention_forward_scratch(b, t, nh))?;
         layers::attention_forward(out.host_mut(), att.host_mut(), qkv.host(), scratch.as_mut_slice(), b, t, c, nh);
+        Ok(())
+    }
+
+    fn attention_cached<E: Elem>(
+        &self,
+        mut out: ViewMut<E>,
+        mut cache: ViewMut<E>,
+        qkv: View<E>,
+        dims: shapes::CachedAttention,
+    ) -> BackendResult {
+        shapes::attention_cached(out.len(), cache.len(), qkv.len(), dims)?;
+        let mut scratch = self.scratch(layers::attention_cached_scratch(dims.b, dims.context, dims.nh))?;
+        layers::attention_cached(out.host_mut(), cache.host_mut(), qkv.host(), scratch.as_mut_slice(), dims);
         Ok(())
     }
 

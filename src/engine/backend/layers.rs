@@ -597,6 +597,80 @@ pub fn attention_backward<E: Elem>(
     }
 }
 
+/// f32 scratch elements `attention_cached` needs: a row of scores per (batch, head).
+pub fn attention_cached_scratch(b: usize, context: usize, nh: usize) -> usize {
+    b * nh * context
+}
+
+/// Incremental decoding's attention. cache: (2,B,context,C), keys then values; the keys and
+/// values of the `tn` new tokens (qkv: (B,Tn,3C)) are written at positions start..start+Tn,
+/// then new token i (position start+i) attends to positions 0..=start+i. out: (B,Tn,C).
+/// Softmax and products as `attention_forward`'s (probabilities rounded to `E` before they
+/// weight the values), so a cached pass gives the same outputs as a full one.
+pub fn attention_cached<E: Elem>(
+    out: &mut [E],
+    cache: &mut [E],
+    qkv: &[E],
+    scratch: &mut [f32],
+    d: super::shapes::CachedAttention,
+) {
+    let super::shapes::CachedAttention { b, tn, start, context, c, nh } = d;
+    let hs = c / nh;
+    let scale = 1.0 / (hs as f32).sqrt();
+    assert_eq!(cache.len(), 2 * b * context * c, "cache: (2,B,context,C)");
+    assert!(start + tn <= context, "new tokens within the cache");
+    let (keys, values) = cache.split_at_mut(b * context * c);
+    for bi in 0..b {
+        for i in 0..tn {
+            let row = &qkv[(bi * tn + i) * 3 * c..][..3 * c];
+            let at = (bi * context + start + i) * c;
+            keys[at..at + c].copy_from_slice(&row[c..2 * c]);
+            values[at..at + c].copy_from_slice(&row[2 * c..]);
+        }
+    }
+    let (keys, values) = (&*keys, &*values);
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    scratch[..b * nh * context].par_chunks_mut(context).enumerate().for_each(|(bh, row)| {
+        let (bi, h) = (bh / nh, bh % nh);
+        for i in 0..tn {
+            let q = &qkv[(bi * tn + i) * 3 * c + h * hs..][..hs];
+            let last = start + i;
+            let mut maxval = f32::NEG_INFINITY;
+            for t2 in 0..=last {
+                let s = dot(q, &keys[(bi * context + t2) * c + h * hs..][..hs]) * scale;
+                row[t2] = s;
+                maxval = maxval.max(s);
+            }
+            let mut sum = 0.0f32;
+            for v in row[..=last].iter_mut() {
+                *v = (*v - maxval).exp();
+                sum += *v;
+            }
+            let inv = 1.0 / sum;
+            for v in row[..=last].iter_mut() {
+                *v = E::from_f32(*v * inv).to_f32();
+            }
+            // SAFETY: task (bi,h) alone writes out[bi, i, h*hs .. (h+1)*hs].
+            let o = unsafe { out_ptr.slice((bi * tn + i) * c + h * hs, hs) };
+            let mut o32 = [0.0f32; 256];
+            for chunk in (0..hs).step_by(256) {
+                let w = (hs - chunk).min(256);
+                let acc = &mut o32[..w];
+                acc.fill(0.0);
+                for (t2, &a) in row[..=last].iter().enumerate() {
+                    let v = &values[(bi * context + t2) * c + h * hs + chunk..][..w];
+                    for k in 0..w {
+                        acc[k] += a * v[k].to_f32();
+                    }
+                }
+                for k in 0..w {
+                    o[chunk + k] = E::from_f32(acc[k]);
+                }
+            }
+        }
+    });
+}
+
 #[inline]
 fn dot<E: Elem>(a: &[E], b: &[E]) -> f32 {
     // Eight independent accumulators let the compiler vectorise without reassociating floats.

@@ -86,6 +86,14 @@ pub trait Backend: Send {
     /// Copy device data to the host; done when it returns.
     fn download<T: Pod>(&self, src: View<T>, dst: &mut [T]) -> BackendResult;
     fn zero<T: Pod>(&self, dst: ViewMut<T>) -> BackendResult;
+    /// dst = src, both on the device (defragmentation's moves). By default staged through
+    /// the host; backends with a device-to-device copy override it.
+    fn copy<T: Pod>(&self, dst: ViewMut<T>, src: View<T>) -> BackendResult {
+        shapes::same("copy", "destination", dst.len(), src.len())?;
+        let mut host = vec![T::zeroed(); src.len()];
+        self.download(src, &mut host)?;
+        self.upload(dst, &host)
+    }
 
     /// Start copying host data to the device off the compute stream (offload prefetch), so the
     /// transfer overlaps the ops issued meanwhile. `src` may be reused when this returns; `dst`
@@ -236,6 +244,16 @@ pub trait Backend: Send {
         t: usize,
         c: usize,
         nh: usize,
+    ) -> BackendResult;
+    /// Incremental decoding: the keys and values of the `tn` new tokens in qkv (B,Tn,3C) are
+    /// written into cache (2,B,context,C) at positions start..start+Tn, then each new token
+    /// attends to every cached position up to its own. out: (B,Tn,C).
+    fn attention_cached<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        cache: ViewMut<E>,
+        qkv: View<E>,
+        dims: shapes::CachedAttention,
     ) -> BackendResult;
 
     /// out: (N) = gelu(inp)

@@ -164,6 +164,32 @@ pub fn attention_forward(out: usize, att: usize, qkv: usize, b: usize, t: usize,
     same(OP, "out (B,T,C)", out, b * t * c)
 }
 
+/// The dimensions of `attention_cached`: `tn` new tokens per sequence at positions
+/// `start..start + tn` of a cache that holds `context` positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CachedAttention {
+    pub b: usize,
+    pub tn: usize,
+    pub start: usize,
+    pub context: usize,
+    pub c: usize,
+    pub nh: usize,
+}
+
+/// `attention_cached`: out (B,Tn,C), cache (2,B,context,C), qkv (B,Tn,3C), the new tokens
+/// within the cache.
+pub fn attention_cached(out: usize, cache: usize, qkv: usize, d: CachedAttention) -> BackendResult {
+    const OP: &str = "attention_cached";
+    let CachedAttention { b, tn, start, context, c, nh } = d;
+    check_shape(OP, nh > 0 && c.is_multiple_of(nh), || format!("C={c} is not a multiple of NH={nh}"))?;
+    check_shape(OP, tn > 0 && start + tn <= context, || {
+        format!("{tn} new tokens at position {start} do not fit a cache of {context} positions")
+    })?;
+    same(OP, "qkv (B,Tn,3C)", qkv, b * tn * 3 * c)?;
+    same(OP, "cache (2,B,context,C)", cache, 2 * b * context * c)?;
+    same(OP, "out (B,Tn,C)", out, b * tn * c)
+}
+
 pub fn attention_backward(
     dqkv: usize,
     dout: usize,

@@ -65,6 +65,15 @@ impl WorkspaceModel {
         }
     }
 
+    /// Buffers live at the peak of `attention_cached`: the cpu's score row per (batch, head),
+    /// the cuda kernel's per (batch, head, new token).
+    pub fn attention_cached(self, d: super::shapes::CachedAttention) -> Vec<usize> {
+        match self {
+            WorkspaceModel::Cpu => vec![layers::attention_cached_scratch(d.b, d.context, d.nh) * 4],
+            WorkspaceModel::Cuda => vec![d.b * d.nh * d.tn * d.context * 4],
+        }
+    }
+
     /// Buffers live during `sum_squares` over `n` elements: the cuda kernel's per-block partial
     /// sums (one f32 per block), the cpu none.
     pub fn sum_squares<E: Elem>(self, n: usize) -> Vec<usize> {

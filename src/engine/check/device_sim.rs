@@ -335,7 +335,7 @@ impl Backend for DeviceSim {
         encoder_forward, encoder_backward, layernorm_forward, layernorm_recompute, layernorm_backward,
         matmul_forward, matmul_backward, attention_forward, attention_backward, gelu_forward,
         gelu_backward_inplace, residual_forward_inplace, crossentropy_forward, crossentropy_backward_inplace,
-        adamw, sum_squares, narrow, widen, pack_int8, unpack_int8, unpack_int4);
+        adamw, sum_squares, narrow, widen, pack_int8, unpack_int8, unpack_int4, attention_cached);
 }
 
 #[cfg(test)]

@@ -57,6 +57,11 @@ macro_rules! delegate_ops {
             $wrap!(self, "attention_backward", [dqkv, dout, qkv, att], self.$to.attention_backward($m(dqkv), $m(dout), $m(qkv), $m(att), b, t, c, nh))
         }
     };
+    (@op $to:tt, $m:path, $wrap:ident, attention_cached) => {
+        fn attention_cached<E: Elem>(&self, out: ViewMut<E>, cache: ViewMut<E>, qkv: View<E>, dims: crate::engine::backend::shapes::CachedAttention) -> BackendResult {
+            $wrap!(self, "attention_cached", [out, cache, qkv], self.$to.attention_cached($m(out), $m(cache), $m(qkv), dims))
+        }
+    };
     (@op $to:tt, $m:path, $wrap:ident, gelu_forward) => {
         fn gelu_forward<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult {
             $wrap!(self, "gelu_forward", [out, inp], self.$to.gelu_forward($m(out), $m(inp)))

@@ -356,6 +356,15 @@ fn ops<E: Elem, R: Backend, C: Backend>(h: &mut Harness<'_, R, C>, s: ParityShap
         both!(h, attention_backward::<E>(&mut dqkv, &dout, &qkv, &att, b, t, c, nh));
         Ok(vec![("dqkv", h.err::<E>(&dqkv)?)])
     });
+    h.record::<E>("attention_cached", |h| {
+        // A third of the window new, after cached positions, in a cache with room to spare.
+        let tn = (t / 3).max(1);
+        let d = crate::engine::backend::shapes::CachedAttention { b, tn, start: t - tn, context: t + 5, c, nh };
+        let (qkv, mut cache) = (h.input::<E>(b * tn * 3 * c, 1.0)?, h.input::<E>(2 * b * d.context * c, 1.0)?);
+        let mut out = h.poisoned::<E>(b * tn * c)?;
+        both!(h, attention_cached::<E>(&mut out, &mut cache, &qkv, d));
+        Ok(vec![("out", h.err::<E>(&out)?), ("cache", h.err::<E>(&cache)?)])
+    });
     h.record::<E>("gelu_forward", |h| {
         let (inp, mut out) = (h.input::<E>(n * 4 * c, 2.0)?, h.poisoned::<E>(n * 4 * c)?);
         both!(h, gelu_forward::<E>(&mut out, &inp));
@@ -566,7 +575,7 @@ pub(crate) mod tests {
             encoder_forward, encoder_backward, layernorm_recompute, layernorm_backward, matmul_forward,
             matmul_backward, attention_forward, attention_backward, gelu_backward_inplace,
             residual_forward_inplace, crossentropy_forward, crossentropy_backward_inplace, adamw, sum_squares,
-            narrow, widen, pack_int8, unpack_int8, unpack_int4);
+            narrow, widen, pack_int8, unpack_int8, unpack_int4, attention_cached);
     }
 
     #[test]
@@ -577,7 +586,7 @@ pub(crate) mod tests {
         let rows = run(&reference, &candidate, ParityShape::ODD, 7);
         let wall_ms = started.elapsed().as_secs_f64() * 1e3;
         eprintln!("{}", table(&rows));
-        assert_eq!(rows.len(), 3 * 20, "20 ops × {{fp32, bf16, fp16}}");
+        assert_eq!(rows.len(), 3 * 21, "21 ops × {{fp32, bf16, fp16}}");
         for r in &rows {
             assert!(r.error.is_none(), "{} {}: {:?}", r.op, r.dtype, r.error);
             assert_eq!(r.rel_err, 0.0, "{} {}: the same code on the same inputs", r.op, r.dtype);

@@ -239,7 +239,7 @@ impl<B: Backend> Backend for Profiled<B> {
     delegate_ops!(inner, std::convert::identity, via timed_call;
         encoder_forward, encoder_backward, layernorm_forward, layernorm_recompute, layernorm_backward,
         gelu_forward, gelu_backward_inplace, residual_forward_inplace, crossentropy_forward,
-        crossentropy_backward_inplace, adamw, sum_squares, narrow, widen, pack_int8, unpack_int8, unpack_int4);
+        crossentropy_backward_inplace, adamw, sum_squares, narrow, widen, pack_int8, unpack_int8, unpack_int4, attention_cached);
 }
 
 /// The profile table: one row per op (slowest first) with calls and milliseconds per step, share

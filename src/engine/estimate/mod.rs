@@ -13,6 +13,7 @@
 
 use serde::Serialize;
 
+pub mod inference;
 pub mod step_time;
 
 use crate::config::{JobSpec, Knobs, OffloadTarget, Precision};

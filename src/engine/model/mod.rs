@@ -324,6 +324,7 @@ pub fn alloc_elems<E: Elem>(pool: &Pool, n: usize, category: Category) -> Result
     pool.alloc(n * E::BYTES, category)
 }
 
+pub mod decode;
 mod passes;
 
 pub use passes::*;

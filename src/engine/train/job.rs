@@ -425,6 +425,11 @@ impl Run<'_> {
                     crate::memory::format_bytes(before),
                     crate::memory::format_bytes(pool.stats().reserved)
                 );
+            } else if Control::from_code(cmd) == Some(Control::Defragment) {
+                if let Some(flag) = &control {
+                    let _ = flag.compare_exchange(cmd, CONTROL_NONE, Ordering::SeqCst, Ordering::SeqCst);
+                }
+                defragment(&mut trainer, "requested", events)?;
             } else if let Some(cmd) = Control::from_code(cmd) {
                 let path = save(&mut trainer, run_dir, events)?;
                 tracing::info!(step = trainer.step, ?cmd, "exiting on request");
@@ -480,6 +485,9 @@ impl Run<'_> {
             }
             if ckpt_every > 0 && trainer.step % ckpt_every == 0 && !last {
                 save(&mut trainer, run_dir, events)?;
+                if spec.device.defragment_above.is_some_and(|above| pool.shape().stranded_share() > above) {
+                    defragment(&mut trainer, "checkpoint", events)?;
+                }
             }
             if opts.stop_after == Some(trainer.step) && !last {
                 let path = save(&mut trainer, run_dir, events)?;
@@ -510,6 +518,31 @@ fn save<E: Elem, B: Backend>(
     let path = trainer.save_checkpoint(&run_dir.path, Some(run_dir.lineage()))?;
     events.emit(Event::Checkpoint(protocol::CheckpointWritten { step: trainer.step, path: path.clone() }))?;
     Ok(path)
+}
+
+/// Defragment the pool and report it (`reason`: what asked for it).
+fn defragment<E: Elem, B: Backend>(
+    trainer: &mut Trainer<E, B>,
+    reason: &str,
+    events: &mut Events,
+) -> Result<(), TrainError> {
+    let d = trainer.defragment().map_err(|err| report_failure(events, err, trainer.step))?;
+    tracing::info!(
+        step = trainer.step,
+        "defragmented ({reason}): moved {} buffers, reserved {} -> {}",
+        d.moved_buffers,
+        crate::memory::format_bytes(d.before.reserved),
+        crate::memory::format_bytes(d.after.reserved)
+    );
+    events.emit(Event::Defragmented(protocol::Defragmented {
+        step: trainer.step,
+        reason: reason.into(),
+        moved_buffers: d.moved_buffers,
+        moved_bytes: d.moved_bytes,
+        before: d.before,
+        after: d.after,
+    }))?;
+    Ok(())
 }
 
 /// An OOM is reported as the `oom` event; any other backend failure is returned as it is.

@@ -12,6 +12,7 @@ use crate::memory::{Buffer, Category, Pool};
 use crate::engine::backend::layers::{narrow, Elem};
 use crate::engine::backend::optim::{clip_coefficient, lr_at, AdamW};
 use crate::engine::backend::{Backend, BackendError, BackendResult, CpuBackend, HostPin, View, ViewMut};
+use crate::engine::defrag::{defragment, Defragmentation};
 use crate::engine::model::{self, alloc_elems, alloc_f32, GptConfig, TensorInfo};
 use crate::engine::parallel::comm::{shard_range, Comm, LocalComm};
 use crate::engine::parallel::placement::{
@@ -819,6 +820,23 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), be);
         Ok(model::mean_loss::<E, B>(be, &self.cfg, source.get(), count, b, t, batch)? as f32)
     }
+    /// Move the persistent state on the device (compute weights, gradients, optimizer state)
+    /// out of sparsely used segments and give back every wholly free segment
+    /// (`engine::defrag`). Settles a delayed update first (its thread writes the weights).
+    pub fn defragment(&mut self) -> BackendResult<Defragmentation> {
+        self.settle()?;
+        let mut buffers: Vec<&mut Buffer> = Vec::new();
+        if let ParamStore::Device(b) = &mut self.params {
+            buffers.push(b);
+        }
+        buffers.push(&mut self.grads);
+        if let OptimizerState::Device { master, m, v } = &mut self.opt {
+            buffers.extend(master.as_mut());
+            buffers.push(m);
+            buffers.push(v);
+        }
+        defragment(&self.backend, &mut buffers)
+    }
 
     /// Write a checkpoint of the run `lineage` (see `run_dir`) into `run_dir` (rank 0 writes;
     /// every rank takes part in gathering the state).
@@ -1038,6 +1056,48 @@ mod tests {
         assert!(!s.skipped && s.grad_norm.is_finite());
         assert_ne!(tr.master_params().unwrap(), before, "a good step updates the weights");
         assert_eq!(tr.step, 2, "the skipped step still consumed its batch");
+    }
+
+    /// Defragmenting between steps moves the model state out of a segment it shared with
+    /// cache into one another buffer keeps alive, gives the emptied segment back, and the
+    /// training goes on bit for bit as without it.
+    #[test]
+    fn defragmenting_between_steps_moves_the_state_and_changes_nothing() {
+        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 128, block_size: 32, vocab: 256 };
+        let (_, mut hyper) = tiny();
+        hyper.knobs.seq_len = 32;
+        let mut batch = |s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
+            for p in 0..32u64 {
+                inp.push((mix64(s * 31 + i * 7 + p) % 256) as u32);
+                tgt.push((mix64(s * 31 + i * 7 + p + 1) % 256) as u32);
+            }
+        };
+        let run = |defragment: bool, batch: &mut BatchFn<'_>| {
+            let pool = Pool::new("cpu", 256 << 20);
+            // The model state (four 1.7 MiB buffers) is carved from one cached 8 MiB segment.
+            drop(pool.alloc(8 << 20, Category::Workspace).unwrap());
+            let mut tr = Trainer::<f32>::new(cfg, hyper.clone(), pool.clone()).unwrap();
+            let mut losses = Vec::new();
+            let mut moved = None;
+            for step in 0..4 {
+                losses.push(tr.train_step(batch).unwrap().loss.to_bits());
+                if defragment && step == 1 {
+                    // A long-lived buffer elsewhere, in a segment with room for the state.
+                    drop(pool.alloc(32 << 20, Category::Workspace).unwrap());
+                    let tenant = pool.alloc(2 << 20, Category::Workspace).unwrap();
+                    let d = tr.defragment().unwrap();
+                    assert!(d.after.reserved < d.before.reserved, "a segment went back: {d:?}");
+                    moved = Some((d, tenant));
+                }
+            }
+            (losses, tr.master_params().unwrap(), moved)
+        };
+        let (losses, master, _) = run(false, &mut batch);
+        let (d_losses, d_master, moved) = run(true, &mut batch);
+        let (d, _) = moved.unwrap();
+        assert_eq!(d.moved_buffers, 4, "the weights (fp32: also the master), gradients and both moments: {d:?}");
+        assert_eq!(d_losses, losses, "losses bitwise");
+        assert_eq!(d_master, master, "weights bitwise");
     }
 
     /// `memory.allocator: static`: the same training bit for bit; after the recorded first

@@ -32,7 +32,7 @@ use super::{
 use crate::engine::backend::collectives::DeviceCollectives;
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::optim::{AdamW, BETA1, BETA2, EPS};
-use crate::engine::backend::workspace::CudaAttention;
+use crate::engine::backend::workspace::{CudaAttention, WorkspaceModel};
 use crate::engine::backend::{shapes, Backend, BackendError, BackendResult, HostPin, View, ViewMut};
 
 /// Threads per block of the elementwise kernels (the workspace declarations size reductions'
@@ -514,6 +514,21 @@ impl Backend for CudaBackend {
         self.synchronize()
     }
 
+    fn copy<T: Pod>(&self, dst: ViewMut<T>, src: View<T>) -> BackendResult {
+        shapes::same("copy", "destination", dst.len(), src.len())?;
+        self.bind("copy")?;
+        // SAFETY: both views' bytes lie inside their buffers (same length, checked above).
+        unsafe {
+            drv::memcpy_dtod_async(
+                dst.address(),
+                src.address(),
+                std::mem::size_of::<T>() * src.len(),
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| self.device_err("copy", e))
+    }
+
     fn zero<T: Pod>(&self, dst: ViewMut<T>) -> BackendResult {
         let bytes = dst.len() * std::mem::size_of::<T>();
         self.bind("zero")?;
@@ -847,6 +862,37 @@ impl Backend for CudaBackend {
         args.extend(dims);
         args.push(Arg::I32(1));
         self.launch(OP, &format!("heads_permute_{dt}"), elementwise(b * t * c), &args)
+    }
+
+    fn attention_cached<E: Elem>(
+        &self,
+        out: ViewMut<E>,
+        cache: ViewMut<E>,
+        qkv: View<E>,
+        d: shapes::CachedAttention,
+    ) -> BackendResult {
+        const OP: &str = "attention_cached";
+        let dt = suffix::<E>(self, OP)?;
+        shapes::attention_cached(out.len(), cache.len(), qkv.len(), d)?;
+        let (b, tn, start, context) =
+            (int(OP, "B", d.b)?, int(OP, "Tn", d.tn)?, int(OP, "start", d.start)?, int(OP, "context", d.context)?);
+        let args = [Arg::Ptr(cache.address()), Arg::Ptr(qkv.address()), b, tn, start, context, int(OP, "C", d.c)?];
+        self.launch(OP, &format!("kv_append_{dt}"), elementwise(d.b * d.tn * d.c), &args)?;
+        // Scratch sized by the declaration the estimator sums.
+        let scores = self.scratch(WorkspaceModel::Cuda.attention_cached(d)[0])?;
+        let args = [
+            Arg::Ptr(out.address()),
+            Arg::Ptr(scores.address()),
+            Arg::Ptr(cache.address()),
+            Arg::Ptr(qkv.address()),
+            b,
+            tn,
+            start,
+            context,
+            int(OP, "NH", d.nh)?,
+            int(OP, "HS", d.c / d.nh)?,
+        ];
+        self.launch(OP, &format!("attention_cached_{dt}"), warp_rows(d.b * d.nh * d.tn), &args)
     }
 
     fn attention_backward<E: Elem>(
