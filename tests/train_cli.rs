@@ -156,17 +156,7 @@ fn gradient_accumulation_matches_one_big_batch() {
 fn release_cache_on_stdin_empties_the_cache_and_training_goes_on() {
     let dir = tempfile::tempdir().unwrap();
     let job = write_job(dir.path(), &job_yaml("cache", 6, 8, 8, "64MiB"));
-    let mut child = Command::new(bin())
-        .args(["train", "--config"])
-        .arg(&job)
-        .arg("--run-dir")
-        .arg(dir.path().join("run"))
-        .env("HEADROOM_LOG", "info")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_train(&job, &dir.path().join("run"), "info", Stdio::piped());
     let mut stdin = child.stdin.take().unwrap();
     let mut steps = 0;
     for line in BufReader::new(child.stdout.take().unwrap()).lines() {
@@ -209,17 +199,7 @@ fn defragmentation_at_checkpoints_and_on_stdin_reports_and_changes_no_loss() {
         dir.path(),
         &plain.replace("device_memory: 64MiB }", "device_memory: 64MiB, defragment_above: 0.01 }"),
     );
-    let mut child = Command::new(bin())
-        .args(["train", "--config"])
-        .arg(&job)
-        .arg("--run-dir")
-        .arg(dir.path().join("run"))
-        .env("HEADROOM_LOG", "warn")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_train(&job, &dir.path().join("run"), "warn", Stdio::piped());
     let mut stdin = child.stdin.take().unwrap();
     let mut ev = Vec::new();
     for line in BufReader::new(child.stdout.take().unwrap()).lines() {
@@ -260,17 +240,7 @@ fn defragmentation_at_checkpoints_and_on_stdin_reports_and_changes_no_loss() {
 fn checkpoint_and_exit_on_stdin_exits_4_after_a_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let job = write_job(dir.path(), &job_yaml("ctl", 100_000, 8, 8, "64MiB"));
-    let mut child = Command::new(bin())
-        .args(["train", "--config"])
-        .arg(&job)
-        .arg("--run-dir")
-        .arg(dir.path().join("run"))
-        .env("HEADROOM_LOG", "warn")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_train(&job, &dir.path().join("run"), "warn", Stdio::null());
     let mut stdin = child.stdin.take().unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut sent = false;

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
 
 use serde_json::Value;
 
@@ -43,6 +43,22 @@ pub fn write_job(dir: &Path, yaml: &str) -> PathBuf {
     let path = dir.join("job.yaml");
     std::fs::write(&path, yaml).unwrap();
     path
+}
+
+/// `headroom train` with its stdin and stdout piped (control lines in, events out), stderr piped
+/// or dropped, logging at `log`.
+pub fn spawn_train(job: &Path, run_dir: &Path, log: &str, stderr: Stdio) -> Child {
+    Command::new(bin())
+        .args(["train", "--config"])
+        .arg(job)
+        .arg("--run-dir")
+        .arg(run_dir)
+        .env("HEADROOM_LOG", log)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .expect("spawn headroom train")
 }
 
 pub fn train(job: &Path, run_dir: &Path, extra: &[&str]) -> Output {

@@ -480,46 +480,24 @@ pub fn attention_forward<E: Elem>(
     let out_ptr = SendPtr(out.as_mut_ptr());
     att.par_chunks_mut(t * t).zip(scratch.par_chunks_mut(t)).enumerate().for_each(|(bh, (att_bh, row))| {
         let (bi, h) = (bh / nh, bh % nh);
-        let mut o32 = [0.0f32; 256];
         for ti in 0..t {
             let q = &qkv[(bi * t + ti) * 3 * c + h * hs..][..hs];
-            let mut maxval = f32::NEG_INFINITY;
-            for t2 in 0..=ti {
-                let k = &qkv[(bi * t + t2) * 3 * c + c + h * hs..][..hs];
-                let s = dot(q, k) * scale;
-                row[t2] = s;
-                maxval = maxval.max(s);
-            }
-            let mut sum = 0.0f32;
-            for v in row[..=ti].iter_mut() {
-                *v = (*v - maxval).exp();
-                sum += *v;
-            }
-            let inv = 1.0 / sum;
+            softmax_scores(row, q, ti, scale, |t2| &qkv[(bi * t + t2) * 3 * c + c + h * hs..][..hs]);
             let att_row = &mut att_bh[ti * t..][..t];
             for t2 in 0..=ti {
-                row[t2] *= inv;
                 att_row[t2] = E::from_f32(row[t2]);
             }
             att_row[ti + 1..].fill(E::default());
             // SAFETY: task (bi,h) alone writes out[bi, ti, h*hs .. (h+1)*hs].
             let o = unsafe { out_ptr.slice((bi * t + ti) * c + h * hs, hs) };
-            for chunk in (0..hs).step_by(256) {
-                let w = (hs - chunk).min(256);
-                let acc = &mut o32[..w];
-                acc.fill(0.0);
-                for t2 in 0..=ti {
-                    let v = &qkv[(bi * t + t2) * 3 * c + 2 * c + h * hs + chunk..][..w];
-                    // Backward uses the stored probabilities: use the same rounded values here.
-                    let a = att_row[t2].to_f32();
-                    for i in 0..w {
-                        acc[i] += a * v[i].to_f32();
-                    }
-                }
-                for i in 0..w {
-                    o[chunk + i] = E::from_f32(acc[i]);
-                }
-            }
+            // Backward uses the stored probabilities: use the same rounded values here.
+            let att_row = &att_bh[ti * t..][..t];
+            weighted_values(
+                o,
+                ti,
+                |t2| att_row[t2].to_f32(),
+                |t2| &qkv[(bi * t + t2) * 3 * c + 2 * c + h * hs..][..hs],
+            );
         }
     });
 }
@@ -597,6 +575,18 @@ pub fn attention_backward<E: Elem>(
     }
 }
 
+/// The dimensions of `attention_cached`: `tn` new tokens per sequence at positions
+/// `start..start + tn` of a cache that holds `context` positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CachedAttention {
+    pub b: usize,
+    pub tn: usize,
+    pub start: usize,
+    pub context: usize,
+    pub c: usize,
+    pub nh: usize,
+}
+
 /// f32 scratch elements `attention_cached` needs: a row of scores per (batch, head).
 pub fn attention_cached_scratch(b: usize, context: usize, nh: usize) -> usize {
     b * nh * context
@@ -607,14 +597,8 @@ pub fn attention_cached_scratch(b: usize, context: usize, nh: usize) -> usize {
 /// then new token i (position start+i) attends to positions 0..=start+i. out: (B,Tn,C).
 /// Softmax and products as `attention_forward`'s (probabilities rounded to `E` before they
 /// weight the values), so a cached pass gives the same outputs as a full one.
-pub fn attention_cached<E: Elem>(
-    out: &mut [E],
-    cache: &mut [E],
-    qkv: &[E],
-    scratch: &mut [f32],
-    d: super::shapes::CachedAttention,
-) {
-    let super::shapes::CachedAttention { b, tn, start, context, c, nh } = d;
+pub fn attention_cached<E: Elem>(out: &mut [E], cache: &mut [E], qkv: &[E], scratch: &mut [f32], d: CachedAttention) {
+    let CachedAttention { b, tn, start, context, c, nh } = d;
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     assert_eq!(cache.len(), 2 * b * context * c, "cache: (2,B,context,C)");
@@ -635,40 +619,62 @@ pub fn attention_cached<E: Elem>(
         for i in 0..tn {
             let q = &qkv[(bi * tn + i) * 3 * c + h * hs..][..hs];
             let last = start + i;
-            let mut maxval = f32::NEG_INFINITY;
-            for t2 in 0..=last {
-                let s = dot(q, &keys[(bi * context + t2) * c + h * hs..][..hs]) * scale;
-                row[t2] = s;
-                maxval = maxval.max(s);
-            }
-            let mut sum = 0.0f32;
+            softmax_scores(row, q, last, scale, |t2| &keys[(bi * context + t2) * c + h * hs..][..hs]);
             for v in row[..=last].iter_mut() {
-                *v = (*v - maxval).exp();
-                sum += *v;
-            }
-            let inv = 1.0 / sum;
-            for v in row[..=last].iter_mut() {
-                *v = E::from_f32(*v * inv).to_f32();
+                *v = E::from_f32(*v).to_f32();
             }
             // SAFETY: task (bi,h) alone writes out[bi, i, h*hs .. (h+1)*hs].
             let o = unsafe { out_ptr.slice((bi * tn + i) * c + h * hs, hs) };
-            let mut o32 = [0.0f32; 256];
-            for chunk in (0..hs).step_by(256) {
-                let w = (hs - chunk).min(256);
-                let acc = &mut o32[..w];
-                acc.fill(0.0);
-                for (t2, &a) in row[..=last].iter().enumerate() {
-                    let v = &values[(bi * context + t2) * c + h * hs + chunk..][..w];
-                    for k in 0..w {
-                        acc[k] += a * v[k].to_f32();
-                    }
-                }
-                for k in 0..w {
-                    o[chunk + k] = E::from_f32(acc[k]);
-                }
-            }
+            weighted_values(o, last, |t2| row[t2], |t2| &values[(bi * context + t2) * c + h * hs..][..hs]);
         }
     });
+}
+
+/// row[..=last] = softmax over t of scale · q·key(t), t = 0..=last, in f32 (the maximum
+/// subtracted first): one causal attention row, shared by the full and the cached pass.
+#[inline]
+fn softmax_scores<'k, E: Elem + 'k>(row: &mut [f32], q: &[E], last: usize, scale: f32, key: impl Fn(usize) -> &'k [E]) {
+    let mut maxval = f32::NEG_INFINITY;
+    for (t2, r) in row[..=last].iter_mut().enumerate() {
+        *r = dot(q, key(t2)) * scale;
+        maxval = maxval.max(*r);
+    }
+    let mut sum = 0.0f32;
+    for v in row[..=last].iter_mut() {
+        *v = (*v - maxval).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in row[..=last].iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// o (HS) = Σ p(t) · value(t) over t = 0..=last, accumulated in f32 in chunks of 256 channels
+/// (t in order, so the sum is the same wherever the values live).
+#[inline]
+fn weighted_values<'v, E: Elem + 'v>(
+    o: &mut [E],
+    last: usize,
+    p: impl Fn(usize) -> f32,
+    value: impl Fn(usize) -> &'v [E],
+) {
+    let hs = o.len();
+    let mut o32 = [0.0f32; 256];
+    for chunk in (0..hs).step_by(256) {
+        let w = (hs - chunk).min(256);
+        let acc = &mut o32[..w];
+        acc.fill(0.0);
+        for t2 in 0..=last {
+            let (a, v) = (p(t2), &value(t2)[chunk..chunk + w]);
+            for k in 0..w {
+                acc[k] += a * v[k].to_f32();
+            }
+        }
+        for k in 0..w {
+            o[chunk + k] = E::from_f32(acc[k]);
+        }
+    }
 }
 
 #[inline]

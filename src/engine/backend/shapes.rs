@@ -6,6 +6,7 @@
 #![allow(clippy::too_many_arguments)]
 
 use super::error::{check_shape, BackendError, BackendResult};
+pub use super::layers::CachedAttention;
 use super::layers::Elem;
 use super::view::View;
 
@@ -162,18 +163,6 @@ pub fn attention_forward(out: usize, att: usize, qkv: usize, b: usize, t: usize,
     const OP: &str = "attention_forward";
     attention(OP, qkv, att, b, t, c, nh)?;
     same(OP, "out (B,T,C)", out, b * t * c)
-}
-
-/// The dimensions of `attention_cached`: `tn` new tokens per sequence at positions
-/// `start..start + tn` of a cache that holds `context` positions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CachedAttention {
-    pub b: usize,
-    pub tn: usize,
-    pub start: usize,
-    pub context: usize,
-    pub c: usize,
-    pub nh: usize,
 }
 
 /// `attention_cached`: out (B,Tn,C), cache (2,B,context,C), qkv (B,Tn,3C), the new tokens
