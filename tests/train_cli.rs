@@ -743,7 +743,7 @@ fn quantized_weights_take_a_quarter_or_an_eighth_and_keep_perplexity() {
         assert_eq!(out.status.code(), Some(0), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
-    let table = headroom(&["eval", "--schemes", "fp32,int8,int4-g64,int4-g32"]);
+    let table = headroom(&["eval", "--schemes", "fp32,bf16,int8,int4-g64,int4-g32"]);
     // scheme, weight bytes (2 words), × fp32, val loss, perplexity, Δ ppl
     let row = |scheme: &str| -> (f64, f64, f64) {
         let line = table.lines().find(|l| l.starts_with(&format!("{scheme} "))).unwrap_or_else(|| panic!("{table}"));
@@ -752,6 +752,8 @@ fn quantized_weights_take_a_quarter_or_an_eighth_and_keep_perplexity() {
     };
     let (fp32_ratio, fp32_loss, _) = row("fp32");
     assert!((1.0..1.02).contains(&fp32_ratio) && fp32_loss < 3.0, "{table}");
+    let (bf16_ratio, _, bf16_delta) = row("bf16");
+    assert!((0.5..0.52).contains(&bf16_ratio) && bf16_delta.abs() < 0.5, "{table}");
     let (int8_ratio, _, int8_delta) = row("int8");
     assert!(int8_ratio < 0.30 && int8_delta.abs() < 1.0, "{table}");
     let (int4_ratio, int4_loss, int4_delta) = row("int4-g64");

@@ -26,7 +26,7 @@ pub struct QuantizeArgs {
     /// Run directory holding the checkpoints (default: runs/<name>).
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
-    /// int8, int4-g32, int4-g64 or int4-g128.
+    /// bf16, int8, int4-g32, int4-g64 or int4-g128.
     #[arg(long, default_value = "int4-g64")]
     pub scheme: String,
     /// The quantized model file to write.
@@ -43,7 +43,7 @@ pub struct EvalArgs {
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
     /// Storage schemes to compare, the first the reference of the Δ column.
-    #[arg(long, default_value = "fp32,int8,int4-g128,int4-g64,int4-g32", value_delimiter = ',')]
+    #[arg(long, default_value = "fp32,bf16,int8,int4-g128,int4-g64,int4-g32", value_delimiter = ',')]
     pub schemes: Vec<String>,
     /// Evaluate this quantized model file (from `headroom quantize`) instead of the checkpoint.
     #[arg(long, conflicts_with = "schemes")]

@@ -29,6 +29,8 @@ use crate::memory::{Buffer, Category};
 pub enum Scheme {
     /// Every value in f32 (the reference the others are measured against).
     Fp32,
+    /// Every matrix value in bf16 (rounded to nearest even): half the bytes, no scales.
+    Bf16,
     /// One int8 code per value, one f32 scale (absmax / 127) per row.
     Int8,
     /// Two 4-bit codes per byte, one f32 scale per `group` values of a row.
@@ -40,10 +42,11 @@ impl Scheme {
     pub fn parse(text: &str) -> Result<Scheme, String> {
         match text {
             "fp32" => Ok(Scheme::Fp32),
+            "bf16" => Ok(Scheme::Bf16),
             "int8" => Ok(Scheme::Int8),
             _ => match text.strip_prefix("int4-g").and_then(|g| g.parse::<usize>().ok()) {
                 Some(group @ (32 | 64 | 128)) => Ok(Scheme::Int4 { group }),
-                _ => Err(format!("`{text}` is not a scheme: fp32, int8, int4-g32, int4-g64 or int4-g128")),
+                _ => Err(format!("`{text}` is not a scheme: fp32, bf16, int8, int4-g32, int4-g64 or int4-g128")),
             },
         }
     }
@@ -51,6 +54,7 @@ impl Scheme {
     pub fn name(&self) -> String {
         match self {
             Scheme::Fp32 => "fp32".into(),
+            Scheme::Bf16 => "bf16".into(),
             Scheme::Int8 => "int8".into(),
             Scheme::Int4 { group } => format!("int4-g{group}"),
         }
@@ -61,6 +65,7 @@ impl Scheme {
 #[derive(Debug, Clone, PartialEq)]
 pub enum QTensor {
     Full(Vec<f32>),
+    Bf16(Vec<half::bf16>),
     Int8 { q: Vec<i8>, scales: Vec<f32>, row: usize },
     Int4 { packed: Vec<u8>, scales: Vec<f32>, group: usize },
 }
@@ -70,6 +75,7 @@ impl QTensor {
     pub fn bytes(&self) -> usize {
         match self {
             QTensor::Full(v) => 4 * v.len(),
+            QTensor::Bf16(v) => 2 * v.len(),
             QTensor::Int8 { q, scales, .. } => q.len() + 4 * scales.len(),
             QTensor::Int4 { packed, scales, .. } => packed.len() + 4 * scales.len(),
         }
@@ -79,6 +85,7 @@ impl QTensor {
     pub fn dequantize(&self) -> Vec<f32> {
         match self {
             QTensor::Full(v) => v.clone(),
+            QTensor::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
             QTensor::Int8 { q, scales, row } => {
                 let mut out = vec![0f32; q.len()];
                 crate::engine::backend::layers::unpack_int8(&mut out, q, scales, *row);
@@ -114,6 +121,7 @@ fn row_len(cfg: &GptConfig, t: &TensorInfo) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Storage {
     Full,
+    Bf16,
     Int8 { row: usize },
     Int4 { group: usize },
 }
@@ -124,6 +132,7 @@ impl Storage {
         match scheme {
             _ if !t.decay => Storage::Full,
             Scheme::Fp32 => Storage::Full,
+            Scheme::Bf16 => Storage::Bf16,
             Scheme::Int8 => Storage::Int8 { row },
             // A row shorter than the group, or not a multiple of it, uses the row as its group.
             Scheme::Int4 { group } => Storage::Int4 { group: if row.is_multiple_of(group) { group } else { row } },
@@ -135,6 +144,7 @@ impl Storage {
     fn buffer_bytes(self, len: usize) -> Vec<usize> {
         match self {
             Storage::Full => vec![4 * len],
+            Storage::Bf16 => vec![2 * len],
             Storage::Int8 { row } => vec![len, 4 * (len / row)],
             Storage::Int4 { group } => vec![len / 2, 4 * (len / group)],
         }
@@ -151,6 +161,7 @@ pub fn quantize(cfg: &GptConfig, master: &[f32], scheme: Scheme) -> QuantModel {
             let x = &master[t.offset..t.offset + t.len];
             let q = match Storage::of(cfg, &t, scheme) {
                 Storage::Full => QTensor::Full(x.to_vec()),
+                Storage::Bf16 => QTensor::Bf16(x.iter().map(|&v| half::bf16::from_f32(v)).collect()),
                 Storage::Int8 { row } => {
                     let (q, scales) = int8_rows(x, row);
                     QTensor::Int8 { q, scales, row }
@@ -225,7 +236,7 @@ struct TensorEntry {
     offset: usize,
     len: usize,
     decay: bool,
-    /// `full`, `int8` (with `row`) or `int4` (with `group`).
+    /// `full`, `bf16`, `int8` (with `row`) or `int4` (with `group`).
     kind: String,
     #[serde(default)]
     row: usize,
@@ -263,6 +274,10 @@ impl QuantModel {
                     QTensor::Full(v) => {
                         blobs.extend(v.iter().flat_map(|x| x.to_le_bytes()));
                         ("full", 0, 0)
+                    }
+                    QTensor::Bf16(v) => {
+                        blobs.extend(v.iter().flat_map(|x| x.to_bits().to_le_bytes()));
+                        ("bf16", 0, 0)
                     }
                     QTensor::Int8 { q, scales, row } => {
                         blobs.extend(q.iter().map(|&b| b as u8));
@@ -335,6 +350,12 @@ impl QuantModel {
         for e in header.tensors {
             let q = match e.kind.as_str() {
                 "full" => QTensor::Full(floats(take(4 * e.len)?)),
+                "bf16" => QTensor::Bf16(
+                    take(2 * e.len)?
+                        .chunks(2)
+                        .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+                        .collect(),
+                ),
                 "int8" if e.row > 0 && e.len % e.row == 0 => {
                     let q = take(e.len)?.iter().map(|&b| b as i8).collect();
                     QTensor::Int8 { q, scales: floats(take(4 * (e.len / e.row))?), row: e.row }
@@ -362,6 +383,7 @@ impl QuantModel {
 /// One tensor in the device pool.
 enum Stored {
     Full(Buffer),
+    Bf16(Buffer),
     Int8 { q: Buffer, scales: Buffer, row: usize },
     Int4 { packed: Buffer, scales: Buffer, group: usize },
 }
@@ -389,6 +411,7 @@ impl<'a, B: Backend> Quantized<'a, B> {
             .map(|(t, q)| {
                 let stored = match q {
                     QTensor::Full(v) => Stored::Full(floats(v)?),
+                    QTensor::Bf16(v) => Stored::Bf16(put(bytemuck::cast_slice(v))?),
                     QTensor::Int8 { q, scales, row } => {
                         Stored::Int8 { q: put(bytemuck::cast_slice(q))?, scales: floats(scales)?, row: *row }
                     }
@@ -413,6 +436,7 @@ impl<E: Elem, B: Backend> ParamSource<E> for Quantized<'_, B> {
             let dst = ViewMut::<E>::range(&mut out, at);
             match stored {
                 Stored::Full(v) => be.narrow::<E>(dst, View::of(v))?,
+                Stored::Bf16(v) => bf16_into(be, dst, View::of(v))?,
                 Stored::Int8 { q, scales, row } => be.unpack_int8::<E>(dst, View::of(q), View::of(scales), *row)?,
                 Stored::Int4 { packed, scales, group } => {
                     be.unpack_int4::<E>(dst, View::of(packed), View::of(scales), *group)?
@@ -420,6 +444,19 @@ impl<E: Elem, B: Backend> ParamSource<E> for Quantized<'_, B> {
             }
         }
         Ok(Weights::Staged(out))
+    }
+}
+
+/// bf16 weights into a segment of `E`: a copy, a widening, or through f32 (fp16).
+fn bf16_into<E: Elem, B: Backend>(be: &B, dst: ViewMut<E>, src: View<half::bf16>) -> BackendResult {
+    match E::NAME {
+        "bf16" => be.copy(dst.reinterpret::<half::bf16>(), src),
+        "fp32" => be.widen::<half::bf16>(dst.reinterpret::<f32>(), src),
+        _ => {
+            let mut wide = crate::engine::model::alloc_f32(be.pool(), src.len(), Category::Workspace)?;
+            be.widen::<half::bf16>(ViewMut::of(&mut wide), src)?;
+            be.narrow::<E>(dst, View::of(&wide))
+        }
     }
 }
 
@@ -553,13 +590,18 @@ mod tests {
     fn each_scheme_reconstructs_within_its_step_and_int4_clipping_never_hurts() {
         let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 32, vocab: 256 };
         let w = weights(&cfg);
-        for scheme in [Scheme::Int8, Scheme::Int4 { group: 32 }, Scheme::Int4 { group: 64 }] {
+        for scheme in [Scheme::Bf16, Scheme::Int8, Scheme::Int4 { group: 32 }, Scheme::Int4 { group: 64 }] {
             let m = quantize(&cfg, &w, scheme);
             for (t, q) in &m.tensors {
                 let x = &w[t.offset..t.offset + t.len];
                 let back = q.dequantize();
                 match q {
                     QTensor::Full(_) => assert_eq!(back, x, "{}: kept exactly", t.name),
+                    QTensor::Bf16(_) => {
+                        for (a, b) in x.iter().zip(&back) {
+                            assert!((a - b).abs() <= a.abs() / 256.0, "{}: within half a bf16 step", t.name);
+                        }
+                    }
                     QTensor::Int8 { scales, row, .. } => {
                         for (i, (a, b)) in x.iter().zip(&back).enumerate() {
                             assert!((a - b).abs() <= scales[i / row] / 2.0 + 1e-7, "{}: half a step", t.name);
@@ -582,6 +624,7 @@ mod tests {
             }
             let ratio = m.bytes() as f64 / (4 * cfg.num_params()) as f64;
             let expected = match scheme {
+                Scheme::Bf16 => 0.5..0.52,
                 Scheme::Int8 => 0.25..0.30,
                 _ => 0.125..0.19,
             };
@@ -635,7 +678,9 @@ mod tests {
         let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 32, vocab: 96 };
         let w = weights(&cfg);
         let sampling = Sampling { temperature: 0.0, top_k: 0, seed: 1 };
-        for scheme in [Scheme::Fp32, Scheme::Int8, Scheme::Int4 { group: 32 }, Scheme::Int4 { group: 128 }] {
+        for scheme in
+            [Scheme::Fp32, Scheme::Bf16, Scheme::Int8, Scheme::Int4 { group: 32 }, Scheme::Int4 { group: 128 }]
+        {
             let m = quantize(&cfg, &w, scheme);
             let stored: usize = crate::memory::blocks_bytes(&stored_buffer_bytes(&cfg, scheme));
             for shape in [DecodeShape { context: 32, chunk: 8 }, DecodeShape { context: 12, chunk: 12 }] {
@@ -660,9 +705,14 @@ mod tests {
     #[test]
     fn the_file_round_trips_and_a_damaged_one_is_refused() {
         let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 32, block_size: 16, vocab: 64 };
-        let m = quantize(&cfg, &weights(&cfg), Scheme::Int4 { group: 32 });
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.hrq");
+        for scheme in [Scheme::Bf16, Scheme::Int8] {
+            let m = quantize(&cfg, &weights(&cfg), scheme);
+            m.write(&path).unwrap();
+            assert_eq!(QuantModel::read(&path).unwrap(), m, "{}", scheme.name());
+        }
+        let m = quantize(&cfg, &weights(&cfg), Scheme::Int4 { group: 32 });
         m.write(&path).unwrap();
         assert_eq!(QuantModel::read(&path).unwrap(), m);
         let mut bytes = std::fs::read(&path).unwrap();
@@ -680,7 +730,7 @@ mod tests {
     fn fetched_segments_are_the_dequantized_weights_and_the_pool_holds_the_codes() {
         let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 32, vocab: 256 };
         let w = weights(&cfg);
-        for scheme in [Scheme::Fp32, Scheme::Int8, Scheme::Int4 { group: 64 }] {
+        for scheme in [Scheme::Fp32, Scheme::Bf16, Scheme::Int8, Scheme::Int4 { group: 64 }] {
             let m = quantize(&cfg, &w, scheme);
             let reference: Vec<f32> = m.tensors.iter().flat_map(|(_, q)| q.dequantize()).collect();
             let be = CpuBackend::new(Pool::new("cpu", 64 << 20));
@@ -690,7 +740,14 @@ mod tests {
             assert_eq!(params, stored, "{}: the pool holds what the scheme stores", scheme.name());
             for range in [cfg.embed_range(), cfg.layer_range(0), cfg.layer_range(1), cfg.lnf_range()] {
                 let got = ParamSource::<f32>::fetch(&source, range.clone(), None).unwrap();
-                assert_eq!(got.view().host(), &reference[range], "{}", scheme.name());
+                assert_eq!(got.view().host(), &reference[range.clone()], "{}", scheme.name());
+                // Into 16-bit segments: the reference rounded once.
+                let got = ParamSource::<half::bf16>::fetch(&source, range.clone(), None).unwrap();
+                let want: Vec<half::bf16> = reference[range.clone()].iter().map(|&x| half::bf16::from_f32(x)).collect();
+                assert_eq!(got.view().host(), &want[..], "{} as bf16", scheme.name());
+                let got = ParamSource::<half::f16>::fetch(&source, range.clone(), None).unwrap();
+                let want: Vec<half::f16> = reference[range.clone()].iter().map(|&x| half::f16::from_f32(x)).collect();
+                assert_eq!(got.view().host(), &want[..], "{} as fp16", scheme.name());
             }
         }
     }
