@@ -683,6 +683,16 @@ policy: default
         assert_eq!(JobSpec::parse(&json).unwrap(), spec);
     }
 
+    /// Every job file the repository ships parses and validates.
+    #[test]
+    fn the_shipped_job_files_are_valid() {
+        for file in ["data/demo-job.yaml", "data/example-job.yaml", "data/quant-job.yaml"] {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+            let text = std::fs::read_to_string(&path).unwrap();
+            JobSpec::parse(&text).unwrap_or_else(|e| panic!("{file}: {e}"));
+        }
+    }
+
     fn err_of(edit: &str, with: &str) -> ConfigError {
         JobSpec::parse(&EXAMPLE.replace(edit, with)).unwrap_err()
     }
