@@ -493,6 +493,43 @@ mod tests {
             .collect()
     }
 
+    /// A trainer's `defragmented` line becomes one `defragmented` event saying what moved and
+    /// what changed, and asks for nothing.
+    #[test]
+    fn a_defragmentation_is_recorded_with_its_figures() {
+        use crate::memory::PoolShape;
+        let mut m = Monitor::new(&policy(0.85, 0.95, 2, None), 1);
+        let shape = |reserved: usize, stranded: usize| PoolShape {
+            allocated: 4 << 20,
+            reserved,
+            stranded,
+            largest_free_block: stranded,
+            segments: 2,
+        };
+        let line = Line {
+            t: 1.0,
+            event: Event::Defragmented(protocol::Defragmented {
+                step: 8,
+                reason: "checkpoint".into(),
+                moved_buffers: 2,
+                moved_bytes: 2 << 20,
+                before: shape(12 << 20, 8 << 20),
+                after: shape(6 << 20, 2 << 20),
+            }),
+        };
+        let notices = m.observe(&line);
+        assert_eq!(notices.len(), 1, "{notices:?}");
+        assert_eq!(notices[0].0, "defragmented");
+        assert!(
+            notices[0].1.starts_with(
+                "step 8 (checkpoint): moved 2 buffers (2.00 MiB); reserved 12.00 MiB -> 6.00 MiB, stranded 8.00 MiB -> 2.00 MiB"
+            ),
+            "{}",
+            notices[0].1
+        );
+        assert!(!m.wants_preempt() && !m.wants_release_cache());
+    }
+
     /// warn, preempt, sustain, reserved per step, notice kinds per step, wants preempt after.
     type ThresholdCase = (f64, f64, u32, &'static [usize], &'static [&'static [&'static str]], bool);
 
