@@ -50,8 +50,8 @@ mod tests {
 
     const MIB: usize = 1 << 20;
 
-    /// Two 6 MiB segments, each carved into three 2 MiB blocks; freeing four of them leaves one
-    /// live block in each segment. An 8 MiB request cannot fit 16 MiB beside 12 reserved, and
+    /// Two 6 MiB segments, each carved into three blocks (2, 2 and 1.5 MiB — the last keeps the
+    /// segment's 0.5 MiB tail unsplit); freeing four of them leaves one live block in each. An 8 MiB request cannot fit 16 MiB beside 12 reserved, and
     /// releasing the cache frees nothing; after defragmentation (the lone block of the first
     /// segment moves into the second's free space, the first goes back) it fits, and the moved
     /// buffer kept its contents.
@@ -61,12 +61,14 @@ mod tests {
         let be = CpuBackend::new(pool.clone());
         let carve = || {
             drop(pool.alloc(6 * MIB, Category::Activations).unwrap());
-            let blocks: Vec<Buffer> = (0..3).map(|_| pool.alloc(2 * MIB, Category::Params).unwrap()).collect();
+            let blocks: Vec<Buffer> =
+                [2 * MIB, 2 * MIB, 3 * MIB / 2].iter().map(|&n| pool.alloc(n, Category::Params).unwrap()).collect();
             blocks
         };
-        let [a1, mut b1, c1]: [Buffer; 3] = carve().try_into().unwrap();
+        let [a1, c1, mut b1]: [Buffer; 3] = carve().try_into().unwrap();
         // The first segment is full: the second carve gets a segment of its own.
         let [a2, b2, c2]: [Buffer; 3] = carve().try_into().unwrap();
+        let allocated = pool.stats().allocated();
         assert_eq!(pool.stats().reserved, 12 * MIB);
         b1.as_mut_slice::<u32>().iter_mut().enumerate().for_each(|(i, x)| *x = i as u32 * 7);
         drop((a1, c1, b2, c2));
@@ -76,18 +78,22 @@ mod tests {
         pool.empty_cache();
         assert_eq!(pool.stats().reserved, 12 * MIB, "no segment is wholly free");
         let before = pool.shape();
+        // Segment one: 4 MiB free beside b1's block (its tail included); segment two: 4 MiB.
         assert_eq!(before.stranded, 8 * MIB);
         assert!((before.stranded_share() - 8.0 / 12.0).abs() < 1e-12);
+        assert_eq!(before.allocated, allocated - 4 * MIB - 3 * MIB / 2 - 2 * MIB);
 
         let d = defragment(&be, &mut [&mut b1, &mut kept]).unwrap();
-        assert_eq!((d.moved_buffers, d.moved_bytes), (1, 2 * MIB), "one buffer moved: {d:?}");
+        assert_eq!((d.moved_buffers, d.moved_bytes), (1, 3 * MIB / 2), "one buffer moved: {d:?}");
         assert_eq!(d.before, before);
-        assert_eq!((d.after.reserved, d.after.allocated, d.after.segments), (6 * MIB, 4 * MIB, 1));
-        assert_eq!(d.after.stranded, 2 * MIB);
+        assert_eq!(d.after.allocated, d.before.allocated, "the home holds the request, not the old tail");
+        assert_eq!((d.after.reserved, d.after.segments), (6 * MIB, 1));
+        assert_eq!(d.after.stranded, 5 * MIB / 2);
         assert!(b1.as_slice::<u32>().iter().enumerate().all(|(i, &x)| x == i as u32 * 7), "contents moved");
         assert!(kept.as_slice::<u32>().iter().all(|&x| x == 5));
         let big = pool.alloc(8 * MIB, Category::Activations).expect("fits after defragmentation");
-        drop(big);
+        drop((big, b1, kept));
+        assert_eq!(pool.stats().allocated(), 0, "every byte counted in is counted out");
     }
 
     /// A segment with a block compaction was not given stays; nothing moves, nothing is lost.

@@ -547,13 +547,13 @@ impl Pool {
     /// from free blocks already reserved. Returns (index into `buffers`, its new home, same
     /// length and category); buffers that stay where they are are not listed.
     pub fn compaction_homes(&self, buffers: &[&Buffer]) -> Vec<(usize, Buffer)> {
-        let movable: Vec<(usize, (usize, usize))> = buffers
+        let movable: Vec<(usize, (usize, usize, usize))> = buffers
             .iter()
             .enumerate()
             .filter(|(_, b)| Arc::ptr_eq(&b.pool.inner, &self.inner) && b.origin == Origin::Cached)
-            .map(|(i, b)| (i, (b.segment, b.offset)))
+            .map(|(i, b)| (i, (b.segment, b.offset, b.size)))
             .collect();
-        let at: Vec<(usize, usize)> = movable.iter().map(|&(_, at)| at).collect();
+        let at: Vec<(usize, usize, usize)> = movable.iter().map(|&(_, at)| at).collect();
         let moves = self.lock().plan_compaction(&at);
         moves
             .into_iter()
@@ -958,16 +958,17 @@ impl PoolInner {
             .collect()
     }
 
-    /// New homes for movable blocks (given as (segment, offset)), so that whole segments hold
-    /// none of them: segments whose live blocks are all movable are tried emptiest first; each
-    /// of their blocks, largest first, gets the best-fitting free block of the same kind
-    /// (small or large) in a segment that is neither being emptied nor was emptied; a segment
-    /// whose blocks do not all fit keeps them (its tentative homes are given back), and one
-    /// that received blocks is not emptied afterwards. No new segment is reserved. The homes
-    /// are counted as allocated from here on: (index into `movable`, segment, offset, address).
-    fn plan_compaction(&mut self, movable: &[(usize, usize)]) -> Vec<(usize, usize, usize, u64)> {
-        let index: std::collections::HashMap<(usize, usize), usize> =
-            movable.iter().enumerate().map(|(i, &at)| (at, i)).collect();
+    /// New homes for movable blocks (given as (segment, offset, request size)), so that whole
+    /// segments hold none of them: segments whose live blocks are all movable are tried
+    /// emptiest first; each of their blocks, largest first, gets the best-fitting free block
+    /// of the same kind (small or large) for its request in a segment that holds live blocks
+    /// and is neither being emptied nor was emptied; a segment whose blocks do not all fit
+    /// keeps them (a dry run decides before anything is carved), and one that received blocks
+    /// is not emptied afterwards. No new segment is reserved. The homes are counted as
+    /// allocated from here on: (index into `movable`, segment, offset, address).
+    fn plan_compaction(&mut self, movable: &[(usize, usize, usize)]) -> Vec<(usize, usize, usize, u64)> {
+        let index: std::collections::HashMap<(usize, usize), (usize, usize)> =
+            movable.iter().enumerate().map(|(i, &(seg, off, size))| ((seg, off), (i, size))).collect();
         let mut candidates: Vec<(usize, usize)> = self
             .fixed_segments()
             .into_iter()
@@ -997,9 +998,10 @@ impl PoolInner {
                 .filter(|(_, b)| b.category.is_none())
                 .map(|(&offset, b)| FreeKey { size: b.size, segment: s, offset })
                 .collect();
-            let mut blocks: Vec<(usize, BlockState)> =
-                seg.blocks.iter().filter(|(_, b)| b.category.is_some()).map(|(&o, &b)| (o, b)).collect();
-            blocks.sort_by_key(|&(o, b)| (std::cmp::Reverse(b.size), o));
+            // (offset, request size, category): a home needs the request, not an unsplit tail.
+            let mut blocks: Vec<(usize, usize, Category)> =
+                seg.blocks.iter().filter_map(|(&o, b)| b.category.map(|c| (o, index[&(s, o)].1, c))).collect();
+            blocks.sort_by_key(|&(o, size, _)| (std::cmp::Reverse(size), o));
             let set = if small { &mut self.free_small } else { &mut self.free_large };
             for k in &free {
                 set.remove(k);
@@ -1008,17 +1010,13 @@ impl PoolInner {
             // leaves no trace; then the same choices for real.
             let mut trial = if small { self.free_small.clone() } else { self.free_large.clone() };
             let split_threshold = if small { ROUND } else { SMALL_LIMIT };
-            let fits = blocks.iter().all(|&(_, b)| {
-                let Some(key) = self.home_in(&trial, b.size) else {
+            let fits = blocks.iter().all(|&(_, size, _)| {
+                let Some(key) = self.home_in(&trial, size) else {
                     return false;
                 };
                 trial.remove(&key);
-                if key.size - b.size >= split_threshold {
-                    trial.insert(FreeKey {
-                        size: key.size - b.size,
-                        segment: key.segment,
-                        offset: key.offset + b.size,
-                    });
+                if key.size - size >= split_threshold {
+                    trial.insert(FreeKey { size: key.size - size, segment: key.segment, offset: key.offset + size });
                 }
                 true
             });
@@ -1027,12 +1025,11 @@ impl PoolInner {
                 set.extend(free);
                 continue;
             }
-            for &(offset, b) in &blocks {
-                let key =
-                    self.home_in(if small { &self.free_small } else { &self.free_large }, b.size).expect("dry run");
-                let address = self.take_block(key, small, b.size, b.category.expect("a used block"));
+            for &(offset, size, category) in &blocks {
+                let key = self.home_in(if small { &self.free_small } else { &self.free_large }, size).expect("dry run");
+                let address = self.take_block(key, small, size, category);
                 receivers.insert(key.segment);
-                moves.push((index[&(s, offset)], key.segment, key.offset, address));
+                moves.push((index[&(s, offset)].0, key.segment, key.offset, address));
             }
             closed.push((s, free));
         }
