@@ -1,6 +1,6 @@
 //! Device-native collectives: the three primitives (all-reduce, reduce to a root, broadcast
 //! from a root) a rank's backend may run on its own device memory and stream — NCCL on cuda
-//! ranks of distinct GPUs. `LocalComm`'s `*_on` forms build ZeRO's collectives from them when
+//! ranks of distinct GPUs. `Group`'s `*_on` forms build ZeRO's collectives from them when
 //! the backend has them, instead of staging device memory through the host.
 //!
 //! Every rank calls the same primitives in the same order with the same counts and roots (the

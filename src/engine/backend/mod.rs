@@ -73,7 +73,7 @@ pub trait Backend: Send {
     /// Wait for every op issued so far.
     fn synchronize(&self) -> BackendResult;
     /// Native collectives with the other ranks' devices (NCCL on cuda), when this rank's
-    /// group was opened with them; `None`: `LocalComm` stages device memory through the host.
+    /// group was opened with them; `None`: `Group` stages device memory through the host.
     fn collectives(&self) -> Option<&dyn DeviceCollectives> {
         None
     }

@@ -21,7 +21,7 @@ use crate::engine::backend::collectives::{DeviceCollectives, Dtype};
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::optim::AdamW;
 use crate::engine::backend::{Backend, BackendResult, CpuBackend, View, ViewMut};
-use crate::engine::parallel::comm::{Comm, LocalComm};
+use crate::engine::parallel::comm::{Comm, Group};
 
 /// A view marked host-visible, for the CPU reference to run on (see `View::exposed`).
 pub(crate) trait Expose {
@@ -166,18 +166,18 @@ impl DeviceSim {
 }
 
 /// NCCL's primitives for `DeviceSim` ranks, run on the host over the ranks' pool memory (host
-/// memory behind the device view) through a `LocalComm`, so sums go in rank order as in the
+/// memory behind the device view) through a `Group`, so sums go in rank order as in the
 /// staged path. Counts the primitives called, across the group.
 #[derive(Clone)]
 pub(crate) struct SimCollectives {
-    comm: LocalComm,
+    comm: Group,
     calls: Arc<AtomicUsize>,
 }
 
 impl SimCollectives {
     pub(crate) fn group(world: usize) -> Vec<SimCollectives> {
         let calls = Arc::new(AtomicUsize::new(0));
-        LocalComm::group(world).into_iter().map(|comm| SimCollectives { comm, calls: calls.clone() }).collect()
+        Group::threads(world).into_iter().map(|comm| SimCollectives { comm, calls: calls.clone() }).collect()
     }
 
     /// Primitives called so far by every rank of the group.

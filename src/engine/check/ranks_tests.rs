@@ -10,7 +10,7 @@ use crate::config::Knobs;
 use crate::engine::backend::layers::Elem;
 use crate::engine::estimate::{estimate_step, Estimate};
 use crate::engine::model::GptConfig;
-use crate::engine::parallel::comm::LocalComm;
+use crate::engine::parallel::comm::Group;
 use crate::engine::rng::mix64;
 use crate::engine::train::trainer::{Hyper, StepStats, Trainer};
 
@@ -116,8 +116,8 @@ fn on_backends<E: Elem, B: Backend, R: Send>(
     open: impl Fn(usize) -> B + Sync,
     f: impl Fn(Trainer<E, B>, Pool) -> R + Sync,
 ) -> Vec<Result<R, BackendError>> {
-    let comms: Vec<Option<LocalComm>> =
-        if setup.world == 1 { vec![None] } else { LocalComm::group(setup.world).into_iter().map(Some).collect() };
+    let comms: Vec<Option<Group>> =
+        if setup.world == 1 { vec![None] } else { Group::threads(setup.world).into_iter().map(Some).collect() };
     std::thread::scope(|scope| {
         let joins: Vec<_> = comms
             .into_iter()

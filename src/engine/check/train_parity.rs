@@ -10,7 +10,7 @@ use crate::config::{Checkpointing, Knobs, OffloadTarget};
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::Backend;
 use crate::engine::model::GptConfig;
-use crate::engine::parallel::comm::{Comm, LocalComm};
+use crate::engine::parallel::comm::{Comm, Group};
 use crate::engine::rng::mix64;
 use crate::engine::train::trainer::{Hyper, Trainer};
 
@@ -199,8 +199,8 @@ fn train_on<E: Elem, B: Backend>(
     tokens: &[u32],
 ) -> Result<(Vec<f32>, Vec<f32>, f64), String> {
     let backends = (0..case.world).map(open).collect::<Result<Vec<B>, String>>()?;
-    let comms: Vec<Option<LocalComm>> =
-        if case.world == 1 { vec![None] } else { LocalComm::group(case.world).into_iter().map(Some).collect() };
+    let comms: Vec<Option<Group>> =
+        if case.world == 1 { vec![None] } else { Group::threads(case.world).into_iter().map(Some).collect() };
     let results: Vec<_> = std::thread::scope(|scope| {
         let ranks: Vec<_> = backends
             .into_iter()
@@ -225,7 +225,7 @@ fn train_on<E: Elem, B: Backend>(
 /// One rank of `train_on`.
 fn train_rank<E: Elem, B: Backend>(
     backend: B,
-    comm: Option<LocalComm>,
+    comm: Option<Group>,
     case: &TrainParityCase,
     tokens: &[u32],
 ) -> Result<(Vec<f32>, Vec<f32>, f64), String> {

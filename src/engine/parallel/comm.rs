@@ -1,4 +1,4 @@
-//! Collectives between data-parallel ranks behind the `Comm` trait. `LocalComm` is the
+//! Collectives between data-parallel ranks behind the `Comm` trait. `Group` is the
 //! in-process shared-memory implementation (one thread per rank); its `*_on` forms take pool
 //! views of any backend and stage device memory through the host. Reductions sum in rank
 //! order, so results are bitwise repeatable run to run and the same on every backend.
@@ -11,6 +11,7 @@ use std::time::Instant;
 use crate::engine::backend::collectives::{DeviceCollectives, Dtype};
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::{Backend, BackendResult, View, ViewMut};
+use crate::engine::parallel::tcp::TcpLink;
 use crate::engine::parallel::SwapStats;
 
 /// What the training loop needs from a rank group.
@@ -63,16 +64,25 @@ struct Shared {
     failures: AtomicU64,
 }
 
-/// One rank's handle on an in-process group.
+/// One rank's handle on its group.
 #[derive(Clone)]
-pub struct LocalComm {
+pub struct Group {
     rank: usize,
-    shared: Arc<Shared>,
+    link: Link,
 }
 
-impl LocalComm {
-    /// Handles for a group of `world` ranks, one per rank.
-    pub fn group(world: usize) -> Vec<LocalComm> {
+/// How the ranks of a group reach each other.
+#[derive(Clone)]
+enum Link {
+    /// Threads of this process: buffers published by address, a barrier between phases.
+    Threads(Arc<Shared>),
+    /// Processes (maybe on other machines): every rank connected to rank 0.
+    Tcp(Arc<TcpLink>),
+}
+
+impl Group {
+    /// Handles for a group of `world` ranks as threads of this process, one per rank.
+    pub fn threads(world: usize) -> Vec<Group> {
         let shared = Arc::new(Shared {
             world,
             barrier: Barrier::new(world),
@@ -80,20 +90,41 @@ impl LocalComm {
             word: AtomicU64::new(0),
             failures: AtomicU64::new(0),
         });
-        (0..world).map(|rank| LocalComm { rank, shared: shared.clone() }).collect()
+        (0..world).map(|rank| Group { rank, link: Link::Threads(shared.clone()) }).collect()
+    }
+
+    /// This process's rank of a group of processes joined by `link`.
+    pub fn tcp(link: TcpLink) -> Group {
+        Group { rank: link.rank(), link: Link::Tcp(Arc::new(link)) }
+    }
+
+    /// The shared memory of a thread group (the thread forms of the collectives).
+    fn shared(&self) -> &Shared {
+        match &self.link {
+            Link::Threads(shared) => shared,
+            Link::Tcp(_) => unreachable!("a thread collective on a process group"),
+        }
+    }
+
+    /// The TCP link of a process group, if this is one.
+    fn tcp_link(&self) -> Option<&TcpLink> {
+        match &self.link {
+            Link::Tcp(link) => Some(link),
+            Link::Threads(_) => None,
+        }
     }
 
     /// Show this rank's buffers to the others and wait until every rank has; returns what
     /// every rank published, in rank order.
     fn exchange(&self, mine: Published) -> Vec<Published> {
         {
-            let mut slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
+            let mut slots = self.shared().slots.lock().unwrap_or_else(|e| e.into_inner());
             slots[self.rank] = mine;
         }
-        self.shared.barrier.wait();
+        self.shared().barrier.wait();
         // Every collective ends with a barrier, so nobody publishes the next one before
         // everyone has read this one.
-        self.shared.slots.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.shared().slots.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Publish one buffer that every rank may write into; it must have the same length on
@@ -117,19 +148,25 @@ pub fn shard_range(len: usize, rank: usize, world: usize) -> std::ops::Range<usi
     lo..(lo + per).min(len)
 }
 
-impl Comm for LocalComm {
+impl Comm for Group {
     fn rank(&self) -> usize {
         self.rank
     }
 
     fn world(&self) -> usize {
-        self.shared.world
+        match &self.link {
+            Link::Threads(shared) => shared.world,
+            Link::Tcp(link) => link.world(),
+        }
     }
 
     fn all_reduce_sum<E: Elem>(&self, buf: &mut [E]) {
-        let world = self.shared.world;
+        let world = self.world();
         if world == 1 {
             return;
+        }
+        if let Some(link) = self.tcp_link() {
+            return link.all_reduce_sum(buf);
         }
         let slots = self.publish(buf);
         // This rank reduces its own chunk across every rank's buffer, in rank order, and writes
@@ -151,12 +188,15 @@ impl Comm for LocalComm {
                 *o = E::from_f32(*s);
             }
         }
-        self.shared.barrier.wait();
+        self.shared().barrier.wait();
     }
 
     fn all_gather<E: Elem>(&self, buf: &mut [E], own: std::ops::Range<usize>) {
-        if self.shared.world == 1 {
+        if self.world() == 1 {
             return;
+        }
+        if let Some(link) = self.tcp_link() {
+            return link.all_gather(buf, own);
         }
         let slots = self.publish(buf);
         let mine = slots[self.rank].0 as *const E;
@@ -170,18 +210,21 @@ impl Comm for LocalComm {
                 std::ptr::copy_nonoverlapping(mine.add(own.start), (addr as *mut E).add(own.start), own.len());
             }
         }
-        self.shared.barrier.wait();
+        self.shared().barrier.wait();
     }
 
     fn reduce_scatter_add<E: Elem>(&self, bucket: &[E], offset: usize, shard: &mut [E], own: std::ops::Range<usize>) {
         let end = offset + bucket.len();
         let (lo, hi) = (own.start.max(offset), own.end.min(end));
-        if self.shared.world == 1 {
+        if self.world() == 1 {
             for i in lo..hi {
                 let s = &mut shard[i - own.start];
                 *s = E::from_f32(s.to_f32() + bucket[i - offset].to_f32());
             }
             return;
+        }
+        if let Some(link) = self.tcp_link() {
+            return link.reduce_scatter_add(bucket, offset, shard, own);
         }
         let slots = self.publish_equal(bucket.as_ptr() as usize, bucket.len());
         if lo < hi {
@@ -197,14 +240,17 @@ impl Comm for LocalComm {
                 *d = E::from_f32(d.to_f32() + s);
             }
         }
-        self.shared.barrier.wait();
+        self.shared().barrier.wait();
     }
 
     fn gather_range<E: Elem>(&self, shard: &[E], own: std::ops::Range<usize>, offset: usize, out: &mut [E]) {
         let end = offset + out.len();
-        if self.shared.world == 1 {
+        if self.world() == 1 {
             out.copy_from_slice(&shard[offset - own.start..end - own.start]);
             return;
+        }
+        if let Some(link) = self.tcp_link() {
+            return link.gather_range(shard, own, offset, out);
         }
         let slots =
             self.exchange(Published { a: (shard.as_ptr() as usize, shard.len()), own: (own.start, own.end), word: 0 });
@@ -219,46 +265,55 @@ impl Comm for LocalComm {
             let src = unsafe { std::slice::from_raw_parts((p.a.0 as *const E).add(lo - p.own.0), hi - lo) };
             out[lo - offset..hi - offset].copy_from_slice(src);
         }
-        self.shared.barrier.wait();
+        self.shared().barrier.wait();
     }
 
     fn all_reduce_f64(&self, value: f64) -> f64 {
-        if self.shared.world == 1 {
+        if self.world() == 1 {
             return value;
+        }
+        if let Some(link) = self.tcp_link() {
+            return link.exchange_words(&[value.to_bits()]).iter().map(|w| f64::from_bits(w[0])).sum();
         }
         let slots = self.exchange(Published { word: value.to_bits(), ..Default::default() });
         let sum = slots.iter().map(|p| f64::from_bits(p.word)).sum();
-        self.shared.barrier.wait();
+        self.shared().barrier.wait();
         sum
     }
 
     fn broadcast(&self, value: u64) -> u64 {
-        if self.shared.world == 1 {
+        if self.world() == 1 {
             return value;
         }
-        if self.rank == 0 {
-            self.shared.word.store(value, Ordering::SeqCst);
+        if let Some(link) = self.tcp_link() {
+            return link.exchange_words(&[value])[0][0];
         }
-        self.shared.barrier.wait();
-        let v = self.shared.word.load(Ordering::SeqCst);
-        self.shared.barrier.wait();
+        if self.rank == 0 {
+            self.shared().word.store(value, Ordering::SeqCst);
+        }
+        self.shared().barrier.wait();
+        let v = self.shared().word.load(Ordering::SeqCst);
+        self.shared().barrier.wait();
         v
     }
 
     fn agree(&self, ok: bool) -> bool {
-        if self.shared.world == 1 {
+        if self.world() == 1 {
             return ok;
         }
+        if let Some(link) = self.tcp_link() {
+            return link.exchange_words(&[ok as u64]).iter().all(|w| w[0] == 1);
+        }
         if !ok {
-            self.shared.failures.fetch_add(1, Ordering::SeqCst);
+            self.shared().failures.fetch_add(1, Ordering::SeqCst);
         }
-        self.shared.barrier.wait();
-        let all_ok = self.shared.failures.load(Ordering::SeqCst) == 0;
-        self.shared.barrier.wait();
+        self.shared().barrier.wait();
+        let all_ok = self.shared().failures.load(Ordering::SeqCst) == 0;
+        self.shared().barrier.wait();
         if self.rank == 0 {
-            self.shared.failures.store(0, Ordering::SeqCst);
+            self.shared().failures.store(0, Ordering::SeqCst);
         }
-        self.shared.barrier.wait();
+        self.shared().barrier.wait();
         all_ok
     }
 }
@@ -269,7 +324,7 @@ impl Comm for LocalComm {
 /// returned. A rank whose download fails still takes part (its contribution is whatever the
 /// staging buffer holds), so no other rank waits at a barrier for it, and returns the error
 /// after.
-impl LocalComm {
+impl Group {
     /// `all_reduce_sum` of a view.
     pub fn all_reduce_sum_on<E: Elem, B: Backend>(&self, be: &B, mut buf: ViewMut<E>) -> BackendResult<SwapStats> {
         if self.world() == 1 {
@@ -412,11 +467,15 @@ impl LocalComm {
 }
 
 /// ZeRO's collectives built from a backend's native primitives (NCCL): no host copies.
-impl LocalComm {
+impl Group {
     /// Every rank's shard, in rank order (a host exchange: ranks publish only their own).
     fn owned_ranges(&self, own: &Range<usize>) -> Vec<Range<usize>> {
+        if let Some(link) = self.tcp_link() {
+            let words = link.exchange_words(&[own.start as u64, own.end as u64]);
+            return words.into_iter().map(|w| w[0] as usize..w[1] as usize).collect();
+        }
         let slots = self.exchange(Published { own: (own.start, own.end), ..Default::default() });
-        self.shared.barrier.wait();
+        self.shared().barrier.wait();
         slots.into_iter().map(|p| p.own.0..p.own.1).collect()
     }
 
@@ -552,7 +611,7 @@ mod tests {
     #[test]
     fn collectives_sum_gather_and_broadcast() {
         let world = 3;
-        let handles = LocalComm::group(world);
+        let handles = Group::threads(world);
         let results: Vec<(Vec<f32>, Vec<f32>, u64, bool)> = std::thread::scope(|s| {
             let joins: Vec<_> = handles
                 .into_iter()
@@ -584,9 +643,9 @@ mod tests {
     }
 
     /// Run `f` on every rank of a group of `world` threads; results in rank order.
-    fn on_group<R: Send>(world: usize, f: impl Fn(LocalComm) -> R + Sync) -> Vec<R> {
+    fn on_group<R: Send>(world: usize, f: impl Fn(Group) -> R + Sync) -> Vec<R> {
         std::thread::scope(|s| {
-            let joins: Vec<_> = LocalComm::group(world).into_iter().map(|c| s.spawn(|| f(c))).collect();
+            let joins: Vec<_> = Group::threads(world).into_iter().map(|c| s.spawn(|| f(c))).collect();
             joins.into_iter().map(|j| j.join().unwrap()).collect()
         })
     }
@@ -604,7 +663,7 @@ mod tests {
         const OFFSET: usize = N / 2 - 1024; // the bucket: 1024 of rank 0's, all of rank 1's
         let (done, results) = mpsc::channel();
         let group = SimCollectives::group(2);
-        for (c, native) in LocalComm::group(2).into_iter().zip(group) {
+        for (c, native) in Group::threads(2).into_iter().zip(group) {
             let done = done.clone();
             std::thread::spawn(move || {
                 // Room for the bucket and the shard (12 MiB and a bit), and for a 4 KiB
@@ -629,6 +688,51 @@ mod tests {
         for (rank, result) in seen {
             let err = result.expect_err("the workspace cannot fit");
             assert!(err.starts_with("out of device memory: requested 6.00 MiB for workspace"), "rank {rank}: {err}");
+        }
+    }
+
+    /// Process ranks (a TCP group over loopback) give every collective's result bitwise as
+    /// thread ranks do, in f32 and bf16, with unequal and empty shards.
+    #[test]
+    fn a_process_group_gives_what_a_thread_group_gives() {
+        fn run<E: Elem + PartialEq + std::fmt::Debug>(c: Group, n: usize) -> Vec<Vec<u64>> {
+            let r = c.rank() as f32;
+            let own = shard_range(n, c.rank(), c.world());
+            let bits = |v: &[E]| v.iter().map(|x| x.to_f32().to_bits() as u64).collect::<Vec<_>>();
+            // Values whose f32 sums depend on the order of addition.
+            let mut sum: Vec<E> = (0..n).map(|i| E::from_f32(1e7 * (i % 3) as f32 - 1e7 * r + 0.37 * r)).collect();
+            c.all_reduce_sum(&mut sum);
+            let mut gathered: Vec<E> =
+                (0..n).map(|i| E::from_f32(if own.contains(&i) { 10.0 * r + i as f32 } else { -1.0 })).collect();
+            c.all_gather(&mut gathered, own.clone());
+            let bucket: Vec<E> = (0..n - 1).map(|i| E::from_f32((c.rank() + 1) as f32 * (i as f32 + 0.3))).collect();
+            let mut shard = vec![E::from_f32(0.25); own.len()];
+            c.reduce_scatter_add(&bucket, 1, &mut shard, own.clone());
+            let weights: Vec<E> = own.clone().map(|i| E::from_f32(i as f32 * 3.0)).collect();
+            let mut segment = vec![E::from_f32(-1.0); n - 1];
+            c.gather_range(&weights, own.clone(), 1, &mut segment);
+            let scalars = vec![
+                c.all_reduce_f64([1e16, 1.0, -1e16][c.rank()]).to_bits(),
+                c.broadcast(40 + c.rank() as u64),
+                c.agree(c.rank() != 1) as u64,
+                c.agree(true) as u64,
+            ];
+            vec![bits(&sum), bits(&gathered), bits(&shard), bits(&segment), scalars]
+        }
+        fn on<R: Send>(groups: Vec<Group>, f: impl Fn(Group) -> R + Sync) -> Vec<R> {
+            std::thread::scope(|s| {
+                let joins: Vec<_> = groups.into_iter().map(|c| s.spawn(|| f(c))).collect();
+                joins.into_iter().map(|j| j.join().unwrap()).collect()
+            })
+        }
+        let tcp = |world| crate::engine::parallel::tcp::tests::loopback(world).into_iter().map(Group::tcp).collect();
+        for (world, n) in [(2, 11), (3, 10), (3, 2)] {
+            let threads = on(Group::threads(world), |c| run::<f32>(c, n));
+            assert_eq!(on(tcp(world), |c| run::<f32>(c, n)), threads, "f32: {n} parameters on {world} ranks");
+            let threads = on(Group::threads(world), |c| run::<half::bf16>(c, n));
+            assert_eq!(on(tcp(world), |c| run::<half::bf16>(c, n)), threads, "bf16: {n} parameters on {world} ranks");
+            // The rank-0 broadcast and a failed rank heard by all.
+            assert_eq!(threads[world - 1][4][1..], [40, 0, 1]);
         }
     }
 

@@ -1,8 +1,9 @@
-//! Data parallelism: ranks' collectives (`comm`), where weights and gradients are during a pass
+//! Data parallelism: ranks' collectives (`comm`; between processes over `tcp`), where weights and gradients are during a pass
 //! (`placement`), and the device↔host traffic they cause (`swap`).
 
 pub mod comm;
 pub mod placement;
+pub mod tcp;
 mod swap;
 
 pub use swap::SwapStats;

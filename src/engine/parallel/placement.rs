@@ -15,7 +15,7 @@ use crate::memory::{Buffer, Category, OomError};
 
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::{Backend, BackendError, BackendResult, View, ViewMut};
-use crate::engine::parallel::comm::LocalComm;
+use crate::engine::parallel::comm::Group;
 use crate::engine::parallel::SwapStats;
 
 /// One segment's weights on the device: borrowed from resident weights, or staged into a
@@ -61,7 +61,7 @@ impl<E: Elem> ParamSource<E> for Resident<'_, E> {
 pub struct Gathered<'a, E, B: Backend> {
     shard: View<'a, E>,
     own: Range<usize>,
-    comm: &'a LocalComm,
+    comm: &'a Group,
     backend: &'a B,
     /// The shard is kept in host memory (`offload.params`).
     shard_on_host: bool,
@@ -72,7 +72,7 @@ impl<'a, E: Elem, B: Backend> Gathered<'a, E, B> {
     pub fn new(
         shard: View<'a, E>,
         own: Range<usize>,
-        comm: &'a LocalComm,
+        comm: &'a Group,
         backend: &'a B,
         shard_on_host: bool,
     ) -> Self {
@@ -355,14 +355,14 @@ impl<E, B: Backend> Drop for StreamedGrads<'_, E, B> {
 pub struct ShardedGrads<'a, E, B: Backend> {
     shard: ViewMut<'a, E>,
     own: Range<usize>,
-    comm: &'a LocalComm,
+    comm: &'a Group,
     backend: &'a B,
     bucket: Option<Buffer>,
     swap: SwapStats,
 }
 
 impl<'a, E: Elem, B: Backend> ShardedGrads<'a, E, B> {
-    pub fn new(shard: ViewMut<'a, E>, own: Range<usize>, comm: &'a LocalComm, backend: &'a B) -> Self {
+    pub fn new(shard: ViewMut<'a, E>, own: Range<usize>, comm: &'a Group, backend: &'a B) -> Self {
         ShardedGrads { shard, own, comm, backend, bucket: None, swap: SwapStats::default() }
     }
 }

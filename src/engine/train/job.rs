@@ -14,7 +14,7 @@ use crate::protocol::{self, Control, Event, ExitCode, Line, MemSnapshot};
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::{Backend, BackendError, CpuBackend};
 use crate::engine::model::GptConfig;
-use crate::engine::parallel::comm::{Comm, LocalComm};
+use crate::engine::parallel::comm::{Comm, Group};
 use crate::engine::train::checkpoint::{self, CheckpointError};
 use crate::engine::train::data::{load_tokens, DataError, Dataset};
 use crate::engine::train::run_dir::{RunDir, RunDirError};
@@ -299,7 +299,7 @@ struct Run<'a> {
     control: Option<Arc<AtomicU8>>,
     cfg: GptConfig,
     hyper: Hyper,
-    comm: Option<LocalComm>,
+    comm: Option<Group>,
 }
 
 impl Run<'_> {
@@ -312,7 +312,7 @@ impl Run<'_> {
         if world == 1 {
             return self.go::<E, _>(leader_backend, events);
         }
-        let mut comms = LocalComm::group(world).into_iter();
+        let mut comms = Group::threads(world).into_iter();
         let leader_comm = comms.next();
         std::thread::scope(|scope| {
             let followers: Vec<_> = comms

@@ -14,7 +14,7 @@ use crate::engine::backend::optim::{clip_coefficient, lr_at, AdamW};
 use crate::engine::backend::{Backend, BackendError, BackendResult, CpuBackend, HostPin, View, ViewMut};
 use crate::engine::defrag::{defragment, Defragmentation};
 use crate::engine::model::{self, alloc_elems, alloc_f32, GptConfig, TensorInfo};
-use crate::engine::parallel::comm::{shard_range, Comm, LocalComm};
+use crate::engine::parallel::comm::{shard_range, Comm, Group};
 use crate::engine::parallel::placement::{
     FullGrads, Gathered, GradSink, HostStaged, ParamSource, Resident, ShardedGrads, StreamedGrads,
 };
@@ -186,7 +186,7 @@ pub struct Trainer<E: Elem = f32, B: Backend = CpuBackend> {
     shard: Range<usize>,
     /// The parameter layout clipped to `shard`, offsets relative to its start.
     shard_tensors: Vec<TensorInfo>,
-    comm: Option<LocalComm>,
+    comm: Option<Group>,
     /// Optimizer steps completed (skipped fp16 steps included: their data is consumed).
     pub step: u64,
     adam_t: u64,
@@ -206,7 +206,7 @@ impl<E: Elem> Trainer<E, CpuBackend> {
     }
 
     /// One data-parallel rank of a group (`comm`) on the `cpu` device.
-    pub fn new_rank(cfg: GptConfig, hyper: Hyper, pool: Pool, comm: Option<LocalComm>) -> BackendResult<Trainer<E>> {
+    pub fn new_rank(cfg: GptConfig, hyper: Hyper, pool: Pool, comm: Option<Group>) -> BackendResult<Trainer<E>> {
         Trainer::on_backend(cfg, hyper, CpuBackend::new(pool), comm)
     }
 }
@@ -221,7 +221,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
     /// all ranks make the same allocations and an OOM happens on all of them alike.
     /// A rank's trainer on `backend`: its persistent state reserved first (an OOM here costs
     /// milliseconds), then initialised.
-    pub fn on_backend(cfg: GptConfig, hyper: Hyper, backend: B, comm: Option<LocalComm>) -> BackendResult<Self> {
+    pub fn on_backend(cfg: GptConfig, hyper: Hyper, backend: B, comm: Option<Group>) -> BackendResult<Self> {
         let pool = backend.pool().clone();
         if hyper.knobs.static_allocator {
             // Armed before the model state: its large buffers get segments of their exact size.
@@ -980,7 +980,7 @@ fn source_of<'a, E: Elem, B: Backend>(
     params: &'a ParamStore<E>,
     sharded: bool,
     shard: &Range<usize>,
-    comm: Option<&'a LocalComm>,
+    comm: Option<&'a Group>,
     backend: &'a B,
 ) -> Source<'a, E, B> {
     match (params, sharded, comm) {
