@@ -209,6 +209,25 @@ pub struct MemorySpec {
     /// served from that plan with no search (`memory::plan`).
     #[serde(default, skip_serializing_if = "Allocator::is_caching")]
     pub allocator: Allocator,
+    /// `threads` (default): every rank is a thread of the one `headroom train` process.
+    /// `processes`: one process per rank, joined over TCP (`engine::parallel::tcp`); the
+    /// `headroom train` started for the job is rank 0 and starts the others.
+    #[serde(default, skip_serializing_if = "Ranks::is_threads")]
+    pub ranks: Ranks,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Ranks {
+    #[default]
+    Threads,
+    Processes,
+}
+
+impl Ranks {
+    fn is_threads(&self) -> bool {
+        *self == Ranks::Threads
+    }
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
@@ -238,6 +257,7 @@ impl Default for MemorySpec {
             world_size: 1,
             offload: OffloadSpec::default(),
             allocator: Allocator::Caching,
+            ranks: Ranks::Threads,
         }
     }
 }
@@ -738,6 +758,19 @@ policy: default
         assert_eq!(JobSpec::parse(&spec.to_yaml()).unwrap(), spec);
         let e = err_of("  world_size: 1\n", "  world_size: 1\n  allocator: magic\n");
         assert!(e.to_string().contains("memory") && e.to_string().contains("magic"), "{e}");
+    }
+
+    #[test]
+    fn ranks_are_threads_unless_asked_and_processes_round_trips() {
+        let spec = JobSpec::parse(EXAMPLE).unwrap();
+        assert_eq!(spec.memory.ranks, Ranks::Threads);
+        assert!(!spec.to_yaml().contains("ranks"), "the default is not written");
+        let spec =
+            JobSpec::parse(&EXAMPLE.replace("  world_size: 1\n", "  world_size: 1\n  ranks: processes\n")).unwrap();
+        assert_eq!(spec.memory.ranks, Ranks::Processes);
+        assert_eq!(JobSpec::parse(&spec.to_yaml()).unwrap(), spec);
+        let e = err_of("  world_size: 1\n", "  world_size: 1\n  ranks: fibers\n");
+        assert!(e.to_string().contains("memory") && e.to_string().contains("fibers"), "{e}");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Filesystem helpers the trainer and the supervisor share: pid lock files (one trainer per run
-//! directory, one daemon per database) and fresh names for what is moved aside.
+//! directory, one daemon per database), fresh names for what is moved aside, and child
+//! processes that die with their parent.
 
 use std::fs::File;
 use std::io::{Read, Seek, Write};
@@ -66,6 +67,32 @@ fn read_holder(file: &mut File) -> String {
 /// `name(1)`, or the first of `name(2)`, `name(3)`, ... that does not exist yet.
 pub fn unused_path(name: impl Fn(u32) -> PathBuf) -> PathBuf {
     (1..).map(name).find(|p| !p.exists()).expect("some name is free")
+}
+
+/// Have the child `cmd` starts killed when the thread that starts it ends, however it ends
+/// (Linux: PR_SET_PDEATHSIG; also when the parent died between fork and prctl). The daemon's
+/// trainers and a process-rank job's ranks die with their parent this way.
+pub fn die_with_parent(cmd: &mut std::process::Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        let parent = std::process::id();
+        // SAFETY: the closure runs in the forked child before exec and calls only
+        // async-signal-safe functions (prctl, getppid, _exit).
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() as u32 != parent {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
 }
 
 #[cfg(test)]

@@ -606,36 +606,42 @@ async fn two_ranks_climb_the_zero_stages_until_the_state_fits() {
     let s = h.start(None).await;
     // Ψ ≈ 830k fp32 parameters: 16Ψ ≈ 13 MiB of state per rank replicated, 12Ψ at ZeRO-1 (plus
     // activations: still too much for 14 MiB), 10Ψ at ZeRO-2 (fits).
-    let job = format!(
-        "name: zero\nmodel: {{ n_layer: 4, n_head: 4, n_embd: 128, block_size: 32, vocab: bytes }}\n\
-         data: {{ path: {} }}\ntrain: {{ steps: 12, global_batch: 4, micro_batch: 2, lr: 1.0e-3, checkpoint_every: 4 }}\n\
-         memory: {{ world_size: 2 }}\ndevice: {{ kind: cpu, device_memory: 14MiB }}\npolicy: zero\n",
-        common::data_path().display()
-    );
-    let id = submit(&s, &job).await;
-    let done = wait_terminal(&s, id).await;
-    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
-    let events = get(&s, &format!("/api/jobs/{id}/events")).await;
-    assert_eq!(done["status"], "finished", "{done}\n{attempts}\n{events}");
-    let a = attempts.as_array().unwrap();
-    let summary: Vec<(&str, &str)> =
-        a.iter().map(|a| (a["rung"].as_str().unwrap(), a["outcome"].as_str().unwrap())).collect();
-    assert_eq!(summary, [("base", "oom"), ("zero-1", "oom"), ("zero-2", "finished")], "{attempts}");
-    let cfg = |i: usize| -> Value { serde_json::from_str(a[i]["config_json"].as_str().unwrap()).unwrap() };
-    assert_eq!([0, 1, 2].map(|i| cfg(i)["memory"]["zero_stage"].as_i64().unwrap()), [0, 1, 2]);
-    assert!((0..3).all(|i| cfg(i)["memory"]["world_size"] == 2 && cfg(i)["train"]["global_batch"] == 4));
-    // The recorded per-rank peaks show the sharded state: ZeRO-1 holds all 4Ψ bytes of fp32
-    // weights and gradients but half of the 8Ψ of moments; ZeRO-2 halves the gradients too.
-    let peak = |i: usize, k: &str| a[i][k].as_i64().unwrap() as f64;
-    let close = |x: f64, y: f64| (x - y).abs() / y < 0.01;
-    assert!(close(peak(1, "peak_optimizer"), peak(1, "peak_params")), "{attempts}");
-    assert!(close(peak(1, "peak_grads"), peak(1, "peak_params")), "{attempts}");
-    assert!(close(peak(2, "peak_grads") * 2.0, peak(1, "peak_grads")), "{attempts}");
-    assert!(close(peak(2, "peak_optimizer"), peak(1, "peak_optimizer")), "{attempts}");
-    assert!(a[2]["peak_reserved"].as_i64().unwrap() <= 14 << 20);
-    let text = get(&s, &format!("/api/jobs/{id}/events")).await.to_string();
-    assert!(text.contains("zero_stage 0 → 1") && text.contains("zero_stage 1 → 2"), "{text}");
-    assert!(text.contains("did not fit in 14.00 MiB"), "an OOM before `started` still names the capacity: {text}");
+    // As threads of one trainer and as processes (each attempt's ranks start, OOM and end together).
+    for ranks in ["threads", "processes"] {
+        let job = format!(
+            "name: zero\nmodel: {{ n_layer: 4, n_head: 4, n_embd: 128, block_size: 32, vocab: bytes }}\n\
+             data: {{ path: {} }}\ntrain: {{ steps: 12, global_batch: 4, micro_batch: 2, lr: 1.0e-3, checkpoint_every: 4 }}\n\
+             memory: {{ world_size: 2, ranks: {ranks} }}\ndevice: {{ kind: cpu, device_memory: 14MiB }}\npolicy: zero\n",
+            common::data_path().display(),
+            ranks = ranks
+        );
+        let id = submit(&s, &job).await;
+        let done = wait_terminal(&s, id).await;
+        let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+        let events = get(&s, &format!("/api/jobs/{id}/events")).await;
+        assert_eq!(done["status"], "finished", "{done}\n{attempts}\n{events}");
+        let a = attempts.as_array().unwrap();
+        let summary: Vec<(&str, &str)> =
+            a.iter().map(|a| (a["rung"].as_str().unwrap(), a["outcome"].as_str().unwrap())).collect();
+        assert_eq!(summary, [("base", "oom"), ("zero-1", "oom"), ("zero-2", "finished")], "{attempts}");
+        let cfg = |i: usize| -> Value { serde_json::from_str(a[i]["config_json"].as_str().unwrap()).unwrap() };
+        assert_eq!([0, 1, 2].map(|i| cfg(i)["memory"]["zero_stage"].as_i64().unwrap()), [0, 1, 2]);
+        assert!((0..3).all(|i| cfg(i)["memory"]["world_size"] == 2 && cfg(i)["train"]["global_batch"] == 4));
+        let recorded = if ranks == "threads" { Value::Null } else { Value::from(ranks) };
+        assert!((0..3).all(|i| cfg(i)["memory"]["ranks"] == recorded), "{attempts}");
+        // The recorded per-rank peaks show the sharded state: ZeRO-1 holds all 4Ψ bytes of fp32
+        // weights and gradients but half of the 8Ψ of moments; ZeRO-2 halves the gradients too.
+        let peak = |i: usize, k: &str| a[i][k].as_i64().unwrap() as f64;
+        let close = |x: f64, y: f64| (x - y).abs() / y < 0.01;
+        assert!(close(peak(1, "peak_optimizer"), peak(1, "peak_params")), "{attempts}");
+        assert!(close(peak(1, "peak_grads"), peak(1, "peak_params")), "{attempts}");
+        assert!(close(peak(2, "peak_grads") * 2.0, peak(1, "peak_grads")), "{attempts}");
+        assert!(close(peak(2, "peak_optimizer"), peak(1, "peak_optimizer")), "{attempts}");
+        assert!(a[2]["peak_reserved"].as_i64().unwrap() <= 14 << 20);
+        let text = get(&s, &format!("/api/jobs/{id}/events")).await.to_string();
+        assert!(text.contains("zero_stage 0 → 1") && text.contains("zero_stage 1 → 2"), "{text}");
+        assert!(text.contains("did not fit in 14.00 MiB"), "an OOM before `started` still names the capacity: {text}");
+    }
     s.shutdown().await.unwrap();
 }
 

@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 
 use crate::config::{ConfigError, JobSpec};
 use crate::engine::check::bench;
-use crate::engine::{self, ResumeMode, TrainError, TrainOptions};
+use crate::engine::{self, ProcessOptions, RankOptions, ResumeMode, TrainError, TrainOptions};
 use crate::protocol::ExitCode;
 
 mod client;
@@ -157,6 +157,23 @@ pub struct TrainArgs {
     /// Checkpoint and exit with code 4 after this many optimizer steps.
     #[arg(long)]
     pub stop_after: Option<u64>,
+    /// Run as this rank of a job whose ranks are processes (memory.ranks: processes). Not
+    /// needed on one machine: the job's own `headroom train` is rank 0 and starts the others.
+    /// For ranks on several machines, start rank 0 and each other rank by hand (for such a
+    /// job, torchrun's RANK is read when the flag is absent).
+    #[arg(long)]
+    pub rank: Option<usize>,
+    /// With --rank: host:port where rank 0 listens (on rank 0, the address it binds). Default
+    /// from torchrun's MASTER_ADDR and MASTER_PORT.
+    #[arg(long)]
+    pub rendezvous: Option<String>,
+    /// With --rank: which GPU of this machine the rank uses (device.index + local rank; default
+    /// the rank; for such a job, torchrun's LOCAL_RANK is read when the flag is absent).
+    #[arg(long, requires = "rank")]
+    pub local_rank: Option<usize>,
+    /// Seconds rank 0 waits for every rank to join (and a rank for rank 0 to answer).
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    pub rendezvous_timeout: u64,
 }
 
 #[derive(Debug, clap::Args)]
@@ -259,6 +276,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 
 fn train(args: TrainArgs) -> anyhow::Result<()> {
     let spec = JobSpec::load(&args.config)?;
+    let rank = rank_options(&args, &spec)?;
     let opts = TrainOptions {
         run_dir: args.run_dir.unwrap_or_else(|| engine::train::job::default_run_dir(&spec)),
         owner: args.run_owner,
@@ -271,9 +289,48 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         },
         stop_after: args.stop_after,
         listen_stdin: true,
+        processes: ProcessOptions {
+            job_file: Some(args.config.clone()),
+            rank,
+            rendezvous_timeout: std::time::Duration::from_secs(args.rendezvous_timeout),
+        },
     };
     engine::train(&spec, &opts, &mut engine::Events::stdout())?;
     Ok(())
+}
+
+/// `--rank` and where rank 0 is (`--rendezvous`, else torchrun's MASTER_ADDR:MASTER_PORT). A
+/// job whose ranks are processes also reads torchrun's RANK and LOCAL_RANK; any other job
+/// ignores them (a thread-rank job started under a launcher stays one process).
+fn rank_options(args: &TrainArgs, spec: &JobSpec) -> Result<Option<RankOptions>, ConfigError> {
+    let from_env = |name: &str| -> Result<Option<usize>, ConfigError> {
+        if spec.memory.ranks != crate::config::Ranks::Processes {
+            return Ok(None);
+        }
+        match std::env::var(name) {
+            Ok(v) => v
+                .trim()
+                .parse()
+                .map(Some)
+                .map_err(|_| ConfigError::new(name, format!("{v:?} is not a rank (a whole number from 0)"))),
+            Err(_) => Ok(None),
+        }
+    };
+    let Some(rank) = args.rank.map_or_else(|| from_env("RANK"), |r| Ok(Some(r)))? else { return Ok(None) };
+    let local_rank = args.local_rank.map_or_else(|| from_env("LOCAL_RANK"), |r| Ok(Some(r)))?;
+    let rendezvous = match &args.rendezvous {
+        Some(at) => at.clone(),
+        None => match (std::env::var("MASTER_ADDR"), std::env::var("MASTER_PORT")) {
+            (Ok(addr), Ok(port)) => format!("{addr}:{port}"),
+            _ => {
+                return Err(ConfigError::new(
+                    "--rendezvous",
+                    "a rank needs rank 0's address: --rendezvous host:port (or MASTER_ADDR and MASTER_PORT)",
+                ))
+            }
+        },
+    };
+    Ok(Some(RankOptions { rank, rendezvous, local_rank }))
 }
 
 fn estimate(args: EstimateArgs) -> anyhow::Result<()> {

@@ -69,26 +69,7 @@ pub fn kill_stale_trainer(pid: i64, run_dir: &Path) -> bool {
 /// signal follows the spawning thread, a runtime worker that lives as long as the daemon).
 /// Checkpoints are atomic, so a killed trainer loses at most the steps since its last one.
 pub fn die_with_parent(cmd: &mut tokio::process::Command) {
-    #[cfg(target_os = "linux")]
-    {
-        let parent = std::process::id();
-        // SAFETY: the closure runs in the forked child before exec and calls only
-        // async-signal-safe functions (prctl, getppid, _exit).
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // The daemon may have died between fork and prctl.
-                if libc::getppid() as u32 != parent {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = cmd;
+    crate::files::die_with_parent(cmd.as_std_mut());
 }
 
 #[cfg(test)]

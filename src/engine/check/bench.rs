@@ -366,6 +366,7 @@ pub fn parallel_table(
             resume: crate::engine::train::job::ResumeMode::Fresh,
             stop_after: None,
             listen_stdin: false,
+            processes: Default::default(),
         };
         crate::engine::train::job::train(
             &spec,

@@ -98,6 +98,19 @@ impl Group {
         Group { rank: link.rank(), link: Link::Tcp(Arc::new(link)) }
     }
 
+    /// The smallest of every rank's `value`, on every rank.
+    pub fn min_u64(&self, value: u64) -> u64 {
+        if self.world() == 1 {
+            return value;
+        }
+        if let Some(link) = self.tcp_link() {
+            return link.exchange_words(&[value]).iter().map(|w| w[0]).min().unwrap_or(value);
+        }
+        let slots = self.exchange(Published { word: value, ..Default::default() });
+        self.shared().barrier.wait();
+        slots.iter().map(|p| p.word).min().unwrap_or(value)
+    }
+
     /// The shared memory of a thread group (the thread forms of the collectives).
     fn shared(&self) -> &Shared {
         match &self.link {
@@ -708,9 +721,14 @@ mod tests {
             let bucket: Vec<E> = (0..n - 1).map(|i| E::from_f32((c.rank() + 1) as f32 * (i as f32 + 0.3))).collect();
             let mut shard = vec![E::from_f32(0.25); own.len()];
             c.reduce_scatter_add(&bucket, 1, &mut shard, own.clone());
+            // A bucket inside the last rank's shard alone (the others' parts are empty).
+            c.reduce_scatter_add(&bucket[n - 2..], n - 1, &mut shard, own.clone());
             let weights: Vec<E> = own.clone().map(|i| E::from_f32(i as f32 * 3.0)).collect();
             let mut segment = vec![E::from_f32(-1.0); n - 1];
             c.gather_range(&weights, own.clone(), 1, &mut segment);
+            let mut last = vec![E::from_f32(-1.0); 1];
+            c.gather_range(&weights, own.clone(), n - 1, &mut last);
+            segment.extend(last);
             let scalars = vec![
                 c.all_reduce_f64([1e16, 1.0, -1e16][c.rank()]).to_bits(),
                 c.broadcast(40 + c.rank() as u64),

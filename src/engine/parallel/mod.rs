@@ -3,7 +3,7 @@
 
 pub mod comm;
 pub mod placement;
-pub mod tcp;
 mod swap;
+pub mod tcp;
 
 pub use swap::SwapStats;

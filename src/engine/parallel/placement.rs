@@ -69,13 +69,7 @@ pub struct Gathered<'a, E, B: Backend> {
 }
 
 impl<'a, E: Elem, B: Backend> Gathered<'a, E, B> {
-    pub fn new(
-        shard: View<'a, E>,
-        own: Range<usize>,
-        comm: &'a Group,
-        backend: &'a B,
-        shard_on_host: bool,
-    ) -> Self {
+    pub fn new(shard: View<'a, E>, own: Range<usize>, comm: &'a Group, backend: &'a B, shard_on_host: bool) -> Self {
         Gathered { shard, own, comm, backend, shard_on_host, swap: Mutex::new(SwapStats::default()) }
     }
 }

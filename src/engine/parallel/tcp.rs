@@ -138,7 +138,10 @@ impl TcpLink {
             } else if joined[hello.rank - 1].is_some() {
                 Some(format!("rank {} joined twice", hello.rank))
             } else if hello.job != job {
-                Some(format!("rank {} runs another job spec than rank 0 (every rank must read the same job)", hello.rank))
+                Some(format!(
+                    "rank {} runs another job spec than rank 0 (every rank must read the same job)",
+                    hello.rank
+                ))
             } else {
                 None
             };
@@ -223,7 +226,7 @@ impl TcpLink {
             self.rank,
             self.peer_rank(i)
         );
-        tracing::error!("{message}");
+        // Printed, not logged: it is the attempt's last word whatever the log level.
         eprintln!("{message}");
         std::process::exit(ExitCode::Internal.code());
     }
@@ -315,11 +318,8 @@ impl TcpLink {
     /// rank the sums of its part, which it adds into its shard.
     pub fn reduce_scatter_add<E: Elem>(&self, bucket: &[E], offset: usize, shard: &mut [E], own: Range<usize>) {
         let owners = self.exchange_words(&[own.start as u64, own.end as u64]);
-        let part = |w: &[u64]| {
-            let (lo, hi) = ((w[0] as usize).max(offset), (w[1] as usize).min(offset + bucket.len()));
-            lo..hi.max(lo)
-        };
-        let mut mine = vec![0f32; part(&owners[self.rank]).len()];
+        let range = offset..offset + bucket.len();
+        let mut mine = vec![0f32; part_of(&owners[self.rank], &range).len()];
         if self.rank != 0 {
             self.send_elems(0, bucket);
             self.recv_elems(0, &mut mine);
@@ -332,8 +332,8 @@ impl TcpLink {
                 add_into(&mut sum, &theirs);
             }
             for (r, w) in owners.iter().enumerate() {
-                let p = part(w);
-                let sums = &sum[p.start - offset..p.end - offset];
+                let p = part_of(w, &range);
+                let sums = if p.is_empty() { &[][..] } else { &sum[p.start - offset..p.end - offset] };
                 if r == 0 {
                     mine.copy_from_slice(sums);
                 } else {
@@ -341,9 +341,11 @@ impl TcpLink {
                 }
             }
         }
-        let p = part(&owners[self.rank]);
-        for (d, s) in shard[p.start - own.start..p.end - own.start].iter_mut().zip(&mine) {
-            *d = E::from_f32(d.to_f32() + s);
+        let p = part_of(&owners[self.rank], &range);
+        if !p.is_empty() {
+            for (d, s) in shard[p.start - own.start..p.end - own.start].iter_mut().zip(&mine) {
+                *d = E::from_f32(d.to_f32() + s);
+            }
         }
     }
 
@@ -351,26 +353,36 @@ impl TcpLink {
     /// part and sends it to every rank.
     pub fn gather_range<E: Elem>(&self, shard: &[E], own: Range<usize>, offset: usize, out: &mut [E]) {
         let owners = self.exchange_words(&[own.start as u64, own.end as u64]);
-        let end = offset + out.len();
-        let part = |w: &[u64]| {
-            let (lo, hi) = ((w[0] as usize).max(offset), (w[1] as usize).min(end));
-            lo..hi.max(lo)
-        };
-        let p = part(&owners[self.rank]);
-        let mine = &shard[p.start - own.start..p.end - own.start];
+        let range = offset..offset + out.len();
+        let p = part_of(&owners[self.rank], &range);
+        let mine = if p.is_empty() { &[][..] } else { &shard[p.start - own.start..p.end - own.start] };
         if self.rank != 0 {
             self.send_elems(0, mine);
             self.recv_elems(0, out);
             return;
         }
-        out[p.start - offset..p.end - offset].copy_from_slice(mine);
+        if !p.is_empty() {
+            out[p.start - offset..p.end - offset].copy_from_slice(mine);
+        }
         for (r, w) in owners.iter().enumerate().skip(1) {
-            let p = part(w);
-            self.recv_elems(r - 1, &mut out[p.start - offset..p.end - offset]);
+            let p = part_of(w, &range);
+            let into = if p.is_empty() { &mut [][..] } else { &mut out[p.start - offset..p.end - offset] };
+            self.recv_elems(r - 1, into);
         }
         for i in 0..self.world - 1 {
             self.send_elems(i, out);
         }
+    }
+}
+
+/// The part of an owner's shard (`[start, end]` as sent) inside `range`; empty when they do
+/// not meet.
+fn part_of(owner: &[u64], range: &Range<usize>) -> Range<usize> {
+    let (lo, hi) = ((owner[0] as usize).max(range.start), (owner[1] as usize).min(range.end));
+    if lo < hi {
+        lo..hi
+    } else {
+        0..0
     }
 }
 

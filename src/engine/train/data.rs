@@ -46,7 +46,8 @@ pub fn write_token_file(path: &Path, tokens: &[u16]) -> std::io::Result<()> {
     header[0] = TOKEN_FILE_MAGIC;
     header[1] = TOKEN_FILE_VERSION;
     header[2] = tokens.len() as i32;
-    let tmp = path.with_extension("bin.tmp");
+    // Per process: rank processes of one job may tokenise into the same cache at once.
+    let tmp = path.with_extension(format!("bin.{}.tmp", std::process::id()));
     {
         let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
         for h in header {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use crate::config::{ConfigError, DeviceKind, JobSpec, Precision};
+use crate::config::{ConfigError, DeviceKind, JobSpec, Precision, Ranks};
 use crate::memory::{OomError, Pool};
 use crate::protocol::{self, Control, Event, ExitCode, Line, MemSnapshot};
 
@@ -15,6 +15,7 @@ use crate::engine::backend::layers::Elem;
 use crate::engine::backend::{Backend, BackendError, CpuBackend};
 use crate::engine::model::GptConfig;
 use crate::engine::parallel::comm::{Comm, Group};
+use crate::engine::parallel::tcp::RendezvousError;
 use crate::engine::train::checkpoint::{self, CheckpointError};
 use crate::engine::train::data::{load_tokens, DataError, Dataset};
 use crate::engine::train::run_dir::{RunDir, RunDirError};
@@ -44,6 +45,9 @@ pub enum TrainError {
     Backend(BackendError),
     #[error(transparent)]
     RunDir(#[from] RunDirError),
+    /// Rank processes that could not be joined (`memory.ranks: processes`).
+    #[error(transparent)]
+    Rendezvous(#[from] RendezvousError),
 }
 
 impl TrainError {
@@ -58,12 +62,13 @@ impl TrainError {
             TrainError::Backend(_) => ExitCode::Internal,
             TrainError::RunDir(RunDirError::Io { .. }) => ExitCode::Internal,
             TrainError::RunDir(_) => ExitCode::Invalid,
+            TrainError::Rendezvous(e) => e.exit_code(),
         }
     }
 }
 
 /// How to treat checkpoints already in the run directory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ResumeMode {
     /// Resume from the newest valid checkpoint if there is one (the default).
     Auto,
@@ -85,6 +90,37 @@ pub struct TrainOptions {
     pub stop_after: Option<u64>,
     /// Read control lines from stdin.
     pub listen_stdin: bool,
+    /// Ranks as processes (`memory.ranks: processes`): this process's place in the group.
+    pub processes: ProcessOptions,
+}
+
+/// Where a process of a `memory.ranks: processes` job stands.
+#[derive(Debug, Clone)]
+pub struct ProcessOptions {
+    /// The job file the rank processes started by rank 0 read (`headroom train --config`).
+    pub job_file: Option<PathBuf>,
+    /// This process is one rank of the group, started by hand or by rank 0 (`--rank`); `None`:
+    /// it is the job's own `headroom train`, which is rank 0 and starts the others.
+    pub rank: Option<RankOptions>,
+    /// How long rank 0 waits for the others to join, and they for rank 0 to answer.
+    pub rendezvous_timeout: std::time::Duration,
+}
+
+impl Default for ProcessOptions {
+    fn default() -> Self {
+        ProcessOptions { job_file: None, rank: None, rendezvous_timeout: std::time::Duration::from_secs(300) }
+    }
+}
+
+/// One rank of a process group (torchrun's RANK, MASTER_ADDR:MASTER_PORT and LOCAL_RANK).
+#[derive(Debug, Clone)]
+pub struct RankOptions {
+    pub rank: usize,
+    /// Rank 0: the address it listens on; the others: rank 0's address.
+    pub rendezvous: String,
+    /// Which device of this machine the rank runs on (`device.index + local_rank`); the rank
+    /// when not given (every rank on one machine).
+    pub local_rank: Option<usize>,
 }
 
 /// The JSON-lines event writer (stdout in production).
@@ -112,7 +148,7 @@ impl Events {
 const CONTROL_NONE: u8 = 0;
 
 /// Read control lines from stdin on a background thread into a flag ([`Control::code`]).
-fn spawn_control_reader() -> Arc<AtomicU8> {
+pub(super) fn spawn_control_reader() -> Arc<AtomicU8> {
     let flag = Arc::new(AtomicU8::new(CONTROL_NONE));
     let f = flag.clone();
     std::thread::Builder::new()
@@ -133,20 +169,23 @@ fn spawn_control_reader() -> Arc<AtomicU8> {
 /// Run the job. On OOM the `oom` event has been written before the error returns.
 pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result<(), TrainError> {
     spec.validate()?;
+    let as_processes = spec.memory.ranks == Ranks::Processes && spec.memory.world_size > 1;
+    if as_processes {
+        return super::processes::train(spec, opts, events);
+    }
+    if opts.processes.rank.is_some() {
+        return Err(TrainError::Config(ConfigError::new(
+            "--rank",
+            "applies to a job whose ranks are processes (memory.ranks: processes, memory.world_size > 1)",
+        )));
+    }
     // Open the device first: a machine without it fails fast, before the data is tokenised.
+    check_device_built(spec)?;
     #[cfg(feature = "cuda")]
     let cuda = match spec.device.kind {
         DeviceKind::Cuda => Some(open_cuda_ranks(spec)?),
         DeviceKind::Cpu => None,
     };
-    #[cfg(not(feature = "cuda"))]
-    if spec.device.kind == DeviceKind::Cuda {
-        return Err(TrainError::DeviceUnavailable {
-            device: format!("cuda:{}", spec.device.index),
-            reason: "this build was not compiled with the `cuda` feature".into(),
-        });
-    }
-    let capacity = spec.device_capacity().unwrap_or(0);
     let cfg = gpt_config(spec);
     let hyper = Hyper::from_spec(spec);
     // Held until the job ends: no other trainer uses this directory meanwhile.
@@ -158,28 +197,33 @@ pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result
     let run = Run { spec, opts, run_dir: &run_dir, data: &data, control, cfg, hyper, comm: None };
     #[cfg(feature = "cuda")]
     if let Some(backends) = cuda {
-        return match spec.memory.precision {
-            Precision::Fp32 => run.ranks::<f32, _>(backends, events),
-            Precision::Bf16 => run.ranks::<half::bf16, _>(backends, events),
-            // Refused by open_cuda_ranks while the kernels lack it; else each op would say so.
-            Precision::Fp16 => run.ranks::<half::f16, _>(backends, events),
-        };
+        return run.in_precision(backends, events);
     }
-    let backends = (0..spec.memory.world_size)
-        .map(|rank| CpuBackend::new(Pool::host(&format!("cpu:{rank}"), capacity, spec.device.expandable_segments())))
-        .collect();
-    match spec.memory.precision {
-        Precision::Fp32 => run.ranks::<f32, _>(backends, events),
-        Precision::Bf16 => run.ranks::<half::bf16, _>(backends, events),
-        Precision::Fp16 => run.ranks::<half::f16, _>(backends, events),
-    }
+    let backends = (0..spec.memory.world_size as usize).map(|rank| cpu_backend(spec, rank)).collect();
+    run.in_precision(backends, events)
 }
 
-/// The CUDA devices of the job's ranks (rank r on `cuda:{index + r}`), with what they cannot
-/// run yet refused up front (exit 2, the field named) rather than at the first op.
+/// Rank `rank`'s backend on the `cpu` device: a host pool of the job's capacity.
+pub(super) fn cpu_backend(spec: &JobSpec, rank: usize) -> CpuBackend {
+    let capacity = spec.device_capacity().unwrap_or(0);
+    CpuBackend::new(Pool::host(&format!("cpu:{rank}"), capacity, spec.device.expandable_segments()))
+}
+
+/// A cuda job on a build without the `cuda` feature is refused before anything else.
+pub(super) fn check_device_built(spec: &JobSpec) -> Result<(), TrainError> {
+    if cfg!(not(feature = "cuda")) && spec.device.kind == DeviceKind::Cuda {
+        return Err(TrainError::DeviceUnavailable {
+            device: format!("cuda:{}", spec.device.index),
+            reason: "this build was not compiled with the `cuda` feature".into(),
+        });
+    }
+    Ok(())
+}
+
+/// The job's precision on cuda, refused (exit 2, the field named) while the kernels lack it.
 #[cfg(feature = "cuda")]
-fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<crate::engine::backend::cuda::CudaBackend>, TrainError> {
-    use crate::engine::backend::cuda::{CudaBackend, CudaError};
+pub(super) fn check_cuda_precision(spec: &JobSpec) -> Result<(), TrainError> {
+    use crate::engine::backend::cuda::CudaBackend;
     let precision = match spec.memory.precision {
         Precision::Fp32 => <f32 as Elem>::NAME,
         Precision::Bf16 => <half::bf16 as Elem>::NAME,
@@ -194,6 +238,15 @@ fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<crate::engine::backend::cuda::C
             ),
         )));
     }
+    Ok(())
+}
+
+/// The CUDA devices of the job's ranks (rank r on `cuda:{index + r}`), with what they cannot
+/// run yet refused up front (exit 2, the field named) rather than at the first op.
+#[cfg(feature = "cuda")]
+fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<crate::engine::backend::cuda::CudaBackend>, TrainError> {
+    use crate::engine::backend::cuda::{CudaBackend, CudaError};
+    check_cuda_precision(spec)?;
     // Validated: 1..=64.
     let world = spec.memory.world_size as u32;
     let open = |rank: u32, capacity: Option<usize>| {
@@ -243,7 +296,7 @@ fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<crate::engine::backend::cuda::C
 
 /// The job's data, tokenised on a thread of its own while the ranks reserve and initialise
 /// their state (so an OOM does not wait for it); each rank takes it once its trainer is built.
-struct DataLoad {
+pub(super) struct DataLoad {
     pending: Mutex<Option<std::thread::JoinHandle<Result<Dataset, TrainError>>>>,
     ready: OnceLock<Result<Dataset, String>>,
     /// The loading error, handed to the first rank that asks (the others get its message).
@@ -251,7 +304,7 @@ struct DataLoad {
 }
 
 impl DataLoad {
-    fn start(spec: &JobSpec, run_dir: &Path, seq_len: usize, seed: u64) -> DataLoad {
+    pub(super) fn start(spec: &JobSpec, run_dir: &Path, seq_len: usize, seed: u64) -> DataLoad {
         let (path, vocab, val_fraction) = (spec.data.path.clone(), spec.model.vocab, spec.data.val_fraction);
         let cache = run_dir.join("tokens");
         let handle = std::thread::Builder::new()
@@ -291,18 +344,30 @@ impl DataLoad {
 }
 
 /// Everything a run needs once the job is validated.
-struct Run<'a> {
-    spec: &'a JobSpec,
-    opts: &'a TrainOptions,
-    run_dir: &'a RunDir,
-    data: &'a DataLoad,
-    control: Option<Arc<AtomicU8>>,
-    cfg: GptConfig,
-    hyper: Hyper,
-    comm: Option<Group>,
+pub(super) struct Run<'a> {
+    pub(super) spec: &'a JobSpec,
+    pub(super) opts: &'a TrainOptions,
+    pub(super) run_dir: &'a RunDir,
+    pub(super) data: &'a DataLoad,
+    pub(super) control: Option<Arc<AtomicU8>>,
+    pub(super) cfg: GptConfig,
+    pub(super) hyper: Hyper,
+    /// This process's rank of a process group (its one backend); `None`: the ranks are this
+    /// process's threads, one per backend.
+    pub(super) comm: Option<Group>,
 }
 
 impl Run<'_> {
+    /// Run the ranks in the job's compute precision.
+    pub(super) fn in_precision<B: Backend>(self, backends: Vec<B>, events: &mut Events) -> Result<(), TrainError> {
+        match self.spec.memory.precision {
+            Precision::Fp32 => self.ranks::<f32, _>(backends, events),
+            Precision::Bf16 => self.ranks::<half::bf16, _>(backends, events),
+            // Refused on cuda by check_cuda_precision while the kernels lack it.
+            Precision::Fp16 => self.ranks::<half::f16, _>(backends, events),
+        }
+    }
+
     /// Run every data-parallel rank, rank r on `backends[r]` (each with its own device pool):
     /// rank 0 here (it speaks the protocol), the others on threads of their own.
     fn ranks<E: Elem, B: Backend>(self, backends: Vec<B>, events: &mut Events) -> Result<(), TrainError> {
@@ -384,6 +449,25 @@ impl Run<'_> {
                 None => None,
             },
         };
+        if let Some(comm) = comm.as_ref().filter(|c| c.world() > 1) {
+            // Every rank reads the checkpoint itself: ranks that see different run directories
+            // (other machines, no shared filesystem) would otherwise train from different states.
+            let at = resumed.map_or(0, |s| s + 1);
+            let (lowest, highest) = (comm.min_u64(at), u64::MAX - comm.min_u64(u64::MAX - at));
+            if lowest != highest {
+                let from = |at: u64| at.checked_sub(1).map_or("a fresh start".to_string(), |s| format!("step {s}"));
+                return Err(TrainError::RankFailed {
+                    rank,
+                    message: format!(
+                        "the ranks start from different states ({} and {}): every rank must read the run \
+                         directory rank 0 writes (this rank's is {}; on several machines, a shared filesystem)",
+                        from(lowest),
+                        from(highest),
+                        run_dir.path.display()
+                    ),
+                });
+            }
+        }
 
         let stats = pool.stats();
         tracing::info!(

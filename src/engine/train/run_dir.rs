@@ -34,12 +34,13 @@ pub enum RunDirError {
     Identity { path: PathBuf, message: String },
 }
 
-/// An open run directory: locked for this process until dropped.
+/// An open run directory: locked for this process until dropped (by rank 0 of a process
+/// group; the other ranks follow it, see [`RunDir::follow`]).
 #[derive(Debug)]
 pub struct RunDir {
     pub path: PathBuf,
     pub identity: RunIdentity,
-    _lock: File,
+    _lock: Option<File>,
 }
 
 impl RunDir {
@@ -76,7 +77,13 @@ impl RunDir {
                 id
             }
         };
-        Ok(RunDir { path: path.into(), identity, _lock: lock })
+        Ok(RunDir { path: path.into(), identity, _lock: Some(lock) })
+    }
+
+    /// A rank process's view of the directory rank 0 opened (and holds locked) for the job:
+    /// its identity as rank 0 sent it. Such a rank reads checkpoints and never writes one.
+    pub fn follow(path: &Path, identity: RunIdentity) -> RunDir {
+        RunDir { path: path.into(), identity, _lock: None }
     }
 
     pub fn lineage(&self) -> &str {

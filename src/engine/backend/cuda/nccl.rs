@@ -1,9 +1,11 @@
 //! NCCL behind `DeviceCollectives`: one communicator per rank for ranks on distinct GPUs of this
-//! process (`ncclCommInitAll`), each rank's collectives issued on its compute stream, so they
+//! process (`ncclCommInitAll`), or for this process's rank of a group of rank processes
+//! (`ncclCommInitRank`, with the unique id rank 0 made and sent at the rendezvous); each rank's
+//! collectives issued on its compute stream, so they
 //! are ordered with its kernels and the pool's stream-ordered reuse stays safe.
 //!
 //! libnccl (`libnccl.so.2`: pip's `nvidia-nccl-cu13` / `-cu12`, or a system install) is loaded
-//! at run time by its own name — cudarc's loader does not try `.so.2` — and only the seven
+//! at run time by its own name — cudarc's loader does not try `.so.2` — and only the nine
 //! entry points used here are looked up. NCCL refuses two ranks on one GPU, so a group on a
 //! single GPU keeps the host-staged collectives.
 
@@ -22,6 +24,15 @@ type Stream = *mut c_void;
 type Status = c_int;
 
 const NCCL_SUM: c_int = 0;
+/// `NCCL_UNIQUE_ID_BYTES`: the size of `ncclUniqueId`.
+pub const UNIQUE_ID_BYTES: usize = 128;
+
+/// `ncclUniqueId`, passed by value to `ncclCommInitRank`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UniqueId {
+    internal: [c_char; UNIQUE_ID_BYTES],
+}
 
 /// `ncclDataType_t` of a dtype (nccl.h: ncclFloat16 = 6, ncclFloat32 = 7, ncclBfloat16 = 9).
 fn data_type(dtype: Dtype) -> c_int {
@@ -37,6 +48,8 @@ struct Library {
     _lib: libloading::Library,
     version: String,
     init_all: unsafe extern "C" fn(*mut Comm, c_int, *const c_int) -> Status,
+    get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> Status,
+    init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> Status,
     all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> Status,
     reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, c_int, Comm, Stream) -> Status,
     broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> Status,
@@ -78,6 +91,8 @@ impl Library {
             Ok(Library {
                 version,
                 init_all: symbol!(b"ncclCommInitAll\0"),
+                get_unique_id: symbol!(b"ncclGetUniqueId\0"),
+                init_rank: symbol!(b"ncclCommInitRank\0"),
                 all_reduce: symbol!(b"ncclAllReduce\0"),
                 reduce: symbol!(b"ncclReduce\0"),
                 broadcast: symbol!(b"ncclBroadcast\0"),
@@ -199,6 +214,49 @@ pub fn attach(backends: &mut [CudaBackend]) -> Result<String, CudaError> {
     Ok(lib.version.clone())
 }
 
+/// A new group's unique id (rank 0 of a group of rank processes makes it and sends it to the
+/// others at the rendezvous).
+pub fn unique_id() -> Result<Vec<u8>, CudaError> {
+    let lib = Library::get().map_err(|detail| CudaError::Nccl { detail })?;
+    let mut id = UniqueId { internal: [0; UNIQUE_ID_BYTES] };
+    // SAFETY: one output id.
+    lib.check(unsafe { (lib.get_unique_id)(&mut id) }).map_err(|detail| CudaError::Nccl { detail })?;
+    Ok(id.internal.iter().map(|&b| b as u8).collect())
+}
+
+/// Give this process's rank `rank` of a group of `world` rank processes (each on its own GPU,
+/// `backend`'s) its communicator, from the group's unique `id`. Every rank of the group must
+/// call it (NCCL waits for all of them); returns the NCCL version.
+pub fn attach_rank(backend: &mut CudaBackend, id: &[u8], rank: usize, world: usize) -> Result<String, CudaError> {
+    let lib = Library::get().map_err(|detail| CudaError::Nccl { detail })?;
+    let id = unique_id_of(id).map_err(|detail| CudaError::Nccl { detail })?;
+    backend.ctx.bind_to_thread().map_err(|e| CudaError::Nccl { detail: format!("{e:?}") })?;
+    let mut comm: Comm = std::ptr::null_mut();
+    // SAFETY: one output communicator; the id is passed by value as nccl.h declares.
+    lib.check(unsafe { (lib.init_rank)(&mut comm, world as c_int, id, rank as c_int) })
+        .map_err(|detail| CudaError::Nccl { detail })?;
+    backend.nccl = Some(NcclRank {
+        lib,
+        comm,
+        device: format!("cuda:{}", backend.index),
+        ctx: backend.ctx.clone(),
+        stream: backend.stream.cu_stream() as Stream,
+    });
+    Ok(lib.version.clone())
+}
+
+/// The `ncclUniqueId` held in `bytes` (as `unique_id` made them).
+fn unique_id_of(bytes: &[u8]) -> Result<UniqueId, String> {
+    if bytes.len() != UNIQUE_ID_BYTES {
+        return Err(format!("an NCCL unique id of {} bytes (NCCL's are {UNIQUE_ID_BYTES})", bytes.len()));
+    }
+    let mut id = UniqueId { internal: [0; UNIQUE_ID_BYTES] };
+    for (d, &b) in id.internal.iter_mut().zip(bytes) {
+        *d = b as c_char;
+    }
+    Ok(id)
+}
+
 /// One communicator per device of `devices` (rank r on `devices[r]`), all of one group.
 fn communicators(devices: &[c_int]) -> Result<Vec<Comm>, String> {
     if let Some(d) = devices.iter().enumerate().find_map(|(i, d)| devices[..i].contains(d).then_some(d)) {
@@ -232,6 +290,17 @@ mod tests {
         };
         eprintln!("{}", lib.version);
         assert!(lib.version.starts_with("NCCL 2."), "{}", lib.version);
+        // The process-group path: a unique id is made without a GPU (NCCL's bootstrap is the
+        // network) and a wrong-sized one is refused before NCCL sees it.
+        match unique_id() {
+            Ok(id) => {
+                assert_eq!(id.len(), UNIQUE_ID_BYTES);
+                assert!(id.iter().any(|&b| b != 0), "an id with content");
+                assert_eq!(unique_id_of(&id).unwrap().internal.map(|b| b as u8).to_vec(), id);
+            }
+            Err(e) => eprintln!("ncclGetUniqueId here: {e}"),
+        }
+        assert!(unique_id_of(&[1; 12]).err().unwrap().contains("12 bytes"));
         let err = communicators(&[0, 1, 0]).unwrap_err();
         assert_eq!(err, "two ranks on cuda:0: NCCL needs a GPU per rank");
         if !super::super::driver_present() {
