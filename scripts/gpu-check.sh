@@ -6,7 +6,8 @@
 #
 # 1. `headroom train` of data/example-job.yaml on `cuda` (20 steps): the CLI, the event stream
 #    and checkpoints end to end on the device; then the same job in bf16 with checkpointing and
-#    every offload, preempted at step 10 and resumed to 20; with two GPUs, the job on two ranks.
+#    every offload, preempted at step 10 and resumed to 20; with two GPUs, the job on two ranks,
+#    as threads and as processes (the same losses).
 #    Then the GPT-2 XL shape (1.48B) on 16 GiB: the plain job's time to its OOM, and bf16 +
 #    checkpointing + optimizer offload's time to start and to its first steps.
 # 2. `headroom gpu-check`, which prints its summary table last:
@@ -85,6 +86,20 @@ if [ "${gpus:-0}" -ge 2 ]; then
     grep -E '"event":"(started|eval|finished|oom)"' "$run/ranks.jsonl" | cut -c1-400
     echo "2-rank train exit status: $ranks_status"
     [ $ranks_status -eq 0 ] || train_status=1
+    # The same job with each rank its own process (memory.ranks: processes): NCCL communicators
+    # from a unique id sent at the rendezvous; the losses must be the thread ranks' exactly.
+    sed 's/^memory:/memory:\n  ranks: processes/' "$job.ranks.yaml" > "$job.procs.yaml"
+    echo "== headroom train on cuda:0 and cuda:1 (2 rank processes, ZeRO-3)"
+    "$BIN" train --config "$job.procs.yaml" --fresh --run-dir "$run/procs" > "$run/procs.jsonl"
+    procs_status=$?
+    grep -E '"event":"(started|eval|finished|oom)"' "$run/procs.jsonl" | cut -c1-400
+    losses() { grep -o '"loss":[^,]*' "$1"; }
+    if [ $procs_status -eq 0 ] && [ "$(losses "$run/procs.jsonl")" = "$(losses "$run/ranks.jsonl")" ]; then
+        echo "2 rank processes: exit 0, losses equal to the thread ranks'"
+    else
+        echo "2 rank processes: exit $procs_status; losses equal to the thread ranks': no"
+        train_status=1
+    fi
 fi
 
 # The seed's headline case at real scale: GPT-2 XL shape (1.48B parameters, bytes vocabulary)

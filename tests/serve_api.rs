@@ -679,3 +679,64 @@ async fn a_policy_base_is_where_its_jobs_start() {
     assert!(err["error"].as_str().unwrap().contains("world_size"), "{err}");
     s.shutdown().await.unwrap();
 }
+
+/// The rank processes `pid` started (`memory.ranks: processes`): its live children.
+fn children_of(pid: i64) -> Vec<i64> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<i64>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        // pid (comm) state ppid …: the fields after the command's closing parenthesis.
+        let fields: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, rest)| rest).split_whitespace().collect();
+        if fields.first() != Some(&"Z") && fields.get(1).and_then(|p| p.parse().ok()) == Some(pid) {
+            out.push(child);
+        }
+    }
+    out
+}
+
+fn alive(pid: i64) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_process_that_dies_crashes_the_attempt_and_every_rank_resumes_together() {
+    let h = Harness::new();
+    let s = h.start(None).await;
+    let job = squeezed_job("procs", 100_000, 4, "default", 5) + "memory: { world_size: 2, ranks: processes }\n";
+    let id = submit(&s, &job).await;
+    wait_until("a checkpoint", Duration::from_secs(120), || async { max_step(&s, id).await >= 7 }).await;
+    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    let rank0 = attempts[0]["pid"].as_i64().unwrap();
+    let ranks = children_of(rank0);
+    assert_eq!(ranks.len(), 1, "rank 0 (the attempt's trainer) started rank 1: {ranks:?}");
+    let status = std::process::Command::new("kill").args(["-9", &ranks[0].to_string()]).status().unwrap();
+    assert!(status.success());
+    wait_until("a second attempt with its ranks", Duration::from_secs(120), || async {
+        let a = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+        a.as_array().unwrap().len() >= 2 && a[1]["pid"].as_i64().is_some_and(|p| !children_of(p).is_empty())
+    })
+    .await;
+    assert!(!alive(rank0), "the first attempt's rank 0 ended");
+    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    let second = children_of(attempts[1]["pid"].as_i64().unwrap());
+    let (code, _) = post(&s, &format!("/api/jobs/{id}/cancel"), "").await;
+    assert_eq!(code, 202);
+    let job = wait_terminal(&s, id).await;
+    assert_eq!(job["status"], "cancelled");
+    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    let a = attempts.as_array().unwrap();
+    assert_eq!(a[0]["outcome"], "crashed", "{attempts}");
+    assert_eq!(a[0]["exit_code"], 1, "{attempts}");
+    let message = a[0]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("the connection to rank 1 failed"), "{attempts}");
+    assert_eq!(a[1]["rung"], a[0]["rung"], "retried on the same rung");
+    let resumed = a[1]["resumed_from_step"].as_i64().expect("second attempt resumed");
+    assert!(resumed >= 5 && resumed % 5 == 0, "resumed from a checkpoint: {resumed}");
+    assert_eq!(a[1]["outcome"], "cancelled", "every rank checkpointed and stopped: {attempts}");
+    wait_until("the second attempt's rank 1 ended", Duration::from_secs(10), || async {
+        second.iter().all(|&p| !alive(p))
+    })
+    .await;
+    s.shutdown().await.unwrap();
+}

@@ -21,4 +21,5 @@ pub mod quant;
 pub mod rng;
 pub mod train;
 
-pub use train::job::{train, Events, ProcessOptions, RankOptions, ResumeMode, TrainError, TrainOptions};
+pub use train::job::{Events, ProcessOptions, RankOptions, ResumeMode, TrainError, TrainOptions};
+pub use train::train;

@@ -368,7 +368,7 @@ pub fn parallel_table(
             listen_stdin: false,
             processes: Default::default(),
         };
-        crate::engine::train::job::train(
+        crate::engine::train::train(
             &spec,
             &opts,
             &mut crate::engine::train::job::Events::new(Box::new(Sink(buf.clone()))),

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use crate::config::{ConfigError, DeviceKind, JobSpec, Precision, Ranks};
+use crate::config::{ConfigError, DeviceKind, JobSpec, Precision};
 use crate::memory::{OomError, Pool};
 use crate::protocol::{self, Control, Event, ExitCode, Line, MemSnapshot};
 
@@ -166,13 +166,9 @@ pub(super) fn spawn_control_reader() -> Arc<AtomicU8> {
     flag
 }
 
-/// Run the job. On OOM the `oom` event has been written before the error returns.
-pub fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result<(), TrainError> {
-    spec.validate()?;
-    let as_processes = spec.memory.ranks == Ranks::Processes && spec.memory.world_size > 1;
-    if as_processes {
-        return super::processes::train(spec, opts, events);
-    }
+/// Run a validated job in this process, its ranks (if several) as threads. On OOM the `oom`
+/// event has been written before the error returns.
+pub(super) fn train_in_process(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) -> Result<(), TrainError> {
     if opts.processes.rank.is_some() {
         return Err(TrainError::Config(ConfigError::new(
             "--rank",
