@@ -426,6 +426,15 @@ async fn max_step(s: &RunningServer, id: i64) -> i64 {
     get(s, &format!("/api/jobs/{id}")).await["steps_done"].as_i64().unwrap_or(0)
 }
 
+/// Cancel job `id` (202), wait until it has ended cancelled, and return its attempts.
+async fn cancel_and_wait(s: &RunningServer, id: i64) -> Value {
+    let (code, _) = post(s, &format!("/api/jobs/{id}/cancel"), "").await;
+    assert_eq!(code, 202);
+    let job = wait_terminal(s, id).await;
+    assert_eq!(job["status"], "cancelled");
+    get(s, &format!("/api/jobs/{id}/attempts")).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sigkilled_trainer_is_retried_and_resumes_from_its_checkpoint() {
     let h = Harness::new();
@@ -441,11 +450,7 @@ async fn a_sigkilled_trainer_is_retried_and_resumes_from_its_checkpoint() {
         a.as_array().unwrap().len() >= 2 && a[1]["pid"].is_number()
     })
     .await;
-    let (code, _) = post(&s, &format!("/api/jobs/{id}/cancel"), "").await;
-    assert_eq!(code, 202);
-    let job = wait_terminal(&s, id).await;
-    assert_eq!(job["status"], "cancelled");
-    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    let attempts = cancel_and_wait(&s, id).await;
     let a = attempts.as_array().unwrap();
     assert_eq!(a[0]["outcome"], "crashed");
     assert!(a[0]["exit_code"].is_null(), "killed by a signal");
@@ -479,10 +484,7 @@ async fn restarting_the_daemon_resumes_a_running_job() {
             || max_step(&s, id).await > stopped_at
     })
     .await;
-    let (code, _) = post(&s, &format!("/api/jobs/{id}/cancel"), "").await;
-    assert_eq!(code, 202);
-    wait_terminal(&s, id).await;
-    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    let attempts = cancel_and_wait(&s, id).await;
     assert_eq!(attempts[1]["resumed_from_step"], stopped_at, "{attempts}");
     assert!(kinds(&get(&s, &format!("/api/jobs/{id}/events")).await).contains(&"resumed".to_string()));
     s.shutdown().await.unwrap();
@@ -720,11 +722,7 @@ async fn a_rank_process_that_dies_crashes_the_attempt_and_every_rank_resumes_tog
     assert!(!alive(rank0), "the first attempt's rank 0 ended");
     let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
     let second = children_of(attempts[1]["pid"].as_i64().unwrap());
-    let (code, _) = post(&s, &format!("/api/jobs/{id}/cancel"), "").await;
-    assert_eq!(code, 202);
-    let job = wait_terminal(&s, id).await;
-    assert_eq!(job["status"], "cancelled");
-    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    let attempts = cancel_and_wait(&s, id).await;
     let a = attempts.as_array().unwrap();
     assert_eq!(a[0]["outcome"], "crashed", "{attempts}");
     assert_eq!(a[0]["exit_code"], 1, "{attempts}");

@@ -129,6 +129,17 @@ unsafe impl Send for NcclRank {}
 unsafe impl Sync for NcclRank {}
 
 impl NcclRank {
+    /// `comm`, used on `backend`'s device and compute stream.
+    fn on(lib: &'static Library, comm: Comm, backend: &CudaBackend) -> NcclRank {
+        NcclRank {
+            lib,
+            comm,
+            device: format!("cuda:{}", backend.index),
+            ctx: backend.ctx.clone(),
+            stream: backend.stream.cu_stream() as Stream,
+        }
+    }
+
     fn call(&self, op: &'static str, f: impl FnOnce() -> Status) -> BackendResult {
         let error = |detail: String| BackendError::Device { op, device: self.device.clone(), detail };
         self.ctx.bind_to_thread().map_err(|e| error(format!("{e:?}")))?;
@@ -203,13 +214,7 @@ pub fn attach(backends: &mut [CudaBackend]) -> Result<String, CudaError> {
     let comms = communicators(&devices).map_err(|detail| CudaError::Nccl { detail })?;
     let lib = Library::get().map_err(|detail| CudaError::Nccl { detail })?;
     for (backend, comm) in backends.iter_mut().zip(comms) {
-        backend.nccl = Some(NcclRank {
-            lib,
-            comm,
-            device: format!("cuda:{}", backend.index),
-            ctx: backend.ctx.clone(),
-            stream: backend.stream.cu_stream() as Stream,
-        });
+        backend.nccl = Some(NcclRank::on(lib, comm, backend));
     }
     Ok(lib.version.clone())
 }
@@ -235,13 +240,7 @@ pub fn attach_rank(backend: &mut CudaBackend, id: &[u8], rank: usize, world: usi
     // SAFETY: one output communicator; the id is passed by value as nccl.h declares.
     lib.check(unsafe { (lib.init_rank)(&mut comm, world as c_int, id, rank as c_int) })
         .map_err(|detail| CudaError::Nccl { detail })?;
-    backend.nccl = Some(NcclRank {
-        lib,
-        comm,
-        device: format!("cuda:{}", backend.index),
-        ctx: backend.ctx.clone(),
-        stream: backend.stream.cu_stream() as Stream,
-    });
+    backend.nccl = Some(NcclRank::on(lib, comm, backend));
     Ok(lib.version.clone())
 }
 
