@@ -11,7 +11,7 @@ use std::time::Instant;
 use crate::engine::backend::collectives::{DeviceCollectives, Dtype};
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::{Backend, BackendResult, View, ViewMut};
-use crate::engine::parallel::tcp::TcpLink;
+use crate::engine::parallel::tcp::{RendezvousError, TcpLink};
 use crate::engine::parallel::SwapStats;
 
 /// What the training loop needs from a rank group.
@@ -62,6 +62,21 @@ struct Shared {
     slots: Mutex<Vec<Published>>,
     word: AtomicU64,
     failures: AtomicU64,
+    /// The sub-groups of a `split` in progress, in order of their first rank.
+    splits: Mutex<Vec<Arc<Shared>>>,
+}
+
+impl Shared {
+    fn new(world: usize) -> Shared {
+        Shared {
+            world,
+            barrier: Barrier::new(world),
+            slots: Mutex::new(vec![Published::default(); world]),
+            word: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+            splits: Mutex::new(Vec::new()),
+        }
+    }
 }
 
 /// One rank's handle on its group.
@@ -83,19 +98,47 @@ enum Link {
 impl Group {
     /// Handles for a group of `world` ranks as threads of this process, one per rank.
     pub fn threads(world: usize) -> Vec<Group> {
-        let shared = Arc::new(Shared {
-            world,
-            barrier: Barrier::new(world),
-            slots: Mutex::new(vec![Published::default(); world]),
-            word: AtomicU64::new(0),
-            failures: AtomicU64::new(0),
-        });
+        let shared = Arc::new(Shared::new(world));
         (0..world).map(|rank| Group { rank, link: Link::Threads(shared.clone()) }).collect()
     }
 
     /// This process's rank of a group of processes joined by `link`.
     pub fn tcp(link: TcpLink) -> Group {
         Group { rank: link.rank(), link: Link::Tcp(Arc::new(link)) }
+    }
+
+    /// Split the group (a collective: every rank calls it): the ranks that give the same
+    /// `color` form one sub-group, ranked in their order here; returns this rank's. Thread
+    /// groups share memory as before; process groups connect each sub-group's members to its
+    /// first rank, which listens at an address the others learn through this group (waiting
+    /// up to `timeout` for them). Sub-groups run their collectives independently of each other.
+    pub fn split(&self, color: u64, timeout: std::time::Duration) -> Result<Group, RendezvousError> {
+        if let Some(link) = self.tcp_link() {
+            let sub = link.split(color, timeout)?;
+            return Ok(Group { rank: sub.rank(), link: Link::Tcp(Arc::new(sub)) });
+        }
+        let colors: Vec<u64> =
+            self.exchange(Published { word: color, ..Default::default() }).iter().map(|p| p.word).collect();
+        let mut distinct: Vec<(usize, u64)> = Vec::new(); // (first rank, color)
+        for (r, &c) in colors.iter().enumerate() {
+            if !distinct.iter().any(|&(_, d)| d == c) {
+                distinct.push((r, c));
+            }
+        }
+        let members = |c: u64| colors.iter().filter(|&&x| x == c).count();
+        if self.rank == 0 {
+            *self.shared().splits.lock().unwrap_or_else(|e| e.into_inner()) =
+                distinct.iter().map(|&(_, c)| Arc::new(Shared::new(members(c)))).collect();
+        }
+        self.shared().barrier.wait();
+        let index = distinct.iter().position(|&(_, c)| c == color).expect("this rank's color");
+        let sub = self.shared().splits.lock().unwrap_or_else(|e| e.into_inner())[index].clone();
+        self.shared().barrier.wait();
+        if self.rank == 0 {
+            self.shared().splits.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        }
+        let sub_rank = colors[..self.rank].iter().filter(|&&c| c == color).count();
+        Ok(Group { rank: sub_rank, link: Link::Threads(sub) })
     }
 
     /// The smallest of every rank's `value`, on every rank.
@@ -752,6 +795,44 @@ mod tests {
             // The rank-0 broadcast and a failed rank heard by all.
             assert_eq!(threads[world - 1][4][1..], [40, 0, 1]);
         }
+    }
+
+    #[test]
+    fn a_split_group_runs_collectives_within_each_color_as_threads_and_as_processes() {
+        // Per rank: (color, sub-rank, sub-world, the sub-group's sum of rank + 1, rank 0's
+        // broadcast of its rank, and a collective on the whole group afterwards).
+        fn run(c: Group) -> Vec<(u64, usize, usize, Vec<f32>, u64, f64)> {
+            let timeout = std::time::Duration::from_secs(20);
+            let rank = c.rank();
+            let mut out = Vec::new();
+            for color in [rank as u64 % 2, rank as u64 / 2, 7, rank as u64] {
+                let sub = c.split(color, timeout).unwrap();
+                let mut buf = vec![(rank + 1) as f32; 3];
+                sub.all_reduce_sum(&mut buf);
+                let first = sub.broadcast(rank as u64);
+                out.push((color, sub.rank(), sub.world(), buf, first, c.all_reduce_f64(1.0)));
+            }
+            out
+        }
+        fn on<R: Send>(groups: Vec<Group>, f: impl Fn(Group) -> R + Sync) -> Vec<R> {
+            std::thread::scope(|s| {
+                let joins: Vec<_> = groups.into_iter().map(|c| s.spawn(|| f(c))).collect();
+                joins.into_iter().map(|j| j.join().unwrap()).collect()
+            })
+        }
+        let threads = on(Group::threads(4), run);
+        // Rank 2: colors 0 (with rank 0), 1 (with rank 3), 7 (everyone), 2 (alone).
+        assert_eq!(
+            threads[2],
+            [
+                (0, 1, 2, vec![4.0; 3], 0, 4.0),
+                (1, 0, 2, vec![7.0; 3], 2, 4.0),
+                (7, 2, 4, vec![10.0; 3], 0, 4.0),
+                (2, 0, 1, vec![3.0; 3], 2, 4.0),
+            ]
+        );
+        let tcp = crate::engine::parallel::tcp::tests::loopback(4).into_iter().map(Group::tcp).collect();
+        assert_eq!(on(tcp, run), threads, "a process group splits as a thread group does");
     }
 
     #[test]

@@ -201,6 +201,46 @@ impl TcpLink {
         }
     }
 
+    /// `Group::split` for a process group: the sub-group of the ranks giving `color`, its
+    /// first rank hosting a rendezvous on the interface its own connection uses (so the others
+    /// reach it wherever they reach this group), its address sent through this group.
+    pub fn split(&self, color: u64, timeout: Duration) -> Result<TcpLink, RendezvousError> {
+        let colors: Vec<u64> = self.exchange_words(&[color]).into_iter().map(|w| w[0]).collect();
+        let members: Vec<usize> = (0..self.world).filter(|&r| colors[r] == color).collect();
+        let (sub_rank, sub_world) = (members.iter().position(|&r| r == self.rank).expect("a member"), members.len());
+        let hosting = sub_rank == 0 && sub_world > 1;
+        let listener = if hosting {
+            let here = self.peers[0].lock().unwrap_or_else(|e| e.into_inner()).local_addr().map(|a| a.ip());
+            Some(here.and_then(|ip| TcpListener::bind((ip, 0))))
+        } else {
+            None
+        };
+        let listening = match &listener {
+            Some(Ok(l)) => l.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+            _ => String::new(),
+        };
+        let addresses = self.exchange_words(&address_words(&listening));
+        // The same text on every member: the rendezvous checks it like a job spec.
+        let job = format!("split of {} ranks, color {color}", self.world);
+        if sub_world == 1 {
+            return Ok(TcpLink { rank: 0, world: 1, peers: Vec::new() });
+        }
+        match listener {
+            Some(Ok(listener)) => TcpLink::host(listener, sub_world, &job, &(), timeout, &mut || Ok(())),
+            Some(Err(e)) => Err(RendezvousError::Io { addr: "split".into(), message: format!("cannot listen: {e}") }),
+            None => {
+                let at = words_address(&addresses[members[0]]);
+                if at.is_empty() {
+                    return Err(RendezvousError::Io {
+                        addr: "split".into(),
+                        message: format!("rank {} could not listen for its sub-group", members[0]),
+                    });
+                }
+                TcpLink::join::<()>(&at, sub_rank, sub_world, &job, timeout).map(|(link, ())| link)
+            }
+        }
+    }
+
     pub fn rank(&self) -> usize {
         self.rank
     }
@@ -425,6 +465,25 @@ fn read_frame_into(s: &mut TcpStream, into: &mut [u8]) -> std::io::Result<()> {
         )));
     }
     s.read_exact(into)
+}
+
+/// Words of a socket address's text (up to 64 bytes; an IPv6 address with its port fits).
+const ADDRESS_WORDS: usize = 8;
+
+fn address_words(address: &str) -> [u64; ADDRESS_WORDS] {
+    let mut bytes = [0u8; ADDRESS_WORDS * 8];
+    let n = address.len().min(bytes.len());
+    bytes[..n].copy_from_slice(&address.as_bytes()[..n]);
+    let mut words = [0u64; ADDRESS_WORDS];
+    for (w, chunk) in words.iter_mut().zip(bytes.chunks(8)) {
+        *w = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+    }
+    words
+}
+
+fn words_address(words: &[u64]) -> String {
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).take_while(|&b| b != 0).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 #[cfg(test)]
