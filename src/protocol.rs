@@ -376,6 +376,12 @@ impl ExitCode {
     }
 }
 
+/// A launcher's rank variables (torchrun's): a `headroom train` of a process-rank job reads
+/// RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for flags it was not given (WORLD_SIZE comes
+/// with them, unread), so whoever starts a trainer as rank 0 of a group of its own removes them
+/// from its environment.
+pub const LAUNCHER_VARIABLES: [&str; 5] = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"];
+
 /// The run directory's identity file: which run it belongs to.
 pub const RUN_IDENTITY_FILE: &str = "run.json";
 /// The run directory's lock file: held (an exclusive `flock`) by the one trainer using the

@@ -30,28 +30,18 @@ fn trajectory(events: &[serde_json::Value]) -> Vec<String> {
     steps.chain(evals).collect()
 }
 
-/// Processes (other than zombies) whose command line names `run_dir`.
-fn processes_of(run_dir: &Path) -> Vec<u32> {
+/// Live processes whose command line names `run_dir`.
+fn processes_of(run_dir: &Path) -> Vec<common::Process> {
     let dir = run_dir.to_string_lossy().into_owned();
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
-        if cmdline.split(|&b| b == 0).any(|a| a == dir.as_bytes()) && pid != std::process::id() {
-            pids.push(pid);
-        }
-    }
-    pids
+    common::processes().into_iter().filter(|p| p.args.contains(&dir)).collect()
 }
 
 fn rank_pid(run_dir: &Path, rank: usize) -> Option<u32> {
-    let dir = run_dir.to_string_lossy().into_owned();
-    processes_of(run_dir).into_iter().find(|pid| {
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
-        args.contains(&dir.as_bytes())
-            && args.windows(2).any(|w| w[0] == b"--rank" && w[1] == rank.to_string().as_bytes())
-    })
+    let rank = rank.to_string();
+    processes_of(run_dir)
+        .into_iter()
+        .find(|p| p.args.windows(2).any(|w| w[0] == "--rank" && w[1] == rank))
+        .map(|p| p.pid)
 }
 
 fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {

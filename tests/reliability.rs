@@ -158,20 +158,11 @@ async fn wait_all_terminal(dir: &Path, timeout: Duration) -> Vec<(i64, String, i
 /// Processes whose command line is a `headroom train` with a run directory under `runs`.
 fn trainers_under(runs: &Path) -> Vec<u32> {
     let needle = runs.to_string_lossy().to_string();
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(cmd) = std::fs::read(entry.path().join("cmdline")) else { continue };
-        let args: Vec<String> = cmd.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
-        if args.iter().any(|a| a == "train") && args.iter().any(|a| a.starts_with(&needle)) {
-            // A zombie (exited, not yet reaped) holds no files: only live processes count.
-            let state = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-            if !state.split(") ").nth(1).is_some_and(|s| s.starts_with('Z')) {
-                found.push(pid);
-            }
-        }
-    }
-    found
+    common::processes()
+        .into_iter()
+        .filter(|p| p.args.iter().any(|a| a == "train") && p.args.iter().any(|a| a.starts_with(&needle)))
+        .map(|p| p.pid)
+        .collect()
 }
 
 async fn unclosed_attempts(dir: &Path) -> i64 {

@@ -684,21 +684,11 @@ async fn a_policy_base_is_where_its_jobs_start() {
 
 /// The rank processes `pid` started (`memory.ranks: processes`): its live children.
 fn children_of(pid: i64) -> Vec<i64> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(child) = entry.file_name().to_string_lossy().parse::<i64>() else { continue };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
-        // pid (comm) state ppid …: the fields after the command's closing parenthesis.
-        let fields: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, rest)| rest).split_whitespace().collect();
-        if fields.first() != Some(&"Z") && fields.get(1).and_then(|p| p.parse().ok()) == Some(pid) {
-            out.push(child);
-        }
-    }
-    out
+    common::processes().into_iter().filter(|p| i64::from(p.parent) == pid).map(|p| i64::from(p.pid)).collect()
 }
 
 fn alive(pid: i64) -> bool {
-    std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty())
+    common::processes().iter().any(|p| i64::from(p.pid) == pid)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

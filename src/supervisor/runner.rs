@@ -470,6 +470,11 @@ impl Runner {
             )
             .await?;
         let mut command = tokio::process::Command::new(&self.cfg.trainer_exe);
+        // The attempt is rank 0 of its own group: a launcher's rank variables around the
+        // daemon are not the trainer's (the daemon's own trainer_env may still set them).
+        for name in crate::protocol::LAUNCHER_VARIABLES {
+            command.env_remove(name);
+        }
         command
             .arg("train")
             .arg("--config")
@@ -479,12 +484,6 @@ impl Runner {
             .arg("--run-owner")
             .arg(self.owner(job))
             .env("HEADROOM_LOG", std::env::var("HEADROOM_TRAINER_LOG").unwrap_or_else(|_| "info".into()))
-            // The attempt is rank 0 of its own group: a launcher's rank variables around the
-            // daemon are not the trainer's.
-            .env_remove("RANK")
-            .env_remove("LOCAL_RANK")
-            .env_remove("MASTER_ADDR")
-            .env_remove("MASTER_PORT")
             .envs(self.cfg.trainer_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -87,3 +87,32 @@ pub fn of_kind<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
 pub fn losses(events: &[Value]) -> Vec<(u64, f64)> {
     of_kind(events, "step").iter().map(|e| (e["step"].as_u64().unwrap(), e["loss"].as_f64().unwrap())).collect()
 }
+
+/// A live process of this machine (exited ones not yet reaped are left out).
+pub struct Process {
+    pub pid: u32,
+    pub parent: u32,
+    pub args: Vec<String>,
+}
+
+/// Every live process, from /proc.
+pub fn processes() -> Vec<Process> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let (Ok(cmdline), Ok(stat)) =
+            (std::fs::read(entry.path().join("cmdline")), std::fs::read_to_string(entry.path().join("stat")))
+        else {
+            continue;
+        };
+        // pid (comm) state ppid …: the fields after the command's closing parenthesis.
+        let fields: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, rest)| rest).split_whitespace().collect();
+        let Some(parent) = fields.get(1).and_then(|p| p.parse().ok()) else { continue };
+        if fields[0] == "Z" {
+            continue;
+        }
+        let args = cmdline.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        found.push(Process { pid, parent, args });
+    }
+    found
+}

@@ -119,19 +119,20 @@ impl Group {
         }
         let colors: Vec<u64> =
             self.exchange(Published { word: color, ..Default::default() }).iter().map(|p| p.word).collect();
-        let mut distinct: Vec<(usize, u64)> = Vec::new(); // (first rank, color)
-        for (r, &c) in colors.iter().enumerate() {
-            if !distinct.iter().any(|&(_, d)| d == c) {
-                distinct.push((r, c));
+        // The colors in order of their first rank: the sub-groups' order in `splits`.
+        let mut distinct: Vec<u64> = Vec::new();
+        for &c in &colors {
+            if !distinct.contains(&c) {
+                distinct.push(c);
             }
         }
-        let members = |c: u64| colors.iter().filter(|&&x| x == c).count();
         if self.rank == 0 {
+            let members = |c: u64| colors.iter().filter(|&&x| x == c).count();
             *self.shared().splits.lock().unwrap_or_else(|e| e.into_inner()) =
-                distinct.iter().map(|&(_, c)| Arc::new(Shared::new(members(c)))).collect();
+                distinct.iter().map(|&c| Arc::new(Shared::new(members(c)))).collect();
         }
         self.shared().barrier.wait();
-        let index = distinct.iter().position(|&(_, c)| c == color).expect("this rank's color");
+        let index = distinct.iter().position(|&c| c == color).expect("this rank's color");
         let sub = self.shared().splits.lock().unwrap_or_else(|e| e.into_inner())[index].clone();
         self.shared().barrier.wait();
         if self.rank == 0 {
@@ -527,8 +528,7 @@ impl Group {
     /// Every rank's shard, in rank order (a host exchange: ranks publish only their own).
     fn owned_ranges(&self, own: &Range<usize>) -> Vec<Range<usize>> {
         if let Some(link) = self.tcp_link() {
-            let words = link.exchange_words(&[own.start as u64, own.end as u64]);
-            return words.into_iter().map(|w| w[0] as usize..w[1] as usize).collect();
+            return link.owners(own);
         }
         let slots = self.exchange(Published { own: (own.start, own.end), ..Default::default() });
         self.shared().barrier.wait();

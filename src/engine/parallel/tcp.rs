@@ -315,6 +315,25 @@ impl TcpLink {
         all.chunks(n.max(1)).map(<[u64]>::to_vec).take(self.world).collect()
     }
 
+    /// Rank 0's side of a reduction: `mine` plus every other rank's buffer of the same
+    /// length, added in rank order in f32 from zero (as a thread group adds).
+    fn sum_in_rank_order<E: Elem>(&self, mine: &[E]) -> Vec<f32> {
+        let mut sum = vec![0f32; mine.len()];
+        add_into(&mut sum, mine);
+        let mut theirs = vec![E::default(); mine.len()];
+        for i in 0..self.world - 1 {
+            self.recv_elems(i, &mut theirs);
+            add_into(&mut sum, &theirs);
+        }
+        sum
+    }
+
+    /// Every rank's shard `own`, in rank order, on every rank.
+    pub fn owners(&self, own: &Range<usize>) -> Vec<Range<usize>> {
+        let words = self.exchange_words(&[own.start as u64, own.end as u64]);
+        words.into_iter().map(|w| w[0] as usize..w[1] as usize).collect()
+    }
+
     /// `Comm::all_reduce_sum`: rank 0 sums every rank's buffer in rank order (f32, from zero)
     /// and sends the sum back.
     pub fn all_reduce_sum<E: Elem>(&self, buf: &mut [E]) {
@@ -323,13 +342,7 @@ impl TcpLink {
             self.recv_elems(0, buf);
             return;
         }
-        let mut sum = vec![0f32; buf.len()];
-        add_into(&mut sum, buf);
-        let mut theirs = vec![E::default(); buf.len()];
-        for i in 0..self.world - 1 {
-            self.recv_elems(i, &mut theirs);
-            add_into(&mut sum, &theirs);
-        }
+        let sum = self.sum_in_rank_order(buf);
         for (b, s) in buf.iter_mut().zip(&sum) {
             *b = E::from_f32(*s);
         }
@@ -340,14 +353,14 @@ impl TcpLink {
 
     /// `Comm::all_gather`: rank 0 collects each rank's shard into its buffer and sends it all.
     pub fn all_gather<E: Elem>(&self, buf: &mut [E], own: Range<usize>) {
-        let owners = self.exchange_words(&[own.start as u64, own.end as u64]);
+        let owners = self.owners(&own);
         if self.rank != 0 {
             self.send_elems(0, &buf[own]);
             self.recv_elems(0, buf);
             return;
         }
-        for (i, w) in owners.iter().enumerate().skip(1) {
-            self.recv_elems(i - 1, &mut buf[w[0] as usize..w[1] as usize]);
+        for (r, theirs) in owners.into_iter().enumerate().skip(1) {
+            self.recv_elems(r - 1, &mut buf[theirs]);
         }
         for i in 0..self.world - 1 {
             self.send_elems(i, buf);
@@ -357,23 +370,18 @@ impl TcpLink {
     /// `Comm::reduce_scatter_add`: rank 0 sums the buckets in rank order (f32) and sends each
     /// rank the sums of its part, which it adds into its shard.
     pub fn reduce_scatter_add<E: Elem>(&self, bucket: &[E], offset: usize, shard: &mut [E], own: Range<usize>) {
-        let owners = self.exchange_words(&[own.start as u64, own.end as u64]);
+        let owners = self.owners(&own);
         let range = offset..offset + bucket.len();
-        let mut mine = vec![0f32; part_of(&owners[self.rank], &range).len()];
+        let p = part_of(&owners[self.rank], &range);
+        let mut mine = vec![0f32; p.len()];
         if self.rank != 0 {
             self.send_elems(0, bucket);
             self.recv_elems(0, &mut mine);
         } else {
-            let mut sum = vec![0f32; bucket.len()];
-            add_into(&mut sum, bucket);
-            let mut theirs = vec![E::default(); bucket.len()];
-            for i in 0..self.world - 1 {
-                self.recv_elems(i, &mut theirs);
-                add_into(&mut sum, &theirs);
-            }
-            for (r, w) in owners.iter().enumerate() {
-                let p = part_of(w, &range);
-                let sums = if p.is_empty() { &[][..] } else { &sum[p.start - offset..p.end - offset] };
+            let sum = self.sum_in_rank_order(bucket);
+            for (r, theirs) in owners.iter().enumerate() {
+                let q = part_of(theirs, &range);
+                let sums = if q.is_empty() { &[][..] } else { &sum[q.start - offset..q.end - offset] };
                 if r == 0 {
                     mine.copy_from_slice(sums);
                 } else {
@@ -381,7 +389,6 @@ impl TcpLink {
                 }
             }
         }
-        let p = part_of(&owners[self.rank], &range);
         if !p.is_empty() {
             for (d, s) in shard[p.start - own.start..p.end - own.start].iter_mut().zip(&mine) {
                 *d = E::from_f32(d.to_f32() + s);
@@ -392,7 +399,7 @@ impl TcpLink {
     /// `Comm::gather_range`: rank 0 assembles `offset..offset + out.len()` from each owner's
     /// part and sends it to every rank.
     pub fn gather_range<E: Elem>(&self, shard: &[E], own: Range<usize>, offset: usize, out: &mut [E]) {
-        let owners = self.exchange_words(&[own.start as u64, own.end as u64]);
+        let owners = self.owners(&own);
         let range = offset..offset + out.len();
         let p = part_of(&owners[self.rank], &range);
         let mine = if p.is_empty() { &[][..] } else { &shard[p.start - own.start..p.end - own.start] };
@@ -415,10 +422,9 @@ impl TcpLink {
     }
 }
 
-/// The part of an owner's shard (`[start, end]` as sent) inside `range`; empty when they do
-/// not meet.
-fn part_of(owner: &[u64], range: &Range<usize>) -> Range<usize> {
-    let (lo, hi) = ((owner[0] as usize).max(range.start), (owner[1] as usize).min(range.end));
+/// The part of an owner's shard inside `range`; `0..0` when they do not meet.
+fn part_of(owner: &Range<usize>, range: &Range<usize>) -> Range<usize> {
+    let (lo, hi) = (owner.start.max(range.start), owner.end.min(range.end));
     if lo < hi {
         lo..hi
     } else {

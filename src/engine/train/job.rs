@@ -237,27 +237,52 @@ pub(super) fn check_cuda_precision(spec: &JobSpec) -> Result<(), TrainError> {
     Ok(())
 }
 
+/// `HEADROOM_NCCL=0`: the ranks' collectives are staged through host memory even where
+/// libnccl loads.
+pub(super) fn nccl_switched_off() -> bool {
+    std::env::var("HEADROOM_NCCL").is_ok_and(|v| v == "0")
+}
+
+/// Rank `rank`'s GPU `cuda:{index}`, its pool of `capacity` (the GPU's free memory when
+/// `None`); a failure is the device's, naming the rank when the job has several.
+#[cfg(feature = "cuda")]
+pub(super) fn open_cuda(
+    spec: &JobSpec,
+    rank: usize,
+    index: u32,
+    capacity: Option<usize>,
+) -> Result<crate::engine::backend::cuda::CudaBackend, TrainError> {
+    use crate::engine::backend::cuda::{CudaBackend, CudaError};
+    let world = spec.memory.world_size;
+    CudaBackend::new(index, capacity, spec.device.expandable_segments()).map_err(|e| TrainError::DeviceUnavailable {
+        device: format!("cuda:{index}"),
+        reason: match e {
+            CudaError::NoDriver { .. } => "no CUDA driver found".to_string(),
+            e if world > 1 => format!("rank {rank} of memory.world_size {world} (cuda:{index}): {e}"),
+            e => e.to_string(),
+        },
+    })
+}
+
+/// `device.expandable_segments` asked for on a GPU (or driver) that cannot map them: said once.
+#[cfg(feature = "cuda")]
+pub(super) fn warn_if_not_expandable(spec: &JobSpec, backends: &[crate::engine::backend::cuda::CudaBackend]) {
+    if spec.device.expandable_segments() && backends.iter().any(|b| !b.pool().expandable()) {
+        tracing::warn!(
+            "device.expandable_segments: this GPU or driver has no virtual memory management; \
+             the pool uses fixed segments (free memory can be stranded between them)"
+        );
+    }
+}
+
 /// The CUDA devices of the job's ranks (rank r on `cuda:{index + r}`), with what they cannot
 /// run yet refused up front (exit 2, the field named) rather than at the first op.
 #[cfg(feature = "cuda")]
 fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<crate::engine::backend::cuda::CudaBackend>, TrainError> {
-    use crate::engine::backend::cuda::{CudaBackend, CudaError};
     check_cuda_precision(spec)?;
     // Validated: 1..=64.
     let world = spec.memory.world_size as u32;
-    let open = |rank: u32, capacity: Option<usize>| {
-        let index = spec.device.index + rank;
-        CudaBackend::new(index, capacity, spec.device.expandable_segments()).map_err(|e| {
-            TrainError::DeviceUnavailable {
-                device: format!("cuda:{index}"),
-                reason: match e {
-                    CudaError::NoDriver { .. } => "no CUDA driver found".to_string(),
-                    e if world > 1 => format!("rank {rank} of memory.world_size {world} (cuda:{index}): {e}"),
-                    e => e.to_string(),
-                },
-            }
-        })
-    };
+    let open = |rank: u32, capacity| open_cuda(spec, rank as usize, spec.device.index + rank, capacity);
     let mut backends = (0..world).map(|rank| open(rank, spec.device_capacity())).collect::<Result<Vec<_>, _>>()?;
     // Without a `device_memory` each pool is its GPU's free memory, which other processes can
     // make unequal. Ranks make identical allocations, so give every rank the smallest: an OOM
@@ -269,16 +294,11 @@ fn open_cuda_ranks(spec: &JobSpec) -> Result<Vec<crate::engine::backend::cuda::C
             drop(std::mem::replace(backend, open(rank as u32, Some(smallest))?));
         }
     }
-    if spec.device.expandable_segments() && backends.iter().any(|b| !b.pool().expandable()) {
-        tracing::warn!(
-            "device.expandable_segments: this GPU or driver has no virtual memory management; \
-             the pool uses fixed segments (free memory can be stranded between them)"
-        );
-    }
+    warn_if_not_expandable(spec, &backends);
     // The ranks' collectives: NCCL on the GPUs when it loads (HEADROOM_NCCL=0: never), else
     // staged through host memory (same results, PCIe traffic in each step's `swap`).
     if world > 1 {
-        if std::env::var("HEADROOM_NCCL").is_ok_and(|v| v == "0") {
+        if nccl_switched_off() {
             tracing::info!("HEADROOM_NCCL=0: the ranks' collectives are staged through host memory");
         } else {
             match crate::engine::backend::cuda::nccl::attach(&mut backends) {

@@ -17,9 +17,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{ConfigError, DeviceKind, JobSpec};
-use crate::protocol::{ExitCode, RunIdentity};
+use crate::protocol::{ExitCode, RunIdentity, LAUNCHER_VARIABLES};
 
-use crate::engine::backend::Backend;
 use crate::engine::parallel::comm::{Comm, Group};
 use crate::engine::parallel::tcp::{RendezvousError, TcpLink};
 use crate::engine::train::job::{self, DataLoad, Events, ResumeMode, Run, TrainError, TrainOptions};
@@ -123,7 +122,7 @@ fn run_rank(
 /// Rank 0's NCCL unique id for a cuda group (`None`: cpu, or libnccl does not load here; the
 /// collectives are then staged through host memory).
 fn nccl_unique_id(spec: &JobSpec) -> Option<Vec<u8>> {
-    if spec.device.kind != DeviceKind::Cuda || std::env::var("HEADROOM_NCCL").is_ok_and(|v| v == "0") {
+    if spec.device.kind != DeviceKind::Cuda || job::nccl_switched_off() {
         return None;
     }
     #[cfg(feature = "cuda")]
@@ -144,22 +143,13 @@ fn open_cuda_rank(
     comm: &Group,
     session: &Session,
 ) -> Result<crate::engine::backend::cuda::CudaBackend, TrainError> {
-    use crate::engine::backend::cuda::{nccl, CudaBackend, CudaError};
+    use crate::engine::backend::cuda::nccl;
+    use crate::engine::backend::Backend;
     job::check_cuda_precision(spec)?;
     let (rank, world) = (comm.rank(), comm.world());
     let local = opts.processes.rank.as_ref().and_then(|r| r.local_rank).unwrap_or(rank);
     let index = spec.device.index + local as u32;
-    let open = |capacity: Option<usize>| {
-        CudaBackend::new(index, capacity, spec.device.expandable_segments()).map_err(|e| {
-            TrainError::DeviceUnavailable {
-                device: format!("cuda:{index}"),
-                reason: match e {
-                    CudaError::NoDriver { .. } => "no CUDA driver found".to_string(),
-                    e => format!("rank {rank} of memory.world_size {world} (cuda:{index}): {e}"),
-                },
-            }
-        })
-    };
+    let open = |capacity| job::open_cuda(spec, rank, index, capacity);
     let opened = open(spec.device_capacity());
     // Every rank learns whether every rank has its device before any waits on another.
     if !comm.agree(opened.is_ok()) {
@@ -174,6 +164,7 @@ fn open_cuda_rank(
         drop(backend);
         backend = open(Some(smallest))?;
     }
+    job::warn_if_not_expandable(spec, std::slice::from_ref(&backend));
     if let Some(id) = &session.nccl_id {
         let loads = nccl::version().is_ok();
         if comm.agree(loads) {
@@ -295,15 +286,13 @@ fn rank_command(exe: &Path, job_file: &Path, opts: &TrainOptions, rank: usize, r
         .arg(rendezvous)
         .arg("--rendezvous-timeout")
         .arg(opts.processes.rendezvous_timeout.as_secs().max(1).to_string())
-        // torchrun's variables, inherited from a launcher above us, would be read as ours.
-        .env_remove("RANK")
-        .env_remove("LOCAL_RANK")
-        .env_remove("WORLD_SIZE")
-        .env_remove("MASTER_ADDR")
-        .env_remove("MASTER_PORT")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit());
+    // A launcher's variables, inherited from above us, would be read as this rank's.
+    for name in LAUNCHER_VARIABLES {
+        cmd.env_remove(name);
+    }
     // The rank is killed when the thread that started it (rank 0's main thread) ends,
     // however rank 0 ends.
     crate::files::die_with_parent(&mut cmd);
