@@ -202,6 +202,11 @@ pub struct MemorySpec {
     pub zero_stage: i64,
     #[serde(default = "default_world_size")]
     pub world_size: i64,
+    /// Ranks each block's heads and MLP features are split across (Megatron-style tensor
+    /// parallelism); the world is data × tensor: world_size / tensor_parallel data-parallel
+    /// groups of `tensor_parallel` consecutive ranks.
+    #[serde(default = "default_world_size", skip_serializing_if = "is_one")]
+    pub tensor_parallel: i64,
     #[serde(default)]
     pub offload: OffloadSpec,
     /// `caching` (default): every request searches the pool's free blocks. `static`: the first
@@ -248,6 +253,10 @@ fn default_world_size() -> i64 {
     1
 }
 
+fn is_one(v: &i64) -> bool {
+    *v == 1
+}
+
 impl Default for MemorySpec {
     fn default() -> Self {
         MemorySpec {
@@ -255,6 +264,7 @@ impl Default for MemorySpec {
             checkpointing: Checkpointing::None,
             zero_stage: 0,
             world_size: 1,
+            tensor_parallel: 1,
             offload: OffloadSpec::default(),
             allocator: Allocator::Caching,
             ranks: Ranks::Threads,
@@ -379,7 +389,12 @@ impl JobSpec {
 
     /// Gradient-accumulation steps per optimizer step.
     pub fn grad_accum(&self) -> usize {
-        (self.train.global_batch / (self.train.micro_batch * self.memory.world_size)) as usize
+        (self.train.global_batch / (self.train.micro_batch * self.data_parallel())) as usize
+    }
+
+    /// Data-parallel ranks: the world over the tensor-parallel group's size.
+    pub fn data_parallel(&self) -> i64 {
+        (self.memory.world_size / self.memory.tensor_parallel.max(1)).max(1)
     }
 
     /// Device capacity in bytes (of a validated job: `device_memory` is a size).
@@ -400,6 +415,7 @@ impl JobSpec {
             offload_activations: self.memory.offload.activations,
             delayed_update: self.memory.offload.delayed_update,
             world_size: self.memory.world_size as usize,
+            tensor_parallel: self.memory.tensor_parallel as usize,
             zero_stage: self.memory.zero_stage as usize,
             expandable_segments: self.device.expandable_segments(),
             static_allocator: self.memory.allocator == Allocator::Static,
@@ -439,14 +455,37 @@ impl JobSpec {
         let micro_ok = p.range("train.micro_batch", t.micro_batch, 1, t.global_batch.max(1));
         let world = self.memory.world_size;
         let world_ok = p.range("memory.world_size", world, 1, 64);
-        if batch_ok && micro_ok && world_ok && t.global_batch % (t.micro_batch * world) != 0 {
+        let tp = self.memory.tensor_parallel;
+        let mut tp_ok = p.range("memory.tensor_parallel", tp, 1, 64);
+        if tp_ok && world_ok && world % tp != 0 {
+            p.push("memory.tensor_parallel", format!("{tp} must divide memory.world_size ({world})"));
+            tp_ok = false;
+        }
+        if tp_ok && heads_ok && m.n_head % tp != 0 {
             p.push(
-                "train.global_batch",
-                format!(
-                    "{} must be divisible by micro_batch × world_size = {} × {}",
-                    t.global_batch, t.micro_batch, world
-                ),
+                "memory.tensor_parallel",
+                format!("{tp} must divide model.n_head ({}): each rank computes whole heads", m.n_head),
             );
+        }
+        let dp = if tp_ok && world_ok { world / tp } else { world };
+        if batch_ok && micro_ok && world_ok && t.global_batch % (t.micro_batch * dp) != 0 {
+            if tp > 1 {
+                p.push(
+                    "train.global_batch",
+                    format!(
+                        "{} must be divisible by micro_batch × data-parallel ranks (world_size / tensor_parallel) = {} × {}",
+                        t.global_batch, t.micro_batch, dp
+                    ),
+                );
+            } else {
+                p.push(
+                    "train.global_batch",
+                    format!(
+                        "{} must be divisible by micro_batch × world_size = {} × {}",
+                        t.global_batch, t.micro_batch, world
+                    ),
+                );
+            }
         }
         if !(t.lr.is_finite() && t.lr > 0.0 && t.lr <= 1.0) {
             p.push("train.lr", format!("{} must be in (0, 1]", t.lr));
@@ -555,9 +594,12 @@ pub struct Knobs {
     /// With `offload_optimizer`: the host update overlaps the next step (gradients one step
     /// stale; `offload.delayed_update`).
     pub delayed_update: bool,
-    /// Data-parallel ranks and the ZeRO stage (0: replicated, 1: sharded optimizer state,
-    /// 2: and gradients, 3: and weights), each rank holding 1/world of what is sharded.
+    /// All ranks (data × tensor parallel), the tensor-parallel group's size (each rank holding
+    /// 1/tensor_parallel of the split tensors), and the ZeRO stage over the data-parallel
+    /// ranks (0: replicated, 1: sharded optimizer state, 2: and gradients, 3: and weights),
+    /// each holding 1/(world / tensor_parallel) of what is sharded.
     pub world_size: usize,
+    pub tensor_parallel: usize,
     pub zero_stage: usize,
     /// The pool's large blocks come from an expandable segment (what `reserved` grows by).
     pub expandable_segments: bool,
@@ -579,10 +621,16 @@ impl Knobs {
             offload_activations: OffloadTarget::None,
             delayed_update: false,
             world_size: 1,
+            tensor_parallel: 1,
             zero_stage: 0,
             expandable_segments: false,
             static_allocator: false,
         }
+    }
+
+    /// Data-parallel ranks: the world over the tensor-parallel group.
+    pub fn data_parallel(&self) -> usize {
+        (self.world_size / self.tensor_parallel.max(1)).max(1)
     }
 }
 
@@ -771,6 +819,38 @@ policy: default
         assert_eq!(JobSpec::parse(&spec.to_yaml()).unwrap(), spec);
         let e = err_of("  world_size: 1\n", "  world_size: 1\n  ranks: fibers\n");
         assert!(e.to_string().contains("memory") && e.to_string().contains("fibers"), "{e}");
+    }
+
+    #[test]
+    fn tensor_parallel_splits_the_world_and_each_mismatch_names_its_field() {
+        let spec = JobSpec::parse(EXAMPLE).unwrap();
+        assert_eq!(spec.memory.tensor_parallel, 1);
+        assert!(!spec.to_yaml().contains("tensor_parallel"), "the default is not written");
+        // World 4 = 2 data-parallel × 2 tensor-parallel: micro 8 × 2 data ranks × 2 = 32.
+        let grid = EXAMPLE
+            .replace("micro_batch: 32", "micro_batch: 8")
+            .replace("  world_size: 1\n", "  world_size: 4\n  tensor_parallel: 2\n");
+        let spec = JobSpec::parse(&grid).unwrap();
+        assert_eq!((spec.data_parallel(), spec.grad_accum()), (2, 2));
+        let k = spec.knobs();
+        assert_eq!((k.world_size, k.tensor_parallel, k.data_parallel()), (4, 2, 2));
+        assert_eq!(JobSpec::parse(&spec.to_yaml()).unwrap(), spec);
+        let field_of = |yaml: String| {
+            let e = JobSpec::parse(&yaml).unwrap_err();
+            (e.field.clone(), e.message.clone())
+        };
+        let (field, message) = field_of(grid.replace("tensor_parallel: 2", "tensor_parallel: 3"));
+        assert_eq!(field, "memory.tensor_parallel");
+        assert!(message.contains("must divide memory.world_size (4)"), "{message}");
+        let (field, message) =
+            field_of(grid.replace("n_head: 4", "n_head: 2").replace("tensor_parallel: 2", "tensor_parallel: 4"));
+        assert_eq!(field, "memory.tensor_parallel");
+        assert!(message.contains("model.n_head (2)"), "{message}");
+        let (field, message) = field_of(grid.replace("micro_batch: 8", "micro_batch: 32"));
+        assert_eq!(field, "train.global_batch");
+        assert!(message.contains("data-parallel ranks (world_size / tensor_parallel) = 32 × 2"), "{message}");
+        let (field, _) = field_of(grid.replace("tensor_parallel: 2", "tensor_parallel: 0"));
+        assert_eq!(field, "memory.tensor_parallel");
     }
 
     #[test]

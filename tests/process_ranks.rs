@@ -93,6 +93,41 @@ fn process_ranks_train_bit_for_bit_as_thread_ranks_and_resume_across_a_stop() {
     }
 }
 
+/// Tensor parallelism with ranks as processes: TP 2, and TP 2 × DP 2 at ZeRO-1 (the
+/// sub-groups meet over TCP), train bit for bit as the same grid of thread ranks, and resume
+/// across a stop; the checkpoint written by the grid resumes on one rank.
+#[test]
+fn tensor_parallel_process_ranks_train_as_thread_ranks_and_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    for (case, memory) in [
+        ("tp2", "world_size: 2, tensor_parallel: 2"),
+        ("tp2-dp2-z1", "world_size: 4, tensor_parallel: 2, zero_stage: 1"),
+    ] {
+        let case_dir = dir.path().join(case);
+        std::fs::create_dir_all(&case_dir).unwrap();
+        let yaml = |memory: &str| ranks_job(12, memory).replace("memory: { world_size: 2, ", "memory: { ");
+        let threads = write_job(&case_dir, &yaml(memory));
+        let threads = ok(&train(&threads, &case_dir.join("threads"), &[]), case);
+        let job = write_job(&case_dir, &yaml(&format!("{memory}, ranks: processes")));
+        let procs = ok(&train(&job, &case_dir.join("processes"), &[]), case);
+        assert_eq!(trajectory(&procs), trajectory(&threads), "{case}: process ranks train as thread ranks");
+        assert_eq!(losses(&procs).len(), 12);
+
+        let split = case_dir.join("split");
+        let first = train(&job, &split, &["--stop-after", "5"]);
+        assert_eq!(first.status.code(), Some(4), "{case}: {}", String::from_utf8_lossy(&first.stderr));
+        let second = ok(&train(&job, &split, &["--resume"]), case);
+        assert_eq!(of_kind(&second, "started")[0]["resumed_from_step"], 5);
+        let mut joined = trajectory(&events(&first));
+        joined.extend(trajectory(&second));
+        joined.sort();
+        let mut whole = trajectory(&procs);
+        whole.sort();
+        assert_eq!(joined, whole, "{case}: stopped and resumed = uninterrupted");
+        assert!(processes_of(&split).is_empty());
+    }
+}
+
 #[test]
 fn a_rank_that_dies_ends_the_attempt_promptly_and_the_job_resumes_from_its_checkpoint() {
     let dir = tempfile::tempdir().unwrap();

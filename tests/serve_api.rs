@@ -647,6 +647,52 @@ async fn two_ranks_climb_the_zero_stages_until_the_state_fits() {
     s.shutdown().await.unwrap();
 }
 
+/// A tensor-parallel rung rescues a job whose replicated state does not fit: at TP 1 each of
+/// the two ranks holds the whole 830k-parameter model's 16 bytes per parameter (OOM in 14 MiB);
+/// split two ways each holds its half of the blocks' matrices and fits. Threads and processes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tensor_parallel_rung_rescues_a_job_that_ooms_replicated() {
+    let h = Harness::new();
+    std::fs::write(
+        h.policies.join("split.yaml"),
+        "name: split\nstrategy: ladder\nthresholds: { warn: 0.99, preempt: 1.0, sustain: 1000 }\n\
+         rungs:\n  - { name: tp-3, set: { tensor_parallel: 3 } }\n\
+         \x20 - { name: tp-2, set: { tensor_parallel: 2 } }\n",
+    )
+    .unwrap();
+    let s = h.start(None).await;
+    for ranks in ["threads", "processes"] {
+        let job = format!(
+            "name: split\nmodel: {{ n_layer: 4, n_head: 4, n_embd: 128, block_size: 32, vocab: bytes }}\n\
+             data: {{ path: {} }}\ntrain: {{ steps: 8, global_batch: 4, micro_batch: 2, lr: 1.0e-3, checkpoint_every: 4 }}\n\
+             memory: {{ world_size: 2, ranks: {ranks} }}\ndevice: {{ kind: cpu, device_memory: 14MiB }}\npolicy: split\n",
+            common::data_path().display(),
+        );
+        let id = submit(&s, &job).await;
+        let done = wait_terminal(&s, id).await;
+        let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+        let events = get(&s, &format!("/api/jobs/{id}/events")).await;
+        assert_eq!(done["status"], "finished", "{done}\n{attempts}\n{events}");
+        let a = attempts.as_array().unwrap();
+        let summary: Vec<(&str, &str)> =
+            a.iter().map(|a| (a["rung"].as_str().unwrap(), a["outcome"].as_str().unwrap())).collect();
+        assert_eq!(summary, [("base", "oom"), ("tp-2", "finished")], "{attempts}");
+        let cfg = |i: usize| -> Value { serde_json::from_str(a[i]["config_json"].as_str().unwrap()).unwrap() };
+        assert_eq!(cfg(1)["memory"]["tensor_parallel"], 2, "{attempts}");
+        assert_eq!(cfg(1)["train"]["global_batch"], 4);
+        // Each rank's weights: the replicated embeddings and LayerNorms plus half of the rest.
+        let ratio = a[1]["peak_params"].as_f64().unwrap() / a[0]["peak_params"].as_f64().unwrap();
+        assert!((0.5..0.56).contains(&ratio), "per-rank weights at TP 2 / TP 1 = {ratio}: {attempts}");
+        let text = events.to_string();
+        assert!(
+            text.contains("tensor_parallel 3 needs a world_size it divides"),
+            "the tp-3 rung is passed over: {text}"
+        );
+        assert!(text.contains("tensor_parallel 1 → 2"), "{text}");
+    }
+    s.shutdown().await.unwrap();
+}
+
 /// A policy's `base` is applied to every job submitted under it and recorded as a `base`
 /// event: the shipped `seed-default` starts a job in bf16 with a 90% reserve and the static
 /// allocator, and it trains. A base that cannot apply to a job refuses the job, naming it.

@@ -87,7 +87,14 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
     };
     let gpt2 = crate::engine::check::bench::BenchCase {
         label: "GPT-2 124M".into(),
-        cfg: crate::engine::model::GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab: 50257 },
+        cfg: crate::engine::model::GptConfig {
+            n_layer: 12,
+            n_head: 12,
+            n_embd: 768,
+            block_size: 1024,
+            vocab: 50257,
+            tp: crate::engine::model::TpShard::NONE,
+        },
         batch: 16,
         seq: 1024,
     };
@@ -378,6 +385,7 @@ fn checks<B: crate::engine::backend::Backend>(
                 n_embd: 1600,
                 block_size: 1024,
                 vocab: 256,
+                tp: crate::engine::model::TpShard::NONE,
             },
             batch: 8,
             seq: 1024,
@@ -440,11 +448,11 @@ fn fragmentation_check<B: crate::engine::backend::Backend>(
     use crate::config::Knobs;
     use crate::engine::check::estimate_check::{min_capacity, EstimateCase};
     use crate::engine::estimate::estimate_on;
-    use crate::engine::model::GptConfig;
+    use crate::engine::model::{GptConfig, TpShard};
     use crate::memory::{format_bytes, LARGE_ROUND};
 
     let name = "expandable segments vs fixed (smallest device_memory that trains)".to_string();
-    let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 256, block_size: 128, vocab: 256 };
+    let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 256, block_size: 128, vocab: 256, tp: TpShard::NONE };
     let tokens: Vec<u32> = tokens.iter().map(|&t| t % 256).collect();
     let mut smallest = Vec::new();
     for expandable in [false, true] {

@@ -271,6 +271,17 @@ pub fn describe_change(before: &JobSpec, after: &JobSpec) -> String {
     if b.checkpointing != a.checkpointing {
         parts.push(format!("checkpointing {} → {}", serde_name(&b.checkpointing), serde_name(&a.checkpointing)));
     }
+    if b.tensor_parallel != a.tensor_parallel {
+        parts.push(format!(
+            "tensor_parallel {} → {} (data-parallel ranks {} → {}, grad_accum {} → {})",
+            b.tensor_parallel,
+            a.tensor_parallel,
+            before.data_parallel(),
+            after.data_parallel(),
+            before.grad_accum(),
+            after.grad_accum()
+        ));
+    }
     if b.zero_stage != a.zero_stage {
         parts.push(format!("zero_stage {} → {}", b.zero_stage, a.zero_stage));
     }

@@ -238,6 +238,9 @@ pub fn describe_knobs(spec: &JobSpec) -> String {
     if m.checkpointing != crate::config::Checkpointing::None {
         parts.push(format!("checkpointing {}", serde_name(&m.checkpointing)));
     }
+    if m.tensor_parallel > 1 {
+        parts.push(format!("tensor parallel {}", m.tensor_parallel));
+    }
     if m.zero_stage > 0 {
         parts.push(format!("zero {}", m.zero_stage));
     }

@@ -112,6 +112,11 @@ pub struct RungSet {
     pub checkpointing: Option<Checkpointing>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero_stage: Option<i64>,
+    /// Split each block across this many of the job's ranks (`memory.tensor_parallel`): a
+    /// rank holds 1/N of the split weights, gradients, optimizer state and head/MLP
+    /// activations. Applies only where the job's world_size and n_head allow it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor_parallel: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offload: Option<OffloadSet>,
     /// `static`: the first step's allocations packed into one arena, reserved = allocated
@@ -245,6 +250,11 @@ impl Policy {
                     bad(format!("{at}.zero_stage"), format!("{z} must be in [0, 3]"));
                 }
             }
+            if let Some(t) = set.tensor_parallel {
+                if !(1..=64).contains(&t) {
+                    bad(format!("{at}.tensor_parallel"), format!("{t} must be in [1, 64]"));
+                }
+            }
             if let Some(r) = set.reserve {
                 if !(r > 0.0 && r <= 1.0) {
                     bad(format!("{at}.reserve"), format!("{r} must be in (0, 1] (a fraction of the device's memory)"));
@@ -353,9 +363,25 @@ pub fn apply_rung(rung: &Rung, spec: &JobSpec) -> Result<JobSpec, String> {
     if let Some(c) = set.checkpointing {
         next.memory.checkpointing = c;
     }
+    if let Some(t) = set.tensor_parallel {
+        let (world, heads) = (spec.memory.world_size, spec.model.n_head);
+        if world % t != 0 {
+            return Err(format!("tensor_parallel {t} needs a world_size it divides (it is {world})"));
+        }
+        if heads % t != 0 {
+            return Err(format!("tensor_parallel {t} needs an n_head it divides (it is {heads})"));
+        }
+        next.memory.tensor_parallel = t;
+    }
     if let Some(z) = set.zero_stage {
         if z > 0 && spec.memory.world_size <= 1 {
             return Err(format!("zero_stage {z} needs world_size > 1 (it is {})", spec.memory.world_size));
+        }
+        if z > 0 && next.data_parallel() <= 1 {
+            return Err(format!(
+                "zero_stage {z} needs more than one data-parallel rank (world_size {} / tensor_parallel {})",
+                next.memory.world_size, next.memory.tensor_parallel
+            ));
         }
         next.memory.zero_stage = z;
     }
@@ -505,5 +531,43 @@ pub(crate) mod tests {
             step_down(&policy, &d7.spec, LadderPosition { rung_index: d7.rung_index }).is_err(),
             "ladder exhausted"
         );
+    }
+
+    /// A `tensor_parallel` rung applies where the world and the heads divide by it, keeps the
+    /// global batch (fewer data-parallel ranks: more accumulation), and leaves ZeRO only where
+    /// data-parallel ranks remain; each refusal says why, table-driven.
+    #[test]
+    fn a_tensor_parallel_rung_applies_only_where_the_world_allows() {
+        let job = |world: i64, heads: i64| {
+            let mut s = spec(2);
+            s.model.n_head = heads;
+            s.model.n_embd = 8 * heads;
+            s.memory.world_size = world;
+            s
+        };
+        let rung = |yaml: &str| Rung { name: "r".into(), set: serde_yaml::from_str(yaml).unwrap(), repeat: false };
+        // (world, n_head, rung, the (tensor_parallel, grad_accum) it gives or why it cannot)
+        type Want = Result<(i64, usize), &'static str>;
+        let cases: [(i64, i64, &str, Want); 6] = [
+            (2, 4, "{ tensor_parallel: 2 }", Ok((2, 4))),
+            (4, 4, "{ tensor_parallel: 4 }", Ok((4, 4))),
+            (4, 4, "{ tensor_parallel: 2 }", Ok((2, 2))),
+            (1, 4, "{ tensor_parallel: 2 }", Err("needs a world_size it divides (it is 1)")),
+            (4, 2, "{ tensor_parallel: 4 }", Err("needs an n_head it divides (it is 2)")),
+            (2, 4, "{ tensor_parallel: 2, zero_stage: 1 }", Err("needs more than one data-parallel rank")),
+        ];
+        for (world, heads, set, want) in cases {
+            let before = job(world, heads);
+            match (apply_rung(&rung(set), &before), want) {
+                (Ok(next), Ok((tp, accum))) => {
+                    assert_eq!((next.memory.tensor_parallel, next.grad_accum()), (tp, accum), "{world} {heads} {set}");
+                    assert_eq!(next.train.global_batch, before.train.global_batch);
+                }
+                (Err(e), Err(needle)) => assert!(e.contains(needle), "{world} {heads} {set}: {e}"),
+                (got, want) => panic!("{world} {heads} {set}: {got:?}, wanted {want:?}"),
+            }
+        }
+        let e = Policy::parse("name: x\nrungs: [{ name: a, set: { tensor_parallel: 0 } }]").unwrap_err();
+        assert!(e.to_string().contains("rungs[0].set.tensor_parallel: 0 must be in [1, 64]"), "{e}");
     }
 }

@@ -6,7 +6,7 @@ use crate::config::{Checkpointing, OffloadTarget};
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::layers::*;
 use crate::engine::backend::{Backend, CpuBackend, View, ViewMut};
-use crate::engine::model::{self, GptConfig};
+use crate::engine::model::{self, GptConfig, TensorGroup, TpShard};
 use crate::engine::parallel::placement::{FullGrads, Resident};
 use crate::engine::rng::Rng;
 use crate::memory::{Category, Pool};
@@ -38,13 +38,24 @@ fn pass<E: Elem>(
     let mut weights = model::alloc_elems::<E>(pool, params.len(), Category::Params).unwrap();
     be.upload(ViewMut::of(&mut weights), params).unwrap();
     let source = Resident(View::<E>::of(&weights));
-    let acts = model::forward(&be, cfg, &source, inputs, targets, b, t, mode, OffloadTarget::None).unwrap();
+    let acts =
+        model::forward(&be, cfg, &source, inputs, targets, b, t, mode, OffloadTarget::None, &TensorGroup::none())
+            .unwrap();
     let (loss, activation_bytes) = (acts.mean_loss(), pool.stats().current(Category::Activations));
     let mut grads = Vec::new();
     if backward {
         let mut g = model::alloc_elems::<E>(pool, params.len(), Category::Grads).unwrap();
         be.zero::<E>(ViewMut::of(&mut g)).unwrap();
-        model::backward(&be, cfg, &source, &mut FullGrads(ViewMut::of(&mut g)), acts, 1.0 / (b * t) as f32).unwrap();
+        model::backward(
+            &be,
+            cfg,
+            &source,
+            &mut FullGrads(ViewMut::of(&mut g)),
+            acts,
+            1.0 / (b * t) as f32,
+            &TensorGroup::none(),
+        )
+        .unwrap();
         grads = vec![E::default(); params.len()];
         be.download(View::of(&g), &mut grads).unwrap();
     }
@@ -187,7 +198,7 @@ fn encoder_backward_matches_finite_differences() {
 
 #[test]
 fn whole_model_gradients_match_finite_differences() {
-    let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 8, block_size: 4, vocab: 11 };
+    let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 8, block_size: 4, vocab: 11, tp: TpShard::NONE };
     let (b, t) = (2, 4);
     let pool = Pool::new("cpu", 64 << 20);
     let mut params = vec![0.0f32; cfg.num_params()];
@@ -215,7 +226,7 @@ fn whole_model_gradients_match_finite_differences() {
 
 #[test]
 fn checkpointing_gives_the_same_gradients_with_fewer_activation_bytes() {
-    let cfg = GptConfig { n_layer: 3, n_head: 2, n_embd: 16, block_size: 8, vocab: 13 };
+    let cfg = GptConfig { n_layer: 3, n_head: 2, n_embd: 16, block_size: 8, vocab: 13, tp: TpShard::NONE };
     let (b, t) = (4, 8);
     let mut params = vec![0.0f32; cfg.num_params()];
     cfg.init_params(&mut params, 3);
@@ -300,7 +311,7 @@ fn sixteen_bit_layers_match_the_fp32_reference() {
 
 #[test]
 fn bf16_model_gradients_track_fp32() {
-    let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab: 13 };
+    let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab: 13, tp: TpShard::NONE };
     let (b, t) = (4, 8);
     let mut params = vec![0.0f32; cfg.num_params()];
     cfg.init_params(&mut params, 5);

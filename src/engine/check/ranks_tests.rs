@@ -1,6 +1,7 @@
-//! Tests of data-parallel ranks, ZeRO stages 1–3 and offload: loss trajectories against one
-//! rank, measured per-rank memory against the ZeRO proportions and the estimator, offload
-//! savings, and checkpoints moved across stages and world sizes.
+//! Tests of data-parallel ranks, ZeRO stages 1–3, tensor parallelism and offload: loss
+//! trajectories against one rank, measured per-rank memory against the ZeRO proportions and
+//! the estimator, offload savings, and checkpoints moved across stages, world sizes and
+//! tensor-parallel splits.
 
 use crate::config::{Checkpointing, OffloadTarget, Precision};
 use crate::engine::backend::{Backend, BackendError, CpuBackend};
@@ -9,14 +10,14 @@ use crate::memory::{Category, Pool};
 use crate::config::Knobs;
 use crate::engine::backend::layers::Elem;
 use crate::engine::estimate::{estimate_step, Estimate};
-use crate::engine::model::GptConfig;
+use crate::engine::model::{GptConfig, TpShard};
 use crate::engine::parallel::comm::Group;
 use crate::engine::rng::mix64;
-use crate::engine::train::trainer::{Hyper, StepStats, Trainer};
+use crate::engine::train::trainer::{Hyper, RankGroups, StepStats, Trainer};
 
-const CFG: GptConfig = GptConfig { n_layer: 4, n_head: 4, n_embd: 64, block_size: 32, vocab: 128 };
+const CFG: GptConfig = GptConfig { n_layer: 4, n_head: 4, n_embd: 64, block_size: 32, vocab: 128, tp: TpShard::NONE };
 /// A model whose state dwarfs the pool's 2 MiB segment rounding, for capacity tests.
-const WIDE: GptConfig = GptConfig { n_layer: 8, n_head: 4, n_embd: 192, block_size: 32, vocab: 512 };
+const WIDE: GptConfig = GptConfig { n_layer: 8, n_head: 4, n_embd: 192, block_size: 32, vocab: 512, tp: TpShard::NONE };
 const GLOBAL_BATCH: usize = 8;
 const MICRO_BATCH: usize = 2;
 
@@ -26,6 +27,8 @@ struct Setup {
     cfg: GptConfig,
     micro_batch: usize,
     world: usize,
+    /// Ranks of a tensor-parallel group (dividing `world`).
+    tp: usize,
     stage: usize,
     offload_optimizer: bool,
     offload_params: bool,
@@ -39,6 +42,7 @@ impl Setup {
             cfg: CFG,
             micro_batch: MICRO_BATCH,
             world,
+            tp: 1,
             stage,
             offload_optimizer: false,
             offload_params: false,
@@ -68,8 +72,13 @@ impl Setup {
             offload_params: self.offload_params,
             offload_activations: self.offload_activations,
             world_size: self.world,
+            tensor_parallel: self.tp,
             zero_stage: self.stage,
-            ..Knobs::plain(self.micro_batch, self.cfg.block_size, GLOBAL_BATCH / (self.micro_batch * self.world))
+            ..Knobs::plain(
+                self.micro_batch,
+                self.cfg.block_size,
+                GLOBAL_BATCH / (self.micro_batch * self.world / self.tp),
+            )
         }
     }
 }
@@ -127,7 +136,9 @@ fn on_backends<E: Elem, B: Backend, R: Send>(
                 scope.spawn(move || {
                     let backend = open(rank);
                     let pool = backend.pool().clone();
-                    let trainer = Trainer::<E, B>::on_backend(setup.cfg, setup.hyper(steps), backend, comm)?;
+                    let groups = RankGroups::split(comm.as_ref(), setup.tp, std::time::Duration::from_secs(60))
+                        .expect("thread groups split");
+                    let trainer = Trainer::<E, B>::on_ranks(setup.cfg, setup.hyper(steps), backend, groups)?;
                     Ok(f(trainer, pool))
                 })
             })
@@ -328,7 +339,7 @@ fn a_job_that_ooms_without_offload_fits_with_it() {
     // a larger micro-batch for activations.
     let wide = Setup { cfg: WIDE, ..Setup::ranks(1, 0) };
     let deep = Setup {
-        cfg: GptConfig { n_layer: 32, n_head: 4, n_embd: 32, block_size: 256, vocab: 128 },
+        cfg: GptConfig { n_layer: 32, n_head: 4, n_embd: 32, block_size: 256, vocab: 128, tp: TpShard::NONE },
         micro_batch: 8,
         checkpointing: Checkpointing::Full,
         ..Setup::ranks(1, 0)
@@ -450,5 +461,134 @@ fn device_ranks_checkpoint_and_resume_exactly() {
         let bits = |l: &[f32]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&tail), bits(&losses(&reference)[2..]), "rank {rank}: resumed losses");
         assert!(weights == reference.weights, "rank {rank}: resumed weights");
+    }
+}
+
+/// World `world` split into tensor-parallel groups of `tp` (data-parallel: world / tp).
+fn grid(world: usize, tp: usize, stage: usize) -> Setup {
+    Setup { tp, ..Setup::ranks(world, stage) }
+}
+
+/// Tensor parallelism starts from the same weights as one rank, bit for bit: each value is a
+/// function of its index in the whole model, whatever rank holds it.
+#[test]
+fn tensor_parallel_ranks_start_from_the_single_rank_weights() {
+    let reference = on_ranks::<f32, _>(Setup::ranks(1, 0), 1, BIG, |t, _| t.full_master_params().unwrap());
+    for setup in [grid(2, 2, 0), grid(4, 4, 0), grid(4, 2, 3)] {
+        for w in on_ranks::<f32, _>(setup, 1, BIG, |t, _| t.full_master_params().unwrap()) {
+            assert!(w.unwrap() == *reference[0].as_ref().unwrap(), "{setup:?}: initial weights differ");
+        }
+    }
+}
+
+/// TP 2 and 4, and TP 2 × DP 2 at every ZeRO stage, follow the one-rank loss trajectory: only
+/// the order of fp32 additions differs (the projections' sums split across ranks).
+#[test]
+fn tensor_parallel_ranks_follow_the_single_rank_trajectory() {
+    let reference = train::<f32>(Setup::ranks(1, 0), 20, BIG).unwrap().remove(0);
+    let ref_losses = losses(&reference);
+    let full = |s: Setup| Setup { checkpointing: Checkpointing::Full, ..s };
+    let cases = [
+        grid(2, 2, 0),
+        grid(4, 4, 0),
+        grid(4, 2, 0),
+        grid(4, 2, 1),
+        grid(4, 2, 2),
+        grid(4, 2, 3),
+        full(grid(2, 2, 0)),
+        Setup { checkpointing: Checkpointing::Selective, ..grid(4, 2, 2) },
+        Setup { offload_optimizer: true, ..grid(2, 2, 0) },
+    ];
+    for setup in cases {
+        let ranks = train::<f32>(setup, 20, BIG).unwrap();
+        for (rank, r) in ranks.iter().enumerate() {
+            let d = max_rel_diff(&losses(r), &ref_losses);
+            let w = rel_distance(&r.weights, &reference.weights);
+            if rank == 0 {
+                println!(
+                    "world {} tp {} stage {} {:?}: max loss difference {d:.1e}, weight distance {w:.1e}",
+                    setup.world, setup.tp, setup.stage, setup.checkpointing
+                );
+            }
+            assert!(d < 2e-5, "{setup:?} rank {rank}: loss off by {d:e}");
+            assert!(w < 1e-4, "{setup:?} rank {rank}: weights off by {w:e}");
+            assert_eq!(losses(r), losses(&ranks[0]), "{setup:?}: every rank reports the same loss");
+        }
+    }
+}
+
+/// bf16 under tensor parallelism trains like bf16 on one rank (within bf16's rounding).
+#[test]
+fn tensor_parallel_bf16_follows_the_single_rank_bf16_trajectory() {
+    let reference = losses(&train::<half::bf16>(Setup::ranks(1, 0), 12, BIG).unwrap()[0]);
+    for setup in [grid(2, 2, 0), grid(4, 2, 1)] {
+        let ranks = train::<half::bf16>(setup, 12, BIG).unwrap();
+        let d = max_rel_diff(&losses(&ranks[0]), &reference);
+        println!("bf16 world {} tp {} stage {}: max loss difference {d:.1e}", setup.world, setup.tp, setup.stage);
+        assert!(d < 1e-2, "{setup:?}: bf16 losses off by {d:e}");
+    }
+}
+
+/// A tensor-parallel rank keeps 1/tp of the split tensors and all of the replicated ones:
+/// its model state is what the estimator says to the byte, and its step's peak within 5%.
+#[test]
+fn tensor_parallel_memory_per_rank_is_the_split_share_and_the_estimate() {
+    for setup in [grid(2, 2, 0), grid(4, 4, 0), grid(4, 2, 2)] {
+        let ranks = train::<f32>(setup, 2, BIG).unwrap();
+        let knobs = setup.knobs(Precision::Fp32);
+        let estimate = estimate_step(&CFG, &knobs);
+        let local = CFG.with_tp(TpShard { rank: 0, size: setup.tp }).num_params();
+        let replicated = CFG.num_params() - 12 * CFG.n_embd * CFG.n_embd * CFG.n_layer - 7 * CFG.n_embd * CFG.n_layer;
+        // Exactly the replicated tensors plus 1/tp of the split ones.
+        assert_eq!(local, replicated + (CFG.num_params() - replicated) / setup.tp, "{setup:?}");
+        for (rank, r) in ranks.iter().enumerate() {
+            let stats = r.pool.stats();
+            let (kept, peak) = (static_bytes(&r.pool), stats.peak_allocated);
+            println!(
+                "world {} tp {} stage {} rank {rank}: weights {} B = {:.3} of one rank's, state {kept} B, \
+                 peak {peak} B (estimated {})",
+                setup.world,
+                setup.tp,
+                setup.stage,
+                stats.peak(Category::Params),
+                stats.peak(Category::Params) as f64 / (4 * CFG.num_params()) as f64,
+                estimate.peak_allocated
+            );
+            assert_eq!(kept, estimate.params + estimate.grads + estimate.optimizer, "{setup:?} rank {rank}");
+            assert!(within(peak, estimate.peak_allocated, 0.05), "{setup:?} rank {rank}: peak {peak}");
+        }
+    }
+}
+
+/// A checkpoint holds the whole model whatever the grid: written by TP 2 × DP 2 at ZeRO-3, it
+/// resumes under TP 4, plain data parallelism and one rank, each continuing the one-rank run.
+#[test]
+fn checkpoints_resume_across_tensor_parallel_splits() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = train::<f32>(Setup::ranks(1, 0), 8, BIG).unwrap().remove(0);
+    on_ranks::<f32, _>(grid(4, 2, 3), 8, BIG, |mut trainer, _| {
+        for _ in 0..4 {
+            trainer.train_step(&mut batch(CFG)).unwrap();
+        }
+        trainer.save_checkpoint(dir.path(), None).unwrap();
+    })
+    .into_iter()
+    .for_each(|r| r.unwrap());
+    for setup in [grid(4, 4, 0), Setup::ranks(2, 1), Setup::ranks(1, 0), grid(2, 2, 0)] {
+        let results = on_ranks::<f32, _>(setup, 8, BIG, |mut trainer, _| {
+            let (path, ckpt) =
+                crate::engine::train::checkpoint::load_latest(dir.path(), None, |e| panic!("{e}")).unwrap();
+            trainer.restore(&path, ckpt).unwrap();
+            assert_eq!(trainer.step, 4);
+            let tail: Vec<f32> = (0..4).map(|_| trainer.train_step(&mut batch(CFG)).unwrap().loss).collect();
+            (tail, trainer.full_master_params().unwrap())
+        });
+        for r in results {
+            let (tail, weights) = r.unwrap();
+            let d = max_rel_diff(&tail, &losses(&reference)[4..]);
+            assert!(d < 2e-5, "{setup:?}: resumed losses off by {d:e}");
+            let w = rel_distance(&weights, &reference.weights);
+            assert!(w < 1e-4, "{setup:?}: resumed weights off by {w:e}");
+        }
     }
 }

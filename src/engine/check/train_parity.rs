@@ -9,7 +9,7 @@ use crate::config::{Checkpointing, Knobs, OffloadTarget};
 
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::Backend;
-use crate::engine::model::GptConfig;
+use crate::engine::model::{GptConfig, TpShard};
 use crate::engine::parallel::comm::{Comm, Group};
 use crate::engine::rng::mix64;
 use crate::engine::train::trainer::{Hyper, Trainer};
@@ -39,7 +39,7 @@ impl TrainParityCase {
     pub fn small(steps: usize) -> TrainParityCase {
         TrainParityCase {
             name: "plain",
-            cfg: GptConfig { n_layer: 2, n_head: 4, n_embd: 128, block_size: 64, vocab: 256 },
+            cfg: GptConfig { n_layer: 2, n_head: 4, n_embd: 128, block_size: 64, vocab: 256, tp: TpShard::NONE },
             micro_batch: 4,
             grad_accum: 2,
             steps,
@@ -83,6 +83,7 @@ impl TrainParityCase {
                 offload_params: self.offload_params,
                 offload_activations: self.offload_activations,
                 world_size: self.world,
+                tensor_parallel: 1,
                 zero_stage: self.zero_stage,
                 ..Knobs::plain(self.micro_batch, self.cfg.block_size, self.grad_accum)
             },

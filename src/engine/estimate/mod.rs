@@ -23,7 +23,7 @@ use crate::engine::backend::layers::Elem;
 use crate::engine::backend::workspace::WorkspaceModel;
 use crate::engine::model::{
     activation_width, backward_workspace_sizes, block_backward_scratch, block_forward_scratch, global_activation_sizes,
-    head_backward_scratch, head_forward_scratch, kept_in, layer_activation_sizes, GptConfig,
+    head_backward_scratch, head_forward_scratch, kept_in, layer_activation_sizes, GptConfig, TpShard,
 };
 use crate::engine::train::trainer::gpt_config;
 
@@ -121,8 +121,11 @@ pub fn estimate_on(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> Estimat
 fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> Estimate {
     let Knobs { micro_batch, seq_len, grad_accum, checkpointing: mode, offload_optimizer, .. } = *k;
     let offload_activations = k.offload_activations != OffloadTarget::None;
+    // A rank's share of the model under tensor parallelism (every tensor-parallel rank holds
+    // the same amount), ZeRO-sharded over the data-parallel ranks.
+    let cfg = &cfg.whole().with_tp(TpShard { rank: 0, size: k.tensor_parallel.max(1) });
     let n = cfg.num_params();
-    let world = k.world_size.max(1);
+    let world = k.data_parallel();
     let stage = if world > 1 { k.zero_stage } else { 0 };
     let state_len = if stage >= 1 { n.div_ceil(world) } else { n };
     let params_len = if stage >= 3 { state_len } else { n };
@@ -339,6 +342,7 @@ pub fn verdict(e: &Estimate, capacity: usize) -> &'static str {
 mod tests {
     use super::*;
     use crate::config::Checkpointing;
+    use crate::engine::model::TpShard;
     use crate::engine::rng::mix64;
     use crate::engine::train::trainer::{Hyper, Trainer};
     use crate::memory::{format_bytes, Pool};
@@ -374,6 +378,7 @@ mod tests {
                 offload_activations,
                 delayed_update: false,
                 world_size: 1,
+                tensor_parallel: 1,
                 zero_stage: 0,
                 precision: crate::config::Precision::Fp32,
                 expandable_segments: false,
@@ -428,8 +433,8 @@ mod tests {
     #[test]
     fn estimates_match_the_pool_within_five_percent_over_a_grid() {
         let models = [
-            GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 64, vocab: 256 },
-            GptConfig { n_layer: 3, n_head: 2, n_embd: 32, block_size: 32, vocab: 512 },
+            GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 64, vocab: 256, tp: TpShard::NONE },
+            GptConfig { n_layer: 3, n_head: 2, n_embd: 32, block_size: 32, vocab: 512, tp: TpShard::NONE },
         ];
         let mut rows = Vec::new();
         for cfg in models {
@@ -475,7 +480,7 @@ mod tests {
 
     #[test]
     fn offload_estimates_match_the_pool() {
-        let cfg = GptConfig { n_layer: 3, n_head: 2, n_embd: 32, block_size: 32, vocab: 512 };
+        let cfg = GptConfig { n_layer: 3, n_head: 2, n_embd: 32, block_size: 32, vocab: 512, tp: TpShard::NONE };
         for (precision, oo, oa) in [
             (Precision::Fp32, true, OffloadTarget::None),
             (Precision::Fp32, false, OffloadTarget::Cpu),
@@ -505,7 +510,7 @@ mod tests {
 
     #[test]
     fn knobs_lower_the_estimate() {
-        let cfg = GptConfig { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab: 256 };
+        let cfg = GptConfig { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab: 256, tp: TpShard::NONE };
         let est = |checkpointing, precision, micro, accum| {
             estimate_step(&cfg, &Knobs { checkpointing, precision, ..Knobs::plain(micro, 128, accum) })
         };

@@ -108,8 +108,12 @@ pub struct StepTime {
 pub fn step_time(cfg: &GptConfig, k: &Knobs, speed: &DeviceSpeed) -> StepTime {
     let (b, t, c) = (k.micro_batch as f64, k.seq_len as f64, cfg.n_embd as f64);
     let (l, v, h) = (cfg.n_layer as f64, cfg.vocab as f64, cfg.n_head as f64);
-    let n = cfg.num_params() as f64;
-    let world = k.world_size.max(1) as f64;
+    // Under tensor parallelism a rank computes 1/tp of each block and holds its share of the
+    // weights; ZeRO and the gradients' collective run over the data-parallel ranks.
+    let tp = k.tensor_parallel.max(1) as f64;
+    let n = cfg.whole().with_tp(crate::engine::model::TpShard { rank: 0, size: k.tensor_parallel.max(1) }).num_params()
+        as f64;
+    let world = k.data_parallel() as f64;
     let e = match k.precision {
         Precision::Fp32 => 4.0,
         Precision::Bf16 | Precision::Fp16 => 2.0,
@@ -121,10 +125,10 @@ pub fn step_time(cfg: &GptConfig, k: &Knobs, speed: &DeviceSpeed) -> StepTime {
     };
     let rate = peak * rows / (rows + speed.half_rate_rows);
     // One forward pass of one micro-batch.
-    let block_matmul = 2.0 * rows * 12.0 * c * c;
-    let block_attention = 2.0 * b * t * t * c;
+    let block_matmul = 2.0 * rows * 12.0 * c * c / tp;
+    let block_attention = 2.0 * b * t * t * c / tp;
     let head = 2.0 * rows * c * v;
-    let block_elementwise = 40.0 * rows * c + 3.0 * b * h * t * t;
+    let block_elementwise = 40.0 * rows * c + 3.0 * b * h * t * t / tp;
     let block_pass = |flops: f64, elems: f64| flops / rate + elems / speed.elementwise_per_s + speed.per_layer_pass_s;
     let forward = l * block_pass(block_matmul + block_attention, block_elementwise) + head / rate;
     let backward = l * block_pass(2.0 * (block_matmul + block_attention), 2.0 * block_elementwise) + 2.0 * head / rate;
@@ -134,7 +138,7 @@ pub fn step_time(cfg: &GptConfig, k: &Knobs, speed: &DeviceSpeed) -> StepTime {
         Checkpointing::Full => l * block_pass(block_matmul + block_attention, block_elementwise),
     };
     let accum = k.grad_accum.max(1) as f64;
-    let share = if speed.ranks_share_compute { world } else { 1.0 };
+    let share = if speed.ranks_share_compute { world * tp } else { 1.0 };
     // Copies a micro-step overlaps with its compute: offloaded weights (up for the forward and
     // for the backward) and offloaded block inputs (down, then up).
     let weights_local = if k.zero_stage >= 3 { n / world } else { n };
@@ -148,6 +152,13 @@ pub fn step_time(cfg: &GptConfig, k: &Knobs, speed: &DeviceSpeed) -> StepTime {
     if k.zero_stage >= 3 && world > 1.0 {
         overlapped += 2.0 * n * e / speed.collective_bw;
     }
+    // Tensor parallelism: two sums of a (B·T, C) tensor per block in forward, two in backward,
+    // two more for a fully recomputed forward; the next op waits for each.
+    let tp_sums = match k.checkpointing {
+        Checkpointing::Full => 6.0,
+        _ => 4.0,
+    };
+    let tp_exposed = if tp > 1.0 { tp_sums * l * 2.0 * rows * c * e / speed.collective_bw } else { 0.0 };
     let micro_compute = (forward + backward) * share;
     let micro_recompute = recompute * share;
     let hidden_excess =
@@ -183,7 +194,7 @@ pub fn step_time(cfg: &GptConfig, k: &Knobs, speed: &DeviceSpeed) -> StepTime {
     if world > 1.0 {
         step_transfer += 2.0 * n * e / speed.collective_bw;
     }
-    let transfer_s = accum * hidden_excess + step_transfer;
+    let transfer_s = accum * (hidden_excess + tp_exposed) + step_transfer;
     let step_s = compute_s + recompute_s + optimizer_s + transfer_s;
     let tokens = accum * rows * world;
     StepTime { compute_s, recompute_s, optimizer_s, transfer_s, step_s, tokens_per_s: tokens / step_s }
@@ -192,9 +203,12 @@ pub fn step_time(cfg: &GptConfig, k: &Knobs, speed: &DeviceSpeed) -> StepTime {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::model::TpShard;
 
-    const DEMO: GptConfig = GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 64, vocab: 256 };
-    const XL: GptConfig = GptConfig { n_layer: 48, n_head: 25, n_embd: 1600, block_size: 1024, vocab: 50257 };
+    const DEMO: GptConfig =
+        GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 64, vocab: 256, tp: TpShard::NONE };
+    const XL: GptConfig =
+        GptConfig { n_layer: 48, n_head: 25, n_embd: 1600, block_size: 1024, vocab: 50257, tp: TpShard::NONE };
 
     fn knobs(micro: usize, global: usize, t: usize) -> Knobs {
         Knobs::plain(micro, t, global / micro)

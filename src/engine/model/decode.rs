@@ -275,14 +275,25 @@ mod tests {
     use crate::config::{Checkpointing, OffloadTarget};
     use crate::engine::backend::CpuBackend;
     use crate::engine::model::forward;
+    use crate::engine::model::TpShard;
     use crate::engine::quant::{quantize, Quantized, Scheme};
 
     /// The next-token probabilities after `tokens`, by the full forward pass over all of them.
     fn full_pass(be: &CpuBackend, cfg: &GptConfig, source: &dyn ParamSource<f32>, tokens: &[u32]) -> Vec<f32> {
         let t = tokens.len();
-        let acts =
-            forward::<f32, _>(be, cfg, source, tokens, &vec![0; t], 1, t, Checkpointing::Full, OffloadTarget::None)
-                .unwrap();
+        let acts = forward::<f32, _>(
+            be,
+            cfg,
+            source,
+            tokens,
+            &vec![0; t],
+            1,
+            t,
+            Checkpointing::Full,
+            OffloadTarget::None,
+            &crate::engine::model::TensorGroup::none(),
+        )
+        .unwrap();
         let mut probs = vec![0f32; cfg.vocab];
         be.download(View::range(acts.logits.as_ref().unwrap(), (t - 1) * cfg.vocab..t * cfg.vocab), &mut probs)
             .unwrap();
@@ -293,7 +304,7 @@ mod tests {
     /// every position the probabilities the full pass over the same tokens gives.
     #[test]
     fn cached_decoding_matches_the_full_forward_pass_at_every_position() {
-        let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, vocab: 64 };
+        let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, vocab: 64, tp: TpShard::NONE };
         let mut w = vec![0f32; cfg.num_params()];
         cfg.init_params(&mut w, 11);
         let be = CpuBackend::new(Pool::new("cpu", 64 << 20));
@@ -326,7 +337,7 @@ mod tests {
     /// A cache is its own category, one (2, context, C) buffer per layer.
     #[test]
     fn the_cache_takes_its_own_category() {
-        let cfg = GptConfig { n_layer: 3, n_head: 2, n_embd: 32, block_size: 16, vocab: 64 };
+        let cfg = GptConfig { n_layer: 3, n_head: 2, n_embd: 32, block_size: 16, vocab: 64, tp: TpShard::NONE };
         let pool = Pool::new("cpu", 64 << 20);
         let cache = KvCache::new::<f32>(&pool, &cfg, 10).unwrap();
         assert_eq!((cache.len(), cache.context()), (0, 10));

@@ -14,6 +14,7 @@ use crate::engine::backend::{Elem, View, ViewMut};
 use crate::engine::rng::{mix64, normal_fill};
 use crate::memory::{blocks_bytes, Buffer, Category, OomError, Pool};
 
+/// The model's shape (the whole model's dimensions) and the part of it this rank computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GptConfig {
     pub n_layer: usize,
@@ -22,6 +23,41 @@ pub struct GptConfig {
     /// Maximum sequence length (rows of wpe).
     pub block_size: usize,
     pub vocab: usize,
+    /// This rank's share under tensor parallelism; the sizes, the layout and the size tables
+    /// below are this rank's (`TpShard::NONE`: the whole model).
+    pub tp: TpShard,
+}
+
+/// A rank's part of a tensor-parallel group (Megatron's layout): rank `rank` of `size` holds
+/// heads `rank·H/size ..` (their q, k and v rows of `qkvw`, `qkvb`, and their input columns of
+/// `attprojw`), the same share of the MLP's features (rows of `fcw`, `fcb`, input columns of
+/// `fcprojw`) and a copy of every other tensor (LayerNorms, the two projections' biases,
+/// embeddings and classifier: replicated, not vocab-parallel).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TpShard {
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl TpShard {
+    /// No tensor parallelism: the whole model.
+    pub const NONE: TpShard = TpShard { rank: 0, size: 1 };
+}
+
+/// Whether a layer tensor is split across a tensor-parallel group (else each rank holds a copy).
+pub fn tp_split(short_name: &str) -> bool {
+    matches!(short_name, "qkvw" | "qkvb" | "attprojw" | "fcw" | "fcb" | "fcprojw")
+}
+
+/// A run of a rank's parameters that is contiguous in the whole model's layout too: elements
+/// `local..local + len` of this rank's layout are `whole..whole + len` of the whole one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WholeRun {
+    pub local: usize,
+    pub whole: usize,
+    pub len: usize,
+    /// Part of a split tensor (each rank holds its own), not a replicated one.
+    pub split: bool,
 }
 
 /// One named tensor of the parameter layout.
@@ -34,20 +70,23 @@ pub struct TensorInfo {
     pub decay: bool,
 }
 
-/// Per-layer parameter tensors in layout order: (name, elements, decayed, init std multiplier).
-fn layer_param_sizes(c: usize) -> [(&'static str, usize, bool); 12] {
+/// Per-layer parameter tensors of a rank in layout order: (name, elements, decayed). `c` is
+/// n_embd, `tp` the tensor-parallel group's size (the split tensors hold 1/tp of the rows or
+/// columns).
+fn layer_param_sizes(c: usize, tp: usize) -> [(&'static str, usize, bool); 12] {
+    let (cl, fl) = (c / tp, 4 * c / tp);
     [
         ("ln1w", c, false),
         ("ln1b", c, false),
-        ("qkvw", 3 * c * c, true),
-        ("qkvb", 3 * c, false),
-        ("attprojw", c * c, true),
+        ("qkvw", 3 * cl * c, true), // (3·C/tp, C): this rank's q, k and v rows
+        ("qkvb", 3 * cl, false),
+        ("attprojw", c * cl, true), // (C, C/tp): the input columns of this rank's heads
         ("attprojb", c, false),
         ("ln2w", c, false),
         ("ln2b", c, false),
-        ("fcw", 4 * c * c, true),
-        ("fcb", 4 * c, false),
-        ("fcprojw", 4 * c * c, true),
+        ("fcw", fl * c, true), // (4C/tp, C)
+        ("fcb", fl, false),
+        ("fcprojw", c * fl, true), // (C, 4C/tp)
         ("fcprojb", c, false),
     ]
 }
@@ -55,22 +94,23 @@ fn layer_param_sizes(c: usize) -> [(&'static str, usize, bool); 12] {
 /// Per-layer activation tensors kept for backward (elements), for batch b and length t.
 /// With `keep_recomputable == false` the cheap ones (LayerNorm outputs, GELU output) are
 /// left out, as selective checkpointing does.
+/// Under tensor parallelism the head and MLP tensors are this rank's share.
 pub fn layer_activation_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'static str, usize); 13] {
-    let (c, nh) = (cfg.n_embd, cfg.n_head);
+    let (c, cl, nhl, fl) = (cfg.n_embd, cfg.local_embd(), cfg.local_heads(), cfg.local_mlp());
     let bt = b * t;
     [
         ("ln1", bt * c),
         ("ln1_mean", bt),
         ("ln1_rstd", bt),
-        ("qkv", bt * 3 * c),
-        ("att", b * nh * t * t),
-        ("atty", bt * c),
+        ("qkv", bt * 3 * cl),
+        ("att", b * nhl * t * t),
+        ("atty", bt * cl),
         ("residual2", bt * c),
         ("ln2", bt * c),
         ("ln2_mean", bt),
         ("ln2_rstd", bt),
-        ("fch", bt * 4 * c),
-        ("fch_gelu", bt * 4 * c),
+        ("fch", bt * fl),
+        ("fch_gelu", bt * fl),
         ("residual3", bt * c),
     ]
 }
@@ -112,17 +152,17 @@ pub fn global_activation_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'stati
 }
 
 /// Backward temporaries in the compute precision (elements): running residual gradient, a
-/// (BT,C) scratch, the MLP gradient and the qkv gradient.
+/// (BT,C) scratch, the MLP gradient and the qkv gradient (this rank's share of the last two).
 pub fn backward_workspace_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'static str, usize); 4] {
     let c = cfg.n_embd;
     let bt = b * t;
-    [("dresidual", bt * c), ("dsmall", bt * c), ("dfch", bt * 4 * c), ("dqkv", bt * 3 * c)]
+    [("dresidual", bt * c), ("dsmall", bt * c), ("dfch", bt * cfg.local_mlp()), ("dqkv", bt * 3 * cfg.local_embd())]
 }
 
-/// The (in, out) feature sizes of a block's matmuls.
+/// The (in, out) feature sizes of a block's matmuls on this rank.
 fn block_matmul_shapes(cfg: &GptConfig) -> [(usize, usize); 4] {
-    let c = cfg.n_embd;
-    [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c)]
+    let (c, cl, fl) = (cfg.n_embd, cfg.local_embd(), cfg.local_mlp());
+    [(c, 3 * cl), (cl, c), (c, fl), (fl, c)]
 }
 
 /// The workspace buffers (bytes each) live at a block's forward op with the most pool bytes
@@ -131,7 +171,7 @@ pub fn block_forward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b:
     let bt = b * t;
     let mut ops: Vec<Vec<usize>> =
         block_matmul_shapes(cfg).iter().map(|&(i, o)| model.matmul_forward::<E>(bt, i, o)).collect();
-    ops.push(model.attention_forward::<E>(b, t, cfg.n_embd, cfg.n_head));
+    ops.push(model.attention_forward::<E>(b, t, cfg.local_embd(), cfg.local_heads()));
     largest(ops)
 }
 
@@ -141,7 +181,7 @@ pub fn block_backward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b
     let bt = b * t;
     let mut ops: Vec<Vec<usize>> =
         block_matmul_shapes(cfg).iter().map(|&(i, o)| model.matmul_backward::<E>(bt, i, o)).collect();
-    ops.push(model.attention_backward::<E>(b, t, cfg.n_embd, cfg.n_head));
+    ops.push(model.attention_backward::<E>(b, t, cfg.local_embd(), cfg.local_heads()));
     ops.push(block_forward_scratch::<E>(model, cfg, b, t));
     largest(ops)
 }
@@ -168,10 +208,36 @@ impl GptConfig {
         [self.n_layer, self.n_head, self.n_embd, self.block_size, self.vocab].map(|x| x as u64)
     }
 
-    pub fn layer_params(&self) -> usize {
-        layer_param_sizes(self.n_embd).iter().map(|t| t.1).sum()
+    /// The whole model (no tensor parallelism): what checkpoints hold.
+    pub fn whole(&self) -> GptConfig {
+        GptConfig { tp: TpShard::NONE, ..*self }
     }
 
+    /// This shape as rank `tp.rank` of a tensor-parallel group of `tp.size` computes it.
+    pub fn with_tp(&self, tp: TpShard) -> GptConfig {
+        GptConfig { tp, ..*self }
+    }
+
+    /// This rank's attention width: n_embd / tp (its heads' q, k, v each have this many features).
+    pub fn local_embd(&self) -> usize {
+        self.n_embd / self.tp.size
+    }
+
+    /// This rank's attention heads: n_head / tp.
+    pub fn local_heads(&self) -> usize {
+        self.n_head / self.tp.size
+    }
+
+    /// This rank's MLP features: 4·n_embd / tp.
+    pub fn local_mlp(&self) -> usize {
+        4 * self.n_embd / self.tp.size
+    }
+
+    pub fn layer_params(&self) -> usize {
+        layer_param_sizes(self.n_embd, self.tp.size).iter().map(|t| t.1).sum()
+    }
+
+    /// Parameters this rank holds (all of them without tensor parallelism).
     pub fn num_params(&self) -> usize {
         let c = self.n_embd;
         self.vocab * c + self.block_size * c + self.n_layer * self.layer_params() + 2 * c
@@ -189,7 +255,7 @@ impl GptConfig {
         push("wte".into(), self.vocab * c, true);
         push("wpe".into(), self.block_size * c, true);
         for l in 0..self.n_layer {
-            for (name, len, decay) in layer_param_sizes(c) {
+            for (name, len, decay) in layer_param_sizes(c, self.tp.size) {
                 push(format!("h{l}.{name}"), len, decay);
             }
         }
@@ -204,23 +270,47 @@ impl GptConfig {
         self.init_range(seed, 0..params.len(), params);
     }
 
-    /// The initial values of flat parameters `range` into `out` (its length): each value a pure
-    /// function of (seed, flat index) — a counter-based generator — so any part can be made on
-    /// its own, in parallel, and the weights do not depend on the thread count, the chunking,
-    /// the sharding or the backend.
+    /// The initial values of this rank's flat parameters `range` into `out` (its length): each
+    /// value a pure function of (seed, its index in the whole model's layout) — a
+    /// counter-based generator — so any part can be made on its own, in parallel, and the
+    /// weights do not depend on the thread count, the chunking, the sharding, the
+    /// tensor-parallel split or the backend.
     pub fn init_range(&self, seed: u64, range: Range<usize>, out: &mut [f32]) {
         assert_eq!(range.len(), out.len(), "init_range: output length");
+        let whole = self.whole();
+        let tensors = whole.tensors();
+        if self.tp.size == 1 {
+            return whole.init_whole(&tensors, seed, range, out);
+        }
+        let runs = self.whole_runs();
+        // The first run that ends after range.start (runs are in local order).
+        let first = runs.partition_point(|r| r.local + r.len <= range.start);
+        for r in &runs[first..] {
+            let (lo, hi) = (r.local.max(range.start), (r.local + r.len).min(range.end));
+            if lo >= hi {
+                break;
+            }
+            let at = r.whole + (lo - r.local);
+            whole.init_whole(&tensors, seed, at..at + (hi - lo), &mut out[lo - range.start..hi - range.start]);
+        }
+    }
+
+    /// `init_range` of the whole model's layout (`tensors`: its tensors).
+    fn init_whole(&self, tensors: &[TensorInfo], seed: u64, range: Range<usize>, out: &mut [f32]) {
         let proj_std = (0.02 / (2.0 * self.n_layer as f64).sqrt()) as f32;
         let key = mix64(seed ^ 0x696e_6974_7061_7273);
-        for t in self.tensors() {
+        let first = tensors.partition_point(|t| t.offset + t.len <= range.start);
+        for t in &tensors[first..] {
+            if t.offset >= range.end {
+                break;
+            }
             let lo = t.offset.max(range.start);
             let hi = (t.offset + t.len).min(range.end);
             if lo >= hi {
                 continue;
             }
             let dst = &mut out[lo - range.start..hi - range.start];
-            let short = t.name.rsplit('.').next().unwrap_or(&t.name);
-            match short {
+            match short_name(&t.name) {
                 "ln1w" | "ln2w" | "lnfw" => dst.fill(1.0),
                 "attprojw" | "fcprojw" => normal_fill(key, lo, proj_std, dst),
                 _ if t.decay => normal_fill(key, lo, 0.02, dst),
@@ -228,6 +318,69 @@ impl GptConfig {
             }
         }
     }
+
+    /// Where this rank's layout sits in the whole model's: runs in local order, adjacent ones
+    /// merged (one run without tensor parallelism). A split matrix contributes a run per row
+    /// (column-split: `attprojw`, `fcprojw`) or per q/k/v block (`qkvw`, `qkvb`).
+    pub fn whole_runs(&self) -> Vec<WholeRun> {
+        let (c, r) = (self.n_embd, self.tp.rank);
+        let (cl, fl) = (self.local_embd(), self.local_mlp());
+        let mut runs: Vec<WholeRun> = Vec::new();
+        let mut push = |local: usize, whole: usize, len: usize, split: bool| {
+            if let Some(last) = runs.last_mut() {
+                if last.split == split && last.local + last.len == local && last.whole + last.len == whole {
+                    last.len += len;
+                    return;
+                }
+            }
+            runs.push(WholeRun { local, whole, len, split });
+        };
+        for (lt, wt) in self.tensors().iter().zip(self.whole().tensors()) {
+            let (lo, wo) = (lt.offset, wt.offset);
+            let split = self.tp.size > 1 && tp_split(short_name(&lt.name));
+            match short_name(&lt.name) {
+                "qkvw" if split => (0..3).for_each(|j| push(lo + j * cl * c, wo + (j * c + r * cl) * c, cl * c, true)),
+                "qkvb" if split => (0..3).for_each(|j| push(lo + j * cl, wo + j * c + r * cl, cl, true)),
+                "attprojw" if split => (0..c).for_each(|o| push(lo + o * cl, wo + o * c + r * cl, cl, true)),
+                "fcw" if split => push(lo, wo + r * fl * c, fl * c, true),
+                "fcb" if split => push(lo, wo + r * fl, fl, true),
+                "fcprojw" if split => (0..c).for_each(|o| push(lo + o * fl, wo + o * 4 * c + r * fl, fl, true)),
+                _ => push(lo, wo, lt.len, false),
+            }
+        }
+        runs
+    }
+
+    /// This rank's part of a vector over the whole model's layout (a checkpoint's weights or
+    /// moments).
+    pub fn local_of(&self, whole: &[f32]) -> Vec<f32> {
+        if self.tp.size == 1 {
+            return whole.to_vec();
+        }
+        let mut out = vec![0f32; self.num_params()];
+        for r in self.whole_runs() {
+            out[r.local..r.local + r.len].copy_from_slice(&whole[r.whole..r.whole + r.len]);
+        }
+        out
+    }
+
+    /// A whole-layout vector holding this rank's `local` values where it contributes them:
+    /// its split runs, and the replicated ones on rank 0 only; zeros elsewhere, so the sum over
+    /// the tensor-parallel group is the whole vector.
+    pub fn whole_part_of(&self, local: &[f32]) -> Vec<f32> {
+        let mut out = vec![0f32; self.whole().num_params()];
+        for r in self.whole_runs() {
+            if r.split || self.tp.rank == 0 {
+                out[r.whole..r.whole + r.len].copy_from_slice(&local[r.local..r.local + r.len]);
+            }
+        }
+        out
+    }
+}
+
+/// A tensor's name without its layer prefix (`h3.qkvw` → `qkvw`).
+pub fn short_name(name: &str) -> &str {
+    name.rsplit('.').next().unwrap_or(name)
 }
 
 /// One layer's parameters (or gradients), as views into a segment of the flat layout.
@@ -269,7 +422,7 @@ impl<T> LayerTensors<T> {
 
 impl GptConfig {
     fn layer_sizes(&self) -> Vec<usize> {
-        layer_param_sizes(self.n_embd).iter().map(|t| t.1).collect()
+        layer_param_sizes(self.n_embd, self.tp.size).iter().map(|t| t.1).collect()
     }
 
     /// The tied token embedding / classifier weights `wte`.
@@ -328,3 +481,47 @@ pub mod decode;
 mod passes;
 
 pub use passes::*;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Over a tensor-parallel group the ranks' split runs cover each split element of the whole
+    /// layout exactly once and every rank holds every replicated element; `local_of` and
+    /// `whole_part_of` are inverse, and the parts sum to the whole.
+    #[test]
+    fn tensor_parallel_shares_tile_the_whole_layout() {
+        let whole = GptConfig { n_layer: 2, n_head: 4, n_embd: 16, block_size: 8, vocab: 24, tp: TpShard::NONE };
+        let n = whole.num_params();
+        let values: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        assert_eq!(whole.whole_runs(), [WholeRun { local: 0, whole: 0, len: n, split: false }]);
+        for size in [1, 2, 4] {
+            let mut covered = vec![0usize; n];
+            let mut sum = vec![0f32; n];
+            for rank in 0..size {
+                let cfg = whole.with_tp(TpShard { rank, size });
+                let runs = cfg.whole_runs();
+                assert_eq!(runs.iter().map(|r| r.len).sum::<usize>(), cfg.num_params(), "tp {size}");
+                assert!(runs.windows(2).all(|w| w[0].local + w[0].len == w[1].local), "runs in local order");
+                for r in &runs {
+                    covered[r.whole..r.whole + r.len].iter_mut().for_each(|c| *c += 1);
+                }
+                let local = cfg.local_of(&values);
+                assert_eq!(local.len(), cfg.num_params());
+                let part = cfg.whole_part_of(&local);
+                sum.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
+                // Initialising a rank's share = its share of the whole initialisation.
+                let mut init = vec![0f32; cfg.num_params()];
+                cfg.init_range(7, 0..init.len(), &mut init);
+                let mut whole_init = vec![0f32; n];
+                whole.init_range(7, 0..n, &mut whole_init);
+                assert_eq!(init, cfg.local_of(&whole_init), "tp {size} rank {rank}: init");
+            }
+            for t in whole.tensors() {
+                let want = if size > 1 && tp_split(short_name(&t.name)) { 1 } else { size };
+                assert!(covered[t.offset..t.offset + t.len].iter().all(|&c| c == want), "tp {size}: {}", t.name);
+            }
+            assert_eq!(sum, values, "tp {size}: the ranks' parts sum to the whole");
+        }
+    }
+}

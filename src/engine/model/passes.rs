@@ -1,16 +1,61 @@
 //! The passes: `forward` (keeps a `KeptLayer` per block, or hands block inputs to the host),
 //! `forward_loss` for evaluation, and `backward` (recomputing what checkpointing dropped), as
 //! backend calls on views of pool buffers; weights come through a `ParamSource` and gradients
-//! go to a `GradSink`, one segment at a time.
+//! go to a `GradSink`, one segment at a time. Under tensor parallelism (`TensorGroup`) a block
+//! computes its rank's heads and MLP features, and the partial sums of the row-parallel
+//! projections (forward) and of the column-parallel inputs' gradients (backward) are summed
+//! over the group.
 
 use crate::config::{Checkpointing, OffloadTarget};
 use crate::engine::backend::layers::*;
 use crate::engine::backend::{Backend, BackendResult, View, ViewMut};
+use crate::engine::parallel::comm::{Comm, Group};
 use crate::engine::parallel::placement::{GradSink, ParamSource};
 use crate::engine::parallel::SwapStats;
 use crate::memory::{Buffer, Category, OomError, Pool};
 
 use super::*;
+
+/// The tensor-parallel group of a pass (Megatron-style): each rank holds its share of every
+/// block's heads and MLP features (`GptConfig::tp`), and the two sums per block per pass run
+/// over this group. `TensorGroup::none()`: no tensor parallelism.
+pub struct TensorGroup<'a> {
+    group: Option<&'a Group>,
+    /// Host traffic of the sums when staged through the host (a device without native
+    /// collectives for the group).
+    moved: std::cell::Cell<SwapStats>,
+}
+
+impl<'a> TensorGroup<'a> {
+    pub fn none() -> TensorGroup<'static> {
+        TensorGroup { group: None, moved: Default::default() }
+    }
+
+    pub fn of(group: Option<&'a Group>) -> TensorGroup<'a> {
+        TensorGroup { group: group.filter(|g| g.world() > 1), moved: Default::default() }
+    }
+
+    /// Whether this rank adds a row-parallel projection's bias: one rank does (rank 0), so the
+    /// sum over the group holds it once.
+    fn adds_bias(&self) -> bool {
+        self.group.is_none_or(|g| g.rank() == 0)
+    }
+
+    /// Every rank's `buf` becomes the sum over the group (a collective of the group).
+    fn sum<E: Elem, B: Backend>(&self, be: &B, buf: ViewMut<E>) -> BackendResult {
+        if let Some(g) = self.group {
+            let mut moved = self.moved.get();
+            moved.add(g.all_reduce_sum_on::<E, B>(be, buf)?);
+            self.moved.set(moved);
+        }
+        Ok(())
+    }
+
+    /// The host traffic of the sums so far, handed over (and reset).
+    fn take_moved(&self) -> SwapStats {
+        self.moved.take()
+    }
+}
 
 /// Activations one block keeps for its backward pass (statistics f32, the rest in `E`).
 pub struct LayerActs {
@@ -283,8 +328,9 @@ pub fn forward<E: Elem, B: Backend>(
     t: usize,
     mode: Checkpointing,
     offload: OffloadTarget,
+    tp: &TensorGroup,
 ) -> BackendResult<Activations> {
-    forward_pass(be, cfg, params, inputs, targets, b, t, mode, offload, false)
+    forward_pass(be, cfg, params, inputs, targets, b, t, mode, offload, tp, false)
 }
 
 /// Mean loss of a forward pass that keeps nothing for backward (evaluation): each block's
@@ -298,8 +344,10 @@ pub fn forward_loss<E: Elem, B: Backend>(
     targets: &[u32],
     b: usize,
     t: usize,
+    tp: &TensorGroup,
 ) -> BackendResult<f32> {
-    let acts = forward_pass(be, cfg, params, inputs, targets, b, t, Checkpointing::Full, OffloadTarget::None, true)?;
+    let acts =
+        forward_pass(be, cfg, params, inputs, targets, b, t, Checkpointing::Full, OffloadTarget::None, tp, true)?;
     Ok(acts.mean_loss())
 }
 
@@ -308,6 +356,7 @@ pub type EvalBatchFn<'a> = dyn FnMut(usize, &mut Vec<u32>, &mut Vec<u32>) + 'a;
 
 /// Mean loss over `count` sequences, `micro` at a time, each written by `sequence(index,
 /// inputs, targets)` (`t` tokens): the evaluation loop of training and of `headroom eval`.
+#[allow(clippy::too_many_arguments)]
 pub fn mean_loss<E: Elem, B: Backend>(
     be: &B,
     cfg: &GptConfig,
@@ -316,6 +365,7 @@ pub fn mean_loss<E: Elem, B: Backend>(
     micro: usize,
     t: usize,
     sequence: &mut EvalBatchFn<'_>,
+    tp: &TensorGroup,
 ) -> BackendResult<f64> {
     let (mut total, mut done) = (0.0f64, 0);
     while done < count {
@@ -324,7 +374,7 @@ pub fn mean_loss<E: Elem, B: Backend>(
         for i in 0..n {
             sequence(done + i, &mut inputs, &mut targets);
         }
-        let loss = forward_loss::<E, B>(be, cfg, params, &inputs, &targets, n, t)?;
+        let loss = forward_loss::<E, B>(be, cfg, params, &inputs, &targets, n, t, tp)?;
         total += loss as f64 * n as f64;
         done += n;
     }
@@ -342,10 +392,11 @@ fn forward_pass<E: Elem, B: Backend>(
     t: usize,
     mode: Checkpointing,
     offload: OffloadTarget,
+    tp: &TensorGroup,
     release_outputs: bool,
 ) -> BackendResult<Activations> {
     let pool = be.pool();
-    let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab);
+    let (c, v) = (cfg.n_embd, cfg.vocab);
     let mut swap = SwapStats::default();
     let bt = b * t;
     let g = global_activation_sizes(cfg, b, t);
@@ -366,7 +417,7 @@ fn forward_pass<E: Elem, B: Backend>(
         let next = if l + 1 < cfg.n_layer { cfg.layer_range(l + 1) } else { cfg.lnf_range() };
         let w = params.fetch(cfg.layer_range(l), Some(next))?;
         let x = layers.last().map(KeptLayer::output::<E>).unwrap_or(View::of(&encoded));
-        layer_forward(be, &cfg.layer_view(w.view()), &mut a, x, b, t, c, nh)?;
+        layer_forward(be, cfg, &cfg.layer_view(w.view()), &mut a, x, b, t, tp)?;
         drop(w);
         layers.push(KeptLayer::keep(a, mode));
         // The previous block's output has been consumed: release it, or move it to the host.
@@ -412,6 +463,7 @@ fn forward_pass<E: Elem, B: Backend>(
     let mut host_losses = vec![0f32; bt];
     be.download(View::of(&losses), &mut host_losses)?;
     let mean_loss = (host_losses.iter().map(|&x| x as f64).sum::<f64>() / bt as f64) as f32;
+    swap.add(tp.take_moved());
     Ok(Activations {
         b,
         t,
@@ -441,12 +493,13 @@ fn recompute<E: Elem, B: Backend>(
     x: View<E>,
     b: usize,
     t: usize,
+    tp: &TensorGroup,
 ) -> BackendResult<LayerActs> {
     let pool = be.pool();
-    let (c, nh) = (cfg.n_embd, cfg.n_head);
+    let c = cfg.n_embd;
     let full = || -> BackendResult<LayerActs> {
         let mut a = alloc_layer_acts::<E>(cfg, pool, b, t)?;
-        layer_forward(be, p, &mut a, x, b, t, c, nh)?;
+        layer_forward(be, cfg, p, &mut a, x, b, t, tp)?;
         Ok(a)
     };
     match kept {
@@ -501,19 +554,22 @@ fn recompute<E: Elem, B: Backend>(
     }
 }
 
-/// One transformer block forward. x: (B,T,C) block input; fills every tensor of `a`.
+/// One transformer block forward. x: (B,T,C) block input; fills every tensor of `a`. Under
+/// tensor parallelism (`tp`) the rank computes its heads and MLP features (C/tp, 4C/tp) and the
+/// two projections' partial outputs are summed over the group.
 #[allow(clippy::too_many_arguments)]
 fn layer_forward<E: Elem, B: Backend>(
     be: &B,
+    cfg: &GptConfig,
     p: &LayerTensors<View<E>>,
     a: &mut LayerActs,
     x: View<E>,
     b: usize,
     t: usize,
-    c: usize,
-    nh: usize,
+    tp: &TensorGroup,
 ) -> BackendResult {
     let bt = b * t;
+    let (c, cl, nhl, fl) = (cfg.n_embd, cfg.local_embd(), cfg.local_heads(), cfg.local_mlp());
     // ln1: (B,T,C), ln1_mean, ln1_rstd: (B,T)
     be.layernorm_forward(
         ViewMut::of(&mut a.ln1),
@@ -524,12 +580,15 @@ fn layer_forward<E: Elem, B: Backend>(
         p.ln1b,
         c,
     )?;
-    // qkv: (B,T,3C)
-    be.matmul_forward(ViewMut::of(&mut a.qkv), View::of(&a.ln1), p.qkvw, Some(p.qkvb), bt, c, 3 * c)?;
-    // atty: (B,T,C), att: (B,NH,T,T)
-    be.attention_forward::<E>(ViewMut::of(&mut a.atty), ViewMut::of(&mut a.att), View::of(&a.qkv), b, t, c, nh)?;
-    // residual2: (B,T,C) = x + atty · attprojwᵀ + attprojb
-    be.matmul_forward(ViewMut::of(&mut a.residual2), View::of(&a.atty), p.attprojw, Some(p.attprojb), bt, c, c)?;
+    // qkv: (B,T,3·C/tp), column-parallel: this rank's heads' q, k, v
+    be.matmul_forward(ViewMut::of(&mut a.qkv), View::of(&a.ln1), p.qkvw, Some(p.qkvb), bt, c, 3 * cl)?;
+    // atty: (B,T,C/tp), att: (B,NH/tp,T,T)
+    be.attention_forward::<E>(ViewMut::of(&mut a.atty), ViewMut::of(&mut a.att), View::of(&a.qkv), b, t, cl, nhl)?;
+    // residual2: (B,T,C) = x + atty · attprojwᵀ + attprojb (row-parallel: partial sums over
+    // the group, the bias added by one rank)
+    let bias = tp.adds_bias().then_some(p.attprojb);
+    be.matmul_forward(ViewMut::of(&mut a.residual2), View::of(&a.atty), p.attprojw, bias, bt, cl, c)?;
+    tp.sum::<E, B>(be, ViewMut::of(&mut a.residual2))?;
     be.residual_forward_inplace::<E>(ViewMut::of(&mut a.residual2), x)?;
     // ln2: (B,T,C)
     be.layernorm_forward(
@@ -541,20 +600,24 @@ fn layer_forward<E: Elem, B: Backend>(
         p.ln2b,
         c,
     )?;
-    // fch, fch_gelu: (B,T,4C)
-    be.matmul_forward(ViewMut::of(&mut a.fch), View::of(&a.ln2), p.fcw, Some(p.fcb), bt, c, 4 * c)?;
+    // fch, fch_gelu: (B,T,4C/tp), column-parallel
+    be.matmul_forward(ViewMut::of(&mut a.fch), View::of(&a.ln2), p.fcw, Some(p.fcb), bt, c, fl)?;
     be.gelu_forward::<E>(ViewMut::of(&mut a.fch_gelu), View::of(&a.fch))?;
-    // residual3: (B,T,C) = residual2 + fch_gelu · fcprojwᵀ + fcprojb
-    be.matmul_forward(ViewMut::of(&mut a.residual3), View::of(&a.fch_gelu), p.fcprojw, Some(p.fcprojb), bt, 4 * c, c)?;
+    // residual3: (B,T,C) = residual2 + fch_gelu · fcprojwᵀ + fcprojb (row-parallel)
+    let bias = tp.adds_bias().then_some(p.fcprojb);
+    be.matmul_forward(ViewMut::of(&mut a.residual3), View::of(&a.fch_gelu), p.fcprojw, bias, bt, fl, c)?;
+    tp.sum::<E, B>(be, ViewMut::of(&mut a.residual3))?;
     be.residual_forward_inplace::<E>(ViewMut::of(&mut a.residual3), View::of(&a.residual2))
 }
 
 /// One transformer block backward, the mirror of `layer_forward`. x: (B,T,C) block input;
 /// `ws.dres` holds d(block output) on entry and d(block input) on return; the block's
-/// parameter gradients are accumulated into `g`.
+/// parameter gradients are accumulated into `g`. Under tensor parallelism the gradients of the
+/// column-parallel matmuls' input (d ln2, d ln1) are partial sums, summed over the group.
 #[allow(clippy::too_many_arguments)]
 fn layer_backward<E: Elem, B: Backend>(
     be: &B,
+    cfg: &GptConfig,
     p: LayerTensors<View<E>>,
     g: LayerTensors<ViewMut<E>>,
     a: &LayerActs,
@@ -562,13 +625,13 @@ fn layer_backward<E: Elem, B: Backend>(
     ws: &mut BackwardWorkspace,
     b: usize,
     t: usize,
-    c: usize,
-    nh: usize,
+    tp: &TensorGroup,
 ) -> BackendResult {
     let bt = b * t;
+    let (c, cl, nhl, fl) = (cfg.n_embd, cfg.local_embd(), cfg.local_heads(), cfg.local_mlp());
     let BackwardWorkspace { dres, dsmall, dfch, dqkv } = ws;
     // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
-    // dfch: (B,T,4C) = d fch_gelu, then d fch
+    // dfch: (B,T,4C/tp) = d fch_gelu, then d fch
     be.matmul_backward(
         ViewMut::of(dfch),
         g.fcprojw,
@@ -577,12 +640,13 @@ fn layer_backward<E: Elem, B: Backend>(
         View::of(&a.fch_gelu),
         p.fcprojw,
         bt,
-        4 * c,
+        fl,
         c,
     )?;
     be.gelu_backward_inplace::<E>(ViewMut::of(dfch), View::of(&a.fch))?;
-    // dsmall: (B,T,C) = d ln2
-    be.matmul_backward(ViewMut::of(dsmall), g.fcw, Some(g.fcb), View::of(dfch), View::of(&a.ln2), p.fcw, bt, c, 4 * c)?;
+    // dsmall: (B,T,C) = d ln2 (partial over the group, then summed)
+    be.matmul_backward(ViewMut::of(dsmall), g.fcw, Some(g.fcb), View::of(dfch), View::of(&a.ln2), p.fcw, bt, c, fl)?;
+    tp.sum::<E, B>(be, ViewMut::of(dsmall))?;
     // dres: (B,T,C) += d residual2 through ln2
     be.layernorm_backward(
         ViewMut::of(dres),
@@ -596,21 +660,31 @@ fn layer_backward<E: Elem, B: Backend>(
         c,
     )?;
     // Attention: residual2 = x + attproj(attention(qkv(ln1(x))))
-    // dsmall: (B,T,C) = d atty
+    // datty: (B,T,C/tp), in the front of dsmall
+    let datty = bt * cl;
     be.matmul_backward(
-        ViewMut::of(dsmall),
+        ViewMut::range(dsmall, 0..datty),
         g.attprojw,
         Some(g.attprojb),
         View::of(dres),
         View::of(&a.atty),
         p.attprojw,
         bt,
-        c,
+        cl,
         c,
     )?;
-    // dqkv: (B,T,3C)
-    be.attention_backward::<E>(ViewMut::of(dqkv), View::of(dsmall), View::of(&a.qkv), View::of(&a.att), b, t, c, nh)?;
-    // dsmall: (B,T,C) = d ln1
+    // dqkv: (B,T,3C/tp)
+    be.attention_backward::<E>(
+        ViewMut::of(dqkv),
+        View::range(dsmall, 0..datty),
+        View::of(&a.qkv),
+        View::of(&a.att),
+        b,
+        t,
+        cl,
+        nhl,
+    )?;
+    // dsmall: (B,T,C) = d ln1 (partial over the group, then summed)
     be.matmul_backward(
         ViewMut::of(dsmall),
         g.qkvw,
@@ -620,8 +694,9 @@ fn layer_backward<E: Elem, B: Backend>(
         p.qkvw,
         bt,
         c,
-        3 * c,
+        3 * cl,
     )?;
+    tp.sum::<E, B>(be, ViewMut::of(dsmall))?;
     // dres: (B,T,C) += d x through ln1: the gradient of the block input, the next block's dout.
     be.layernorm_backward(
         ViewMut::of(dres),
@@ -671,9 +746,10 @@ pub fn backward<E: Elem, B: Backend>(
     grads: &mut dyn GradSink<E>,
     mut acts: Activations,
     dloss: f32,
+    tp: &TensorGroup,
 ) -> BackendResult<SwapStats> {
     let pool = be.pool();
-    let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab);
+    let (c, v) = (cfg.n_embd, cfg.vocab);
     let (b, t) = (acts.b, acts.t);
     let bt = b * t;
     let mut ws = BackwardWorkspace::alloc::<E>(cfg, pool, b, t)?;
@@ -726,9 +802,9 @@ pub fn backward<E: Elem, B: Backend>(
         let x = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(View::of(&acts.encoded));
         let w = params.fetch(cfg.layer_range(l), l.checked_sub(1).map(|l| cfg.layer_range(l)))?;
         let pl = cfg.layer_view(w.view());
-        let a = recompute::<E, B>(be, cfg, &pl, kept, x, b, t)?;
+        let a = recompute::<E, B>(be, cfg, &pl, kept, x, b, t, tp)?;
         let gl = cfg.layer_view_mut(grads.open(cfg.layer_range(l))?);
-        layer_backward(be, pl, gl, &a, x, &mut ws, b, t, c, nh)?;
+        layer_backward(be, cfg, pl, gl, &a, x, &mut ws, b, t, tp)?;
         drop(a);
         grads.close(cfg.layer_range(l))?;
     }
@@ -738,6 +814,7 @@ pub fn backward<E: Elem, B: Backend>(
     if acts.offload != OffloadTarget::None {
         pool.set_host_bytes(Category::Activations, 0);
     }
+    acts.swap.add(tp.take_moved());
     Ok(acts.swap)
 }
 

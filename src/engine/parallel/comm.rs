@@ -84,6 +84,10 @@ impl Shared {
 pub struct Group {
     rank: usize,
     link: Link,
+    /// Whether the backend's native collectives (NCCL, attached for the whole world) serve
+    /// this group: true for a world group, false for a sub-group of a `split`, whose
+    /// collectives are staged through the host.
+    native: bool,
 }
 
 /// How the ranks of a group reach each other.
@@ -99,12 +103,12 @@ impl Group {
     /// Handles for a group of `world` ranks as threads of this process, one per rank.
     pub fn threads(world: usize) -> Vec<Group> {
         let shared = Arc::new(Shared::new(world));
-        (0..world).map(|rank| Group { rank, link: Link::Threads(shared.clone()) }).collect()
+        (0..world).map(|rank| Group { rank, link: Link::Threads(shared.clone()), native: true }).collect()
     }
 
     /// This process's rank of a group of processes joined by `link`.
     pub fn tcp(link: TcpLink) -> Group {
-        Group { rank: link.rank(), link: Link::Tcp(Arc::new(link)) }
+        Group { rank: link.rank(), link: Link::Tcp(Arc::new(link)), native: true }
     }
 
     /// Split the group (a collective: every rank calls it): the ranks that give the same
@@ -115,7 +119,7 @@ impl Group {
     pub fn split(&self, color: u64, timeout: std::time::Duration) -> Result<Group, RendezvousError> {
         if let Some(link) = self.tcp_link() {
             let sub = link.split(color, timeout)?;
-            return Ok(Group { rank: sub.rank(), link: Link::Tcp(Arc::new(sub)) });
+            return Ok(Group { rank: sub.rank(), link: Link::Tcp(Arc::new(sub)), native: false });
         }
         let colors: Vec<u64> =
             self.exchange(Published { word: color, ..Default::default() }).iter().map(|p| p.word).collect();
@@ -139,7 +143,7 @@ impl Group {
             self.shared().splits.lock().unwrap_or_else(|e| e.into_inner()).clear();
         }
         let sub_rank = colors[..self.rank].iter().filter(|&&c| c == color).count();
-        Ok(Group { rank: sub_rank, link: Link::Threads(sub) })
+        Ok(Group { rank: sub_rank, link: Link::Threads(sub), native: false })
     }
 
     /// The smallest of every rank's `value`, on every rank.
@@ -391,7 +395,7 @@ impl Group {
             self.all_reduce_sum(buf.host_mut());
             return Ok(SwapStats::default());
         }
-        if let Some(native) = be.collectives() {
+        if let Some(native) = self.native_of(be) {
             native.all_reduce_sum(buf.address(), buf.len(), Dtype::of::<E>())?;
             return Ok(SwapStats::default());
         }
@@ -418,7 +422,7 @@ impl Group {
             self.all_gather(buf.host_mut(), own);
             return Ok(SwapStats::default());
         }
-        if let Some(native) = be.collectives() {
+        if let Some(native) = self.native_of(be) {
             // Each shard is broadcast in place from its owner.
             for (root, part) in self.owned_ranges(&own).into_iter().enumerate() {
                 if !part.is_empty() {
@@ -455,7 +459,7 @@ impl Group {
             self.reduce_scatter_add(bucket.host(), offset, shard.host_mut(), own);
             return Ok(SwapStats::default());
         }
-        match be.collectives() {
+        match self.native_of(be) {
             Some(native) if self.world() > 1 && !bucket.host_visible() && !shard.host_visible() => {
                 self.reduce_scatter_add_native(be, native, bucket, offset, shard, own)?;
                 return Ok(SwapStats::default());
@@ -494,7 +498,7 @@ impl Group {
             self.gather_range(shard.host(), own, offset, out.host_mut());
             return Ok(SwapStats::default());
         }
-        match be.collectives() {
+        match self.native_of(be) {
             Some(native) if self.world() > 1 && !out.host_visible() => {
                 return self.gather_range_native(be, native, shard, own, offset, out);
             }
@@ -525,6 +529,11 @@ impl Group {
 
 /// ZeRO's collectives built from a backend's native primitives (NCCL): no host copies.
 impl Group {
+    /// The backend's native collectives, where they serve this group.
+    fn native_of<'b, B: Backend>(&self, be: &'b B) -> Option<&'b dyn DeviceCollectives> {
+        be.collectives().filter(|_| self.native)
+    }
+
     /// Every rank's shard, in rank order (a host exchange: ranks publish only their own).
     fn owned_ranges(&self, own: &Range<usize>) -> Vec<Range<usize>> {
         if let Some(link) = self.tcp_link() {

@@ -19,7 +19,7 @@ use crate::engine::parallel::tcp::RendezvousError;
 use crate::engine::train::checkpoint::{self, CheckpointError};
 use crate::engine::train::data::{load_tokens, DataError, Dataset};
 use crate::engine::train::run_dir::{RunDir, RunDirError};
-use crate::engine::train::trainer::{gpt_config, Hyper, Trainer};
+use crate::engine::train::trainer::{gpt_config, Hyper, RankGroups, Trainer};
 
 /// Why `headroom train` did not finish, mapped to the protocol's exit codes.
 #[derive(Debug, thiserror::Error)]
@@ -432,7 +432,9 @@ impl Run<'_> {
         // steps' large blocks are carved from.
         let reserved =
             spec.device.reserve.map_or(Ok(()), |fraction| pool.prereserve(fraction).map_err(BackendError::from));
-        let trainer = reserved.and_then(|()| Trainer::<E, B>::on_backend(cfg, hyper.clone(), backend, comm.clone()));
+        let tp = spec.memory.tensor_parallel as usize;
+        let groups = RankGroups::split(comm.as_ref(), tp, opts.processes.rendezvous_timeout)?;
+        let trainer = reserved.and_then(|()| Trainer::<E, B>::on_ranks(cfg, hyper.clone(), backend, groups));
         let all_ok = comm.as_ref().map_or(trainer.is_ok(), |c| c.agree(trainer.is_ok()));
         let mut trainer = match (trainer, all_ok) {
             (Ok(t), true) => t,
@@ -573,8 +575,9 @@ impl Run<'_> {
             progress.set_message(format!("loss {:.4}", step.loss));
 
             let last = trainer.step == hyper.steps;
-            // Rank 0 reports; under ZeRO-3 evaluation gathers weights, so every rank runs it.
-            if eval_every > 0 && (trainer.step % eval_every == 0 || last) && (rank == 0 || trainer.params_sharded()) {
+            // Rank 0 reports; its tensor-parallel group evaluates with it, and under ZeRO-3
+            // (evaluation gathers weights) every rank does.
+            if eval_every > 0 && (trainer.step % eval_every == 0 || last) && trainer.evaluates() {
                 let val =
                     match trainer.evaluate(eval_count, &mut |i, inp, tgt| data.val_sequence(i, eval_count, inp, tgt)) {
                         Ok(v) => v,

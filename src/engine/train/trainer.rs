@@ -13,11 +13,14 @@ use crate::engine::backend::layers::{narrow, Elem};
 use crate::engine::backend::optim::{clip_coefficient, lr_at, AdamW};
 use crate::engine::backend::{Backend, BackendError, BackendResult, CpuBackend, HostPin, View, ViewMut};
 use crate::engine::defrag::{defragment, Defragmentation};
-use crate::engine::model::{self, alloc_elems, alloc_f32, GptConfig, TensorInfo};
+use crate::engine::model::{
+    self, alloc_elems, alloc_f32, short_name, tp_split, GptConfig, TensorGroup, TensorInfo, TpShard,
+};
 use crate::engine::parallel::comm::{shard_range, Comm, Group};
 use crate::engine::parallel::placement::{
     FullGrads, Gathered, GradSink, HostStaged, ParamSource, Resident, ShardedGrads, StreamedGrads,
 };
+use crate::engine::parallel::tcp::RendezvousError;
 use crate::engine::rng::Rng;
 
 use super::host_optimizer::{HostOptimizer, HostState};
@@ -52,6 +55,7 @@ impl Hyper {
     }
 }
 
+/// The job's whole model (a tensor-parallel rank takes its share with `GptConfig::with_tp`).
 pub fn gpt_config(spec: &JobSpec) -> GptConfig {
     let m = &spec.model;
     GptConfig {
@@ -60,6 +64,7 @@ pub fn gpt_config(spec: &JobSpec) -> GptConfig {
         n_embd: m.n_embd as usize,
         block_size: m.block_size as usize,
         vocab: m.vocab.size(),
+        tp: TpShard::NONE,
     }
 }
 
@@ -186,7 +191,12 @@ pub struct Trainer<E: Elem = f32, B: Backend = CpuBackend> {
     shard: Range<usize>,
     /// The parameter layout clipped to `shard`, offsets relative to its start.
     shard_tensors: Vec<TensorInfo>,
+    /// The data-parallel group: gradients are summed (or reduce-scattered) over it and ZeRO
+    /// shards over it.
     comm: Option<Group>,
+    /// The tensor-parallel group (`None`: no tensor parallelism): `cfg.tp` is this rank's place
+    /// in it, and every pass sums partial results over it.
+    tp: Option<Group>,
     /// Optimizer steps completed (skipped fp16 steps included: their data is consumed).
     pub step: u64,
     adam_t: u64,
@@ -222,6 +232,17 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
     /// A rank's trainer on `backend`: its persistent state reserved first (an OOM here costs
     /// milliseconds), then initialised.
     pub fn on_backend(cfg: GptConfig, hyper: Hyper, backend: B, comm: Option<Group>) -> BackendResult<Self> {
+        Self::on_ranks(cfg, hyper, backend, RankGroups { data: comm, tensor: None })
+    }
+
+    /// A rank's trainer of the whole model `cfg` on `backend`, in its data-parallel and
+    /// tensor-parallel groups: it holds its tensor-parallel share of the model (`cfg.with_tp`),
+    /// sharded over the data-parallel group by ZeRO.
+    pub fn on_ranks(cfg: GptConfig, hyper: Hyper, backend: B, groups: RankGroups) -> BackendResult<Self> {
+        let RankGroups { data: comm, tensor } = groups;
+        let tensor = tensor.filter(|g| g.world() > 1);
+        let cfg =
+            cfg.whole().with_tp(tensor.as_ref().map_or(TpShard::NONE, |g| TpShard { rank: g.rank(), size: g.world() }));
         let pool = backend.pool().clone();
         if hyper.knobs.static_allocator {
             // Armed before the model state: its large buffers get segments of their exact size.
@@ -360,6 +381,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             shard,
             shard_tensors,
             comm,
+            tp: tensor,
             cfg,
             hyper,
             pool,
@@ -390,6 +412,18 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
     /// collective every rank must run.
     pub fn params_sharded(&self) -> bool {
         self.params_sharded
+    }
+
+    /// Whether this rank takes part in an evaluation: the first data-parallel rank (with each
+    /// rank of its tensor-parallel group: a pass is their collective), or every rank when the
+    /// weights are sharded over the data-parallel group.
+    pub fn evaluates(&self) -> bool {
+        self.data_rank() == 0 || self.params_sharded
+    }
+
+    /// Whether this rank writes the checkpoints and reports: the first of every group.
+    fn leads(&self) -> bool {
+        self.data_rank() == 0 && self.tp.as_ref().is_none_or(|g| g.rank() == 0)
     }
 
     /// Elements `range` of a state buffer, copied to the host.
@@ -427,12 +461,26 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         }
     }
 
-    fn rank(&self) -> usize {
+    /// This rank's index in its data-parallel group (which slice of the batch it trains on).
+    pub fn data_rank(&self) -> usize {
         self.comm.as_ref().map_or(0, |c| c.rank())
     }
 
     fn world(&self) -> usize {
         self.comm.as_ref().map_or(1, |c| c.world())
+    }
+
+    /// The whole-model vector (a checkpoint's layout) of which this rank's tensor-parallel
+    /// share is `local`: assembled over the tensor-parallel group (a collective of it).
+    fn whole_of(&self, local: Vec<f32>) -> Vec<f32> {
+        match &self.tp {
+            None => local,
+            Some(tp) => {
+                let mut whole = self.cfg.whole_part_of(&local);
+                tp.all_reduce_sum(&mut whole);
+                whole
+            }
+        }
     }
 
     /// The full vector of which this rank holds `part` (its shard, or everything unshared).
@@ -448,15 +496,17 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         full
     }
 
-    /// All fp32 master weights (gathered from every rank when sharded: a collective).
+    /// All fp32 master weights of the whole model, in the checkpoint's layout (gathered from
+    /// every rank when sharded or split: a collective).
     pub fn full_master_params(&self) -> BackendResult<Vec<f32>> {
-        Ok(self.gather_full(self.master_params()?))
+        Ok(self.whole_of(self.gather_full(self.master_params()?)))
     }
 
-    /// Full master weights and moments (gathered from every rank when sharded).
+    /// The whole model's master weights and moments (gathered from every rank when sharded or
+    /// split).
     fn full_state(&self) -> BackendResult<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         let (m, v) = self.moments()?;
-        Ok((self.full_master_params()?, self.gather_full(m), self.gather_full(v)))
+        Ok((self.full_master_params()?, self.whole_of(self.gather_full(m)), self.whole_of(self.gather_full(v))))
     }
 
     pub fn loss_scale(&self) -> f64 {
@@ -503,13 +553,14 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         let world = self.world();
         let dloss = scale / (b * t * h.knobs.grad_accum * world) as f32;
         // This rank's slice of the global batch.
-        let first_seq = self.rank() * b * h.knobs.grad_accum;
+        let first_seq = self.data_rank() * b * h.knobs.grad_accum;
         let mut loss_sum = 0.0f64;
         let mut swap = SwapStats::default();
         let mut grads_on_host = false;
         let (mut inputs, mut targets) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
         {
             let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), be);
+            let tp = TensorGroup::of(self.tp.as_ref());
             for micro in 0..h.knobs.grad_accum {
                 inputs.clear();
                 targets.clear();
@@ -527,13 +578,14 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                     t,
                     h.knobs.checkpointing,
                     h.knobs.offload_activations,
+                    &tp,
                 )?;
                 loss_sum += acts.mean_loss() as f64;
                 let moved = match (&self.comm, self.grads_sharded) {
                     (Some(comm), true) => {
                         let grads = ViewMut::of(&mut self.grads);
                         let mut sink = ShardedGrads::new(grads, self.shard.clone(), comm, be);
-                        let mut moved = model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, dloss)?;
+                        let mut moved = model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, dloss, &tp)?;
                         moved.add(sink.swap());
                         moved
                     }
@@ -545,14 +597,14 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                         let landing = host.landing(delayed_step);
                         let mut sink =
                             StreamedGrads::new(ViewMut::of(&mut self.grads), landing, be).holding(cfg.wte_range());
-                        let moved = model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, dloss)?;
+                        let moved = model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, dloss, &tp)?;
                         swap.add(sink.finish()?);
                         grads_on_host = true;
                         moved
                     }
                     _ => {
                         let mut sink = FullGrads(ViewMut::of(&mut self.grads));
-                        model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, dloss)?
+                        model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, dloss, &tp)?
                     }
                 };
                 swap.add(moved);
@@ -561,13 +613,32 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         }
         let k = self.shard.len();
         // Squared gradient norm: of the all-reduced full gradients, or summed over the shards.
-        let mut squares = if self.grads_sharded {
-            be.sum_squares::<E>(View::range(&self.grads, 0..k))?
-        } else {
-            if let Some(comm) = &self.comm {
-                swap.add(comm.all_reduce_sum_on::<E, B>(be, ViewMut::of(&mut self.grads))?);
+        if let (Some(comm), false) = (&self.comm, self.grads_sharded) {
+            swap.add(comm.all_reduce_sum_on::<E, B>(be, ViewMut::of(&mut self.grads))?);
+        }
+        let mut squares = match (&self.tp, self.grads_sharded) {
+            (None, true) => be.sum_squares::<E>(View::range(&self.grads, 0..k))?,
+            (None, false) => be.sum_squares::<E>(View::of(&self.grads))?,
+            // Tensor parallelism: the split tensors' squares summed over the group, the
+            // replicated ones (the same gradients on every rank of it) counted once.
+            (Some(tp), sharded) => {
+                let all_tensors;
+                let tensors = if sharded {
+                    &self.shard_tensors
+                } else {
+                    all_tensors = self.cfg.tensors();
+                    &all_tensors
+                };
+                let (mut split, mut replicated) = (0.0f64, 0.0f64);
+                for ti in tensors {
+                    let sq = be.sum_squares::<E>(View::range(&self.grads, ti.offset..ti.offset + ti.len))?;
+                    match tp_split(short_name(&ti.name)) {
+                        true => split += sq,
+                        false => replicated += sq,
+                    }
+                }
+                replicated + tp.all_reduce_f64(split)
             }
-            be.sum_squares::<E>(View::of(&self.grads))?
         };
         if let Some(comm) = &self.comm {
             if self.grads_sharded {
@@ -818,7 +889,8 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         let (b, t) = (self.hyper.knobs.micro_batch, self.hyper.knobs.seq_len);
         let be = &self.backend;
         let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), be);
-        Ok(model::mean_loss::<E, B>(be, &self.cfg, source.get(), count, b, t, batch)? as f32)
+        let tp = TensorGroup::of(self.tp.as_ref());
+        Ok(model::mean_loss::<E, B>(be, &self.cfg, source.get(), count, b, t, batch, &tp)? as f32)
     }
     /// Move the persistent state on the device (compute weights, gradients, optimizer state)
     /// out of sparsely used segments and give back every wholly free segment
@@ -845,7 +917,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         let header = CheckpointHeader {
             version: 1,
             step: self.step,
-            num_params: self.cfg.num_params() as u64,
+            num_params: self.cfg.whole().num_params() as u64,
             model: self.cfg.dims(),
             data_cursor: self.step,
             rng_state: self.rng.state,
@@ -856,16 +928,17 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         };
         let (master, m, v) =
             self.full_state().map_err(|e| CheckpointError::Device { path: run_dir.into(), message: e.to_string() })?;
-        if self.rank() != 0 {
+        if !self.leads() {
             // Every rank took part in gathering the state; rank 0 writes it.
             return Ok(checkpoint::checkpoint_path(run_dir, self.step));
         }
         checkpoint::save(run_dir, &header, &master, &m, &v)
     }
 
-    /// Resume from a checkpoint written under any precision, stage, world size or device (it
-    /// holds the full fp32 master weights and moments; each rank takes what it owns).
-    pub fn restore(&mut self, path: &Path, ckpt: Checkpoint) -> Result<(), CheckpointError> {
+    /// Resume from a checkpoint written under any precision, stage, world size, tensor-parallel
+    /// split or device (it holds the whole model's fp32 master weights and moments; each rank
+    /// takes what it owns).
+    pub fn restore(&mut self, path: &Path, mut ckpt: Checkpoint) -> Result<(), CheckpointError> {
         let mismatch = |message: String| CheckpointError::Mismatch { path: path.into(), message };
         if ckpt.header.model != self.cfg.dims() {
             return Err(mismatch(format!(
@@ -876,6 +949,12 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         }
         if ckpt.header.step > self.hyper.steps {
             return Err(mismatch(format!("step {} is past the job's {} steps", ckpt.header.step, self.hyper.steps)));
+        }
+        if self.cfg.tp.size > 1 {
+            // This rank's share of the whole model, in its own layout.
+            for part in [&mut ckpt.params, &mut ckpt.m, &mut ckpt.v] {
+                *part = self.cfg.local_of(part);
+            }
         }
         let shard = self.shard.clone();
         let k = shard.len();
@@ -975,6 +1054,32 @@ fn shard_in(sharded: bool, shard: &Range<usize>) -> Range<usize> {
     }
 }
 
+/// A rank's groups: data-parallel (gradients, ZeRO) and tensor-parallel; `None` for a
+/// dimension of size 1.
+#[derive(Clone, Default)]
+pub struct RankGroups {
+    pub data: Option<Group>,
+    pub tensor: Option<Group>,
+}
+
+impl RankGroups {
+    /// A rank's groups, split from its world group (a collective of the world): a
+    /// tensor-parallel group is `tp` consecutive ranks (the closest together: threads of one
+    /// process, GPUs of one machine), a data-parallel group the ranks at the same place in
+    /// theirs. Process groups wait up to `timeout` for each sub-group's members.
+    pub fn split(world: Option<&Group>, tp: usize, timeout: Duration) -> Result<RankGroups, RendezvousError> {
+        let Some(world) = world.filter(|w| w.world() > 1) else {
+            return Ok(RankGroups::default());
+        };
+        if tp <= 1 {
+            return Ok(RankGroups { data: Some(world.clone()), tensor: None });
+        }
+        let tensor = world.split((world.rank() / tp) as u64, timeout)?;
+        let data = world.split((world.rank() % tp) as u64, timeout)?;
+        Ok(RankGroups { data: (data.world() > 1).then_some(data), tensor: Some(tensor) })
+    }
+}
+
 /// The weight source for a pass over weights kept in `params` (a shard of them if `sharded`).
 fn source_of<'a, E: Elem, B: Backend>(
     params: &'a ParamStore<E>,
@@ -1003,7 +1108,7 @@ mod tests {
     use crate::engine::rng::mix64;
 
     fn tiny() -> (GptConfig, Hyper) {
-        let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 16, block_size: 8, vocab: 32 };
+        let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 16, block_size: 8, vocab: 32, tp: TpShard::NONE };
         let hyper = Hyper {
             knobs: Knobs {
                 micro_batch: 2,
@@ -1015,6 +1120,7 @@ mod tests {
                 offload_activations: OffloadTarget::None,
                 delayed_update: false,
                 world_size: 1,
+                tensor_parallel: 1,
                 zero_stage: 0,
                 precision: crate::config::Precision::Fp32,
                 expandable_segments: false,
@@ -1063,7 +1169,7 @@ mod tests {
     /// training goes on bit for bit as without it.
     #[test]
     fn defragmenting_between_steps_moves_the_state_and_changes_nothing() {
-        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 128, block_size: 32, vocab: 256 };
+        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 128, block_size: 32, vocab: 256, tp: TpShard::NONE };
         let (_, mut hyper) = tiny();
         hyper.knobs.seq_len = 32;
         let mut batch = |s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
@@ -1106,7 +1212,7 @@ mod tests {
     #[test]
     fn the_static_allocator_trains_identically_with_no_search_after_the_first_step() {
         // Model state above the small-block limit (1 MiB per buffer), as any real model's.
-        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 128, block_size: 32, vocab: 256 };
+        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 128, block_size: 32, vocab: 256, tp: TpShard::NONE };
         let run = |static_allocator: bool, checkpointing: Checkpointing| {
             let (_, mut hyper) = tiny();
             hyper.knobs = Knobs { seq_len: 32, static_allocator, checkpointing, ..hyper.knobs };
