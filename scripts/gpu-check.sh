@@ -100,6 +100,15 @@ if [ "${gpus:-0}" -ge 2 ]; then
         echo "2 rank processes: exit $procs_status; losses equal to the thread ranks': no"
         train_status=1
     fi
+    # Tensor parallelism across the two GPUs: each rank computes half of every block (its
+    # heads and MLP features), the partial sums staged through the host.
+    sed 's/^memory:/memory:\n  world_size: 2\n  tensor_parallel: 2/' "$job" > "$job.tp.yaml"
+    echo "== headroom train on cuda:0 and cuda:1 (tensor_parallel 2)"
+    "$BIN" train --config "$job.tp.yaml" --fresh --run-dir "$run/tp" > "$run/tp.jsonl"
+    tp_status=$?
+    grep -E '"event":"(started|eval|finished|oom)"' "$run/tp.jsonl" | cut -c1-400
+    echo "tensor-parallel train exit status: $tp_status"
+    [ $tp_status -eq 0 ] || train_status=1
 fi
 
 # The seed's headline case at real scale: GPT-2 XL shape (1.48B parameters, bytes vocabulary)

@@ -264,6 +264,14 @@ fn checks<B: crate::engine::backend::Backend>(
                         &TrainParityCase::small_ranks(steps, 3),
                         tokens,
                     ),
+                    // Tensor parallelism: two ranks each computing half of every block, their
+                    // partial sums staged through the host.
+                    train_parity::<half::bf16, _, _>(
+                        reference,
+                        device,
+                        &TrainParityCase::small_tensor_parallel(steps),
+                        tokens,
+                    ),
                 ];
                 print!("{}", train_parity::table(&reports));
                 checks.extend(reports.iter().map(parity_check));

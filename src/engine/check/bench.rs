@@ -314,7 +314,7 @@ pub fn parallel_table(
     steps: usize,
 ) -> Result<String, crate::engine::train::job::TrainError> {
     use std::sync::{Arc, Mutex};
-    let settings: [(&str, &str); 17] = [
+    let settings: [(&str, &str); 20] = [
         ("1 rank", "world_size: 1"),
         ("2 ranks, ZeRO-0", "world_size: 2, zero_stage: 0"),
         ("2 ranks, ZeRO-1", "world_size: 2, zero_stage: 1"),
@@ -325,6 +325,9 @@ pub fn parallel_table(
         ("4 ranks, ZeRO-2", "world_size: 4, zero_stage: 2"),
         ("4 ranks, ZeRO-3", "world_size: 4, zero_stage: 3"),
         ("bf16, 4 ranks, ZeRO-3", "precision: bf16, world_size: 4, zero_stage: 3"),
+        ("2 ranks, TP 2", "world_size: 2, tensor_parallel: 2"),
+        ("4 ranks, TP 4", "world_size: 4, tensor_parallel: 4"),
+        ("4 ranks, TP 2 × DP 2, ZeRO-1", "world_size: 4, tensor_parallel: 2, zero_stage: 1"),
         ("offload optimizer", "offload: { optimizer: cpu }"),
         ("offload params", "offload: { params: cpu }"),
         ("offload params + optim", "offload: { params: cpu, optimizer: cpu }"),
@@ -340,13 +343,14 @@ pub fn parallel_table(
     );
     for (label, memory) in settings {
         let world: usize = memory.split("world_size: ").nth(1).and_then(|r| r[..1].parse().ok()).unwrap_or(1);
+        let tp: usize = memory.split("tensor_parallel: ").nth(1).and_then(|r| r[..1].parse().ok()).unwrap_or(1);
         let yaml = format!(
             "name: bench\nmodel: {{ n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab: bytes }}\n\
              data: {{ path: {} }}\ntrain: {{ steps: {}, global_batch: 16, micro_batch: {}, lr: 1.0e-3 }}\n\
              memory: {{ {memory} }}\ndevice: {{ kind: cpu, device_memory: 4GiB }}\n",
             data_path.display(),
             steps + 1,
-            16 / world
+            16 / (world / tp)
         );
         let spec = crate::config::JobSpec::parse(&yaml)?;
         let buf = Arc::new(Mutex::new(Vec::<u8>::new()));

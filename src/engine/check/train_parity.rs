@@ -12,7 +12,7 @@ use crate::engine::backend::Backend;
 use crate::engine::model::{GptConfig, TpShard};
 use crate::engine::parallel::comm::{Comm, Group};
 use crate::engine::rng::mix64;
-use crate::engine::train::trainer::{Hyper, Trainer};
+use crate::engine::train::trainer::{Hyper, RankGroups, Trainer};
 
 /// What to train: a model, the batch split, the number of optimizer steps and the memory
 /// techniques in effect.
@@ -28,8 +28,10 @@ pub struct TrainParityCase {
     pub offload_optimizer: bool,
     pub offload_params: bool,
     pub offload_activations: OffloadTarget,
-    /// Data-parallel ranks (each on its own backend) and their ZeRO stage.
+    /// Ranks (each on its own backend), of which `tp` consecutive ones split each block
+    /// (tensor parallelism), and the ZeRO stage over the data-parallel ones.
     pub world: usize,
+    pub tp: usize,
     pub zero_stage: usize,
 }
 
@@ -48,6 +50,7 @@ impl TrainParityCase {
             offload_params: false,
             offload_activations: OffloadTarget::None,
             world: 1,
+            tp: 1,
             zero_stage: 0,
         }
     }
@@ -75,6 +78,12 @@ impl TrainParityCase {
         TrainParityCase { name: names[stage.min(3)], grad_accum: 1, world: 2, zero_stage: stage, ..Self::small(steps) }
     }
 
+    /// `small` split across two ranks by tensor parallelism: each holds two of the four heads
+    /// and half the MLP, and their partial sums are summed twice per block each way.
+    pub fn small_tensor_parallel(steps: usize) -> TrainParityCase {
+        TrainParityCase { name: "TP 2", world: 2, tp: 2, ..Self::small(steps) }
+    }
+
     pub(crate) fn hyper(&self) -> Hyper {
         Hyper {
             knobs: Knobs {
@@ -83,12 +92,12 @@ impl TrainParityCase {
                 offload_params: self.offload_params,
                 offload_activations: self.offload_activations,
                 world_size: self.world,
-                tensor_parallel: 1,
+                tensor_parallel: self.tp,
                 zero_stage: self.zero_stage,
                 ..Knobs::plain(self.micro_batch, self.cfg.block_size, self.grad_accum)
             },
             steps: self.steps as u64,
-            global_batch: self.micro_batch * self.grad_accum * self.world,
+            global_batch: self.micro_batch * self.grad_accum * self.world / self.tp,
             lr: 1e-3,
             warmup_steps: 2,
             weight_decay: 0.1,
@@ -230,7 +239,9 @@ fn train_rank<E: Elem, B: Backend>(
     case: &TrainParityCase,
     tokens: &[u32],
 ) -> Result<(Vec<f32>, Vec<f32>, f64), String> {
-    let trainer = Trainer::<E, B>::on_backend(case.cfg, case.hyper(), backend, comm.clone());
+    let groups =
+        RankGroups::split(comm.as_ref(), case.tp, std::time::Duration::from_secs(60)).map_err(|e| e.to_string())?;
+    let trainer = Trainer::<E, B>::on_ranks(case.cfg, case.hyper(), backend, groups);
     // A rank that cannot allocate must not leave the others waiting in a collective.
     let all_ok = comm.as_ref().map_or(trainer.is_ok(), |c| c.agree(trainer.is_ok()));
     let mut trainer = match (trainer, all_ok) {
@@ -405,6 +416,7 @@ mod tests {
             TrainParityCase::small_offloaded(4),
             TrainParityCase::small_ranks(4, 1),
             TrainParityCase::small_ranks(4, 3),
+            TrainParityCase::small_tensor_parallel(4),
         ];
         for case in cases {
             for report in [
