@@ -403,6 +403,14 @@ fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     if let Some(c) = capacity {
         println!("capacity: {}", format_bytes(c));
     }
+    if spec.memory.world_size > 1 {
+        println!(
+            "per rank: world_size {} = {} data-parallel × {} tensor-parallel (each rank has its own device pool)",
+            spec.memory.world_size,
+            spec.data_parallel(),
+            spec.memory.tensor_parallel
+        );
+    }
     println!(
         "peak allocated: the most bytes live at one moment; the category columns are what each holds at that \
          moment (they sum to it)"

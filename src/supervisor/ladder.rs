@@ -230,7 +230,7 @@ pub fn first_fit(policy: &Policy, state: &LadderState) -> (LadderState, Vec<Noti
 /// `spec` with the largest micro-batch above its own (a divisor of the sequences per rank and
 /// step, so the global batch is unchanged) whose predicted allocated peak is within `limit`.
 fn largest_fitting_micro_batch(spec: &JobSpec, limit: usize) -> Option<(JobSpec, estimate::Estimate)> {
-    let per_rank = spec.train.global_batch / spec.memory.world_size.max(1);
+    let per_rank = spec.train.global_batch / spec.data_parallel();
     (spec.train.micro_batch + 1..=per_rank).rev().filter(|m| per_rank % m == 0).find_map(|m| {
         let mut raised = spec.clone();
         raised.train.micro_batch = m;

@@ -318,7 +318,7 @@ pub fn plan(
     let limit = (line / (1.0 + calibration.margin)) as usize;
     let mut candidates = Vec::new();
     for (rung, rung_index, spec) in levels(policy, state) {
-        let per_rank = spec.train.global_batch / spec.memory.world_size.max(1);
+        let per_rank = spec.train.global_batch / spec.data_parallel();
         for micro in (1..=per_rank).filter(|m| per_rank % m == 0) {
             let mut s = spec.clone();
             s.train.micro_batch = micro;
@@ -622,6 +622,38 @@ mod tests {
             "{}",
             p.table()
         );
+    }
+
+    /// Two ranks whose replicated state does not fit: the plan's way through is the
+    /// tensor-parallel rung, each rank holding its half of the blocks, with the micro-batch
+    /// free up to every sequence of the step (one data-parallel rank left).
+    #[test]
+    fn a_tensor_parallel_level_is_planned_with_its_data_parallel_micro_batches() {
+        let policy = Policy::parse(
+            "name: tp\nthresholds: { warn: 0.9, preempt: 1.0, sustain: 3 }\nmargin: 0\nrungs:\n  \
+             - { name: tp-2, set: { tensor_parallel: 2 } }",
+        )
+        .unwrap();
+        let spec = JobSpec::parse(
+            "name: tp\nmodel: { n_layer: 4, n_head: 4, n_embd: 128, block_size: 32, vocab: bytes }\n\
+             data: { path: x.txt }\ntrain: { steps: 8, global_batch: 4, micro_batch: 2 }\n\
+             memory: { world_size: 2 }\ndevice: { kind: cpu, device_memory: 14MiB }\n",
+        )
+        .unwrap();
+        let cal = Calibration::uncalibrated(&policy, "cpu");
+        let p = plan(&policy, &base(&spec), &Excluded::default(), &cal, None).unwrap();
+        let micros = |rung: &str| -> Vec<i64> {
+            p.candidates.iter().filter(|c| c.rung == rung).map(|c| c.micro_batch).collect()
+        };
+        assert_eq!(micros("base"), [1, 2], "two data-parallel ranks: 2 sequences each\n{}", p.table());
+        assert_eq!(micros("tp-2"), [1, 2, 4], "one data-parallel rank: all 4 sequences\n{}", p.table());
+        assert!(
+            p.candidates.iter().filter(|c| c.rung == "base").all(|c| c.verdict == Verdict::TooBig),
+            "{}",
+            p.table()
+        );
+        let chosen = p.chosen().unwrap_or_else(|| panic!("{}", p.table()));
+        assert_eq!((chosen.rung.as_str(), chosen.knobs.as_str()), ("tp-2", "fp32, tensor parallel 2"), "{}", p.table());
     }
 
     #[test]
