@@ -38,4 +38,7 @@ pub trait DeviceCollectives: Send + Sync {
     /// Every rank's `recv` receives `root`'s `count` elements at `send` (the root passes
     /// `Some(send)`, which may equal its `recv`; the others `None`).
     fn broadcast(&self, send: Option<u64>, recv: u64, count: usize, dtype: Dtype, root: usize) -> BackendResult;
+    /// A collective of every rank: the ranks that pass the same `color` get a communicator of
+    /// their own, ranked by `key` (`ncclCommSplit`); `None` where the implementation cannot.
+    fn split(&self, color: u64, key: usize) -> BackendResult<Option<std::sync::Arc<dyn DeviceCollectives>>>;
 }

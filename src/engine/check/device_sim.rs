@@ -229,6 +229,11 @@ macro_rules! with_elem {
 }
 
 impl DeviceCollectives for SimCollectives {
+    fn split(&self, color: u64, _key: usize) -> BackendResult<Option<Arc<dyn DeviceCollectives>>> {
+        let comm = self.comm.split(color, Duration::from_secs(60)).expect("a thread group splits");
+        Ok(Some(Arc::new(SimCollectives { comm, calls: self.calls.clone() })))
+    }
+
     fn all_reduce_sum(&self, buf: u64, count: usize, dtype: Dtype) -> BackendResult {
         self.call(count, 0);
         // SAFETY: the collectives' contract: `buf` is this rank's, for this call.

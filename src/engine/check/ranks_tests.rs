@@ -136,8 +136,9 @@ fn on_backends<E: Elem, B: Backend, R: Send>(
                 scope.spawn(move || {
                     let backend = open(rank);
                     let pool = backend.pool().clone();
-                    let groups = RankGroups::split(comm.as_ref(), setup.tp, std::time::Duration::from_secs(60))
-                        .expect("thread groups split");
+                    let groups =
+                        RankGroups::split(&backend, comm.as_ref(), setup.tp, std::time::Duration::from_secs(60))
+                            .expect("thread groups split");
                     let trainer = Trainer::<E, B>::on_ranks(setup.cfg, setup.hyper(steps), backend, groups)?;
                     Ok(f(trainer, pool))
                 })

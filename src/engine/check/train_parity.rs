@@ -84,6 +84,11 @@ impl TrainParityCase {
         TrainParityCase { name: "TP 2", world: 2, tp: 2, ..Self::small(steps) }
     }
 
+    /// Four ranks: two data-parallel copies (ZeRO-1 between them) of a two-way split.
+    pub fn small_grid(steps: usize) -> TrainParityCase {
+        TrainParityCase { name: "TP 2 × DP 2 z1", world: 4, tp: 2, zero_stage: 1, grad_accum: 1, ..Self::small(steps) }
+    }
+
     pub(crate) fn hyper(&self) -> Hyper {
         Hyper {
             knobs: Knobs {
@@ -239,8 +244,8 @@ fn train_rank<E: Elem, B: Backend>(
     case: &TrainParityCase,
     tokens: &[u32],
 ) -> Result<(Vec<f32>, Vec<f32>, f64), String> {
-    let groups =
-        RankGroups::split(comm.as_ref(), case.tp, std::time::Duration::from_secs(60)).map_err(|e| e.to_string())?;
+    let groups = RankGroups::split(&backend, comm.as_ref(), case.tp, std::time::Duration::from_secs(60))
+        .map_err(|e| e.to_string())?;
     let trainer = Trainer::<E, B>::on_ranks(case.cfg, case.hyper(), backend, groups);
     // A rank that cannot allocate must not leave the others waiting in a collective.
     let all_ok = comm.as_ref().map_or(trainer.is_ok(), |c| c.agree(trainer.is_ok()));
@@ -446,7 +451,9 @@ mod tests {
             ..TrainParityCase::small_ranks(4, 3)
         };
         let cases = [0, 1, 2, 3].map(|stage| TrainParityCase::small_ranks(4, stage));
-        for case in cases.iter().chain([&offloaded]) {
+        // Tensor parallelism: the sub-groups get communicators split from the world's.
+        let grids = [TrainParityCase::small_tensor_parallel(4), TrainParityCase::small_grid(4)];
+        for case in cases.iter().chain([&offloaded]).chain(&grids) {
             let group = SimCollectives::group(case.world);
             let native = |r: usize| Ok(DeviceSim::new(256 << 20).with_collectives(group[r].clone()));
             let fp32 = train_parity::<f32, _, _>(|_| Ok(cpu()), native, case, &tokens());

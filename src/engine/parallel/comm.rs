@@ -84,10 +84,19 @@ impl Shared {
 pub struct Group {
     rank: usize,
     link: Link,
-    /// Whether the backend's native collectives (NCCL, attached for the whole world) serve
-    /// this group: true for a world group, false for a sub-group of a `split`, whose
-    /// collectives are staged through the host.
-    native: bool,
+    /// Which native collectives (NCCL) serve this group's `*_on` forms on a device.
+    native: Native,
+}
+
+/// The native collectives of a group.
+#[derive(Clone)]
+enum Native {
+    /// The backend's own (attached for the world: a world group's).
+    World,
+    /// A communicator of its own, split from its parent's (`Group::split_on`).
+    Own(Arc<dyn DeviceCollectives>),
+    /// None: device memory is staged through the host.
+    Staged,
 }
 
 /// How the ranks of a group reach each other.
@@ -103,12 +112,12 @@ impl Group {
     /// Handles for a group of `world` ranks as threads of this process, one per rank.
     pub fn threads(world: usize) -> Vec<Group> {
         let shared = Arc::new(Shared::new(world));
-        (0..world).map(|rank| Group { rank, link: Link::Threads(shared.clone()), native: true }).collect()
+        (0..world).map(|rank| Group { rank, link: Link::Threads(shared.clone()), native: Native::World }).collect()
     }
 
     /// This process's rank of a group of processes joined by `link`.
     pub fn tcp(link: TcpLink) -> Group {
-        Group { rank: link.rank(), link: Link::Tcp(Arc::new(link)), native: true }
+        Group { rank: link.rank(), link: Link::Tcp(Arc::new(link)), native: Native::World }
     }
 
     /// Split the group (a collective: every rank calls it): the ranks that give the same
@@ -119,7 +128,7 @@ impl Group {
     pub fn split(&self, color: u64, timeout: std::time::Duration) -> Result<Group, RendezvousError> {
         if let Some(link) = self.tcp_link() {
             let sub = link.split(color, timeout)?;
-            return Ok(Group { rank: sub.rank(), link: Link::Tcp(Arc::new(sub)), native: false });
+            return Ok(Group { rank: sub.rank(), link: Link::Tcp(Arc::new(sub)), native: Native::Staged });
         }
         let colors: Vec<u64> =
             self.exchange(Published { word: color, ..Default::default() }).iter().map(|p| p.word).collect();
@@ -143,7 +152,32 @@ impl Group {
             self.shared().splits.lock().unwrap_or_else(|e| e.into_inner()).clear();
         }
         let sub_rank = colors[..self.rank].iter().filter(|&&c| c == color).count();
-        Ok(Group { rank: sub_rank, link: Link::Threads(sub), native: false })
+        Ok(Group { rank: sub_rank, link: Link::Threads(sub), native: Native::Staged })
+    }
+
+    /// `split`, and where this group has native collectives on `be`, the sub-group's own
+    /// communicator split from them (NCCL's `ncclCommSplit`), so its `*_on` collectives stay on
+    /// the device; without (or where any member's split fails) the sub-group stages through
+    /// the host.
+    pub fn split_on<B: Backend>(
+        &self,
+        be: &B,
+        color: u64,
+        timeout: std::time::Duration,
+    ) -> Result<Group, RendezvousError> {
+        let mut sub = self.split(color, timeout)?;
+        let own = match self.native_of(be) {
+            None => None,
+            Some(parent) => parent.split(color, sub.rank).unwrap_or_else(|e| {
+                tracing::warn!("a sub-group's collectives are staged through the host: {e}");
+                None
+            }),
+        };
+        // Every member uses its communicator, or none does (a collective of the sub-group).
+        if sub.agree(own.is_some()) {
+            sub.native = Native::Own(own.expect("agreed"));
+        }
+        Ok(sub)
     }
 
     /// The smallest of every rank's `value`, on every rank.
@@ -529,9 +563,13 @@ impl Group {
 
 /// ZeRO's collectives built from a backend's native primitives (NCCL): no host copies.
 impl Group {
-    /// The backend's native collectives, where they serve this group.
-    fn native_of<'b, B: Backend>(&self, be: &'b B) -> Option<&'b dyn DeviceCollectives> {
-        be.collectives().filter(|_| self.native)
+    /// The native collectives that serve this group on `be`, if any.
+    fn native_of<'b, B: Backend>(&'b self, be: &'b B) -> Option<&'b dyn DeviceCollectives> {
+        match &self.native {
+            Native::World => be.collectives(),
+            Native::Own(own) => Some(own.as_ref()),
+            Native::Staged => None,
+        }
     }
 
     /// Every rank's shard, in rank order (a host exchange: ranks publish only their own).

@@ -1066,16 +1066,23 @@ impl RankGroups {
     /// A rank's groups, split from its world group (a collective of the world): a
     /// tensor-parallel group is `tp` consecutive ranks (the closest together: threads of one
     /// process, GPUs of one machine), a data-parallel group the ranks at the same place in
-    /// theirs. Process groups wait up to `timeout` for each sub-group's members.
-    pub fn split(world: Option<&Group>, tp: usize, timeout: Duration) -> Result<RankGroups, RendezvousError> {
+    /// theirs. Each gets its own native communicator where the world has one on `be` (NCCL),
+    /// else stages through the host. Process groups wait up to `timeout` for each sub-group's
+    /// members.
+    pub fn split<B: Backend>(
+        be: &B,
+        world: Option<&Group>,
+        tp: usize,
+        timeout: Duration,
+    ) -> Result<RankGroups, RendezvousError> {
         let Some(world) = world.filter(|w| w.world() > 1) else {
             return Ok(RankGroups::default());
         };
         if tp <= 1 {
             return Ok(RankGroups { data: Some(world.clone()), tensor: None });
         }
-        let tensor = world.split((world.rank() / tp) as u64, timeout)?;
-        let data = world.split((world.rank() % tp) as u64, timeout)?;
+        let tensor = world.split_on(be, (world.rank() / tp) as u64, timeout)?;
+        let data = world.split_on(be, (world.rank() % tp) as u64, timeout)?;
         Ok(RankGroups { data: (data.world() > 1).then_some(data), tensor: Some(tensor) })
     }
 }

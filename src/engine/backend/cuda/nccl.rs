@@ -54,6 +54,8 @@ struct Library {
     reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, c_int, Comm, Stream) -> Status,
     broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> Status,
     destroy: unsafe extern "C" fn(Comm) -> Status,
+    /// `ncclCommSplit` (NCCL >= 2.18; absent before: sub-groups stage through the host).
+    split: Option<unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut c_void) -> Status>,
     error_string: unsafe extern "C" fn(Status) -> *const c_char,
 }
 
@@ -97,6 +99,7 @@ impl Library {
                 reduce: symbol!(b"ncclReduce\0"),
                 broadcast: symbol!(b"ncclBroadcast\0"),
                 destroy: symbol!(b"ncclCommDestroy\0"),
+                split: lib.get(b"ncclCommSplit\0").ok().map(|s| *s),
                 error_string: symbol!(b"ncclGetErrorString\0"),
                 _lib: lib,
             })
@@ -148,6 +151,23 @@ impl NcclRank {
 }
 
 impl DeviceCollectives for NcclRank {
+    fn split(&self, color: u64, key: usize) -> BackendResult<Option<Arc<dyn DeviceCollectives>>> {
+        let Some(split) = self.lib.split else { return Ok(None) };
+        let error = |detail: String| BackendError::Device { op: "nccl split", device: self.device.clone(), detail };
+        let color = c_int::try_from(color).map_err(|_| error(format!("color {color} is not an int")))?;
+        let key = c_int::try_from(key).map_err(|_| error(format!("key {key} is not an int")))?;
+        let mut comm: Comm = std::ptr::null_mut();
+        // SAFETY: `self.comm` is a live communicator; NULL config takes NCCL's defaults.
+        self.call("nccl split", || unsafe { split(self.comm, color, key, &mut comm, std::ptr::null_mut()) })?;
+        Ok(Some(Arc::new(NcclRank {
+            lib: self.lib,
+            comm,
+            device: self.device.clone(),
+            ctx: self.ctx.clone(),
+            stream: self.stream,
+        })))
+    }
+
     fn all_reduce_sum(&self, buf: u64, count: usize, dtype: Dtype) -> BackendResult {
         let ptr = buf as *mut c_void;
         // SAFETY: `buf` holds `count` elements of `dtype` on this rank's device (the contract).
