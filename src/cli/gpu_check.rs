@@ -94,6 +94,7 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
             block_size: 1024,
             vocab: 50257,
             tp: crate::engine::model::TpShard::NONE,
+            pp: crate::engine::model::PpStage::NONE,
         },
         batch: 16,
         seq: 1024,
@@ -394,6 +395,7 @@ fn checks<B: crate::engine::backend::Backend>(
                 block_size: 1024,
                 vocab: 256,
                 tp: crate::engine::model::TpShard::NONE,
+                pp: crate::engine::model::PpStage::NONE,
             },
             batch: 8,
             seq: 1024,
@@ -456,11 +458,19 @@ fn fragmentation_check<B: crate::engine::backend::Backend>(
     use crate::config::Knobs;
     use crate::engine::check::estimate_check::{min_capacity, EstimateCase};
     use crate::engine::estimate::estimate_on;
-    use crate::engine::model::{GptConfig, TpShard};
+    use crate::engine::model::{GptConfig, PpStage, TpShard};
     use crate::memory::{format_bytes, LARGE_ROUND};
 
     let name = "expandable segments vs fixed (smallest device_memory that trains)".to_string();
-    let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 256, block_size: 128, vocab: 256, tp: TpShard::NONE };
+    let cfg = GptConfig {
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 256,
+        block_size: 128,
+        vocab: 256,
+        tp: TpShard::NONE,
+        pp: PpStage::NONE,
+    };
     let tokens: Vec<u32> = tokens.iter().map(|&t| t % 256).collect();
     let mut smallest = Vec::new();
     for expandable in [false, true] {
@@ -573,8 +583,12 @@ mod tests {
         assert!(names.iter().any(|n| n.starts_with("profile of the")), "{names:?}");
         assert!(names.contains(&"op workspace = cpu declarations"), "{names:?}");
         let trained = names.iter().filter(|n| n.starts_with("training parity")).count();
-        assert_eq!(trained, 6, "plain fp32, bf16 and fp16, offloaded bf16, 2 ranks at ZeRO-1 and ZeRO-3: {names:?}");
+        assert_eq!(
+            trained, 7,
+            "plain fp32, bf16 and fp16, offloaded bf16, 2 ranks at ZeRO-1 and ZeRO-3, TP 2: {names:?}"
+        );
         assert!(names.contains(&"training parity 2 ranks z3 bf16 (3 steps)"), "{names:?}");
+        assert!(names.contains(&"training parity TP 2 bf16 (3 steps)"), "{names:?}");
         assert!(names.iter().any(|n| n.starts_with("OOM in training")), "{names:?}");
         assert!(names.iter().any(|n| n.starts_with("expandable segments")), "{names:?}");
         let timed: Vec<&Check> = checks.iter().filter(|c| c.name.starts_with(&tiny.label)).collect();

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::{Backend, BackendResult, View, ViewMut};
 use crate::engine::model::decode::Decoder;
-use crate::engine::model::{GptConfig, TensorInfo, TpShard};
+use crate::engine::model::{GptConfig, PpStage, TensorInfo, TpShard};
 use crate::engine::parallel::placement::{ParamSource, Weights};
 use crate::memory::{Buffer, Category};
 
@@ -337,7 +337,7 @@ impl QuantModel {
             .and_then(|j| serde_json::from_slice(j).ok())
             .ok_or_else(|| bad("unreadable header".into()))?;
         let [n_layer, n_head, n_embd, block_size, vocab] = header.model;
-        let cfg = GptConfig { n_layer, n_head, n_embd, block_size, vocab, tp: TpShard::NONE };
+        let cfg = GptConfig { n_layer, n_head, n_embd, block_size, vocab, tp: TpShard::NONE, pp: PpStage::NONE };
         let mut at = 20 + json_len;
         let mut take = |n: usize| -> Result<&[u8], QuantFileError> {
             let blob = body.get(at..at + n).ok_or_else(|| bad("blobs end early".into()))?;
@@ -589,7 +589,15 @@ mod tests {
 
     #[test]
     fn each_scheme_reconstructs_within_its_step_and_int4_clipping_never_hurts() {
-        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 32, vocab: 256, tp: TpShard::NONE };
+        let cfg = GptConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 64,
+            block_size: 32,
+            vocab: 256,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
         let w = weights(&cfg);
         for scheme in [Scheme::Bf16, Scheme::Int8, Scheme::Int4 { group: 32 }, Scheme::Int4 { group: 64 }] {
             let m = quantize(&cfg, &w, scheme);
@@ -651,7 +659,15 @@ mod tests {
     /// sliding it, and leaves nothing in the pool.
     #[test]
     fn generation_is_deterministic_per_seed_and_slides_its_window() {
-        let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 32, block_size: 8, vocab: 64, tp: TpShard::NONE };
+        let cfg = GptConfig {
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 32,
+            block_size: 8,
+            vocab: 64,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
         let m = quantize(&cfg, &weights(&cfg), Scheme::Int8);
         let be = CpuBackend::new(Pool::new("cpu", 64 << 20));
         let s = Sampling { temperature: 1.0, top_k: 10, seed: 3 };
@@ -676,7 +692,15 @@ mod tests {
     fn generation_peaks_where_the_inference_estimate_says() {
         use crate::engine::backend::workspace::WorkspaceModel;
         use crate::engine::estimate::inference::inference;
-        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 32, vocab: 96, tp: TpShard::NONE };
+        let cfg = GptConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 64,
+            block_size: 32,
+            vocab: 96,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
         let w = weights(&cfg);
         let sampling = Sampling { temperature: 0.0, top_k: 0, seed: 1 };
         for scheme in
@@ -705,7 +729,15 @@ mod tests {
 
     #[test]
     fn the_file_round_trips_and_a_damaged_one_is_refused() {
-        let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 32, block_size: 16, vocab: 64, tp: TpShard::NONE };
+        let cfg = GptConfig {
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 32,
+            block_size: 16,
+            vocab: 64,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.hrq");
         for scheme in [Scheme::Bf16, Scheme::Int8] {
@@ -729,7 +761,15 @@ mod tests {
     /// the pool holds the quantized bytes (a quarter, an eighth of fp32, plus scales).
     #[test]
     fn fetched_segments_are_the_dequantized_weights_and_the_pool_holds_the_codes() {
-        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 32, vocab: 256, tp: TpShard::NONE };
+        let cfg = GptConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 64,
+            block_size: 32,
+            vocab: 256,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
         let w = weights(&cfg);
         for scheme in [Scheme::Fp32, Scheme::Bf16, Scheme::Int8, Scheme::Int4 { group: 64 }] {
             let m = quantize(&cfg, &w, scheme);

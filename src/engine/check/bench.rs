@@ -8,7 +8,7 @@ use crate::config::Knobs;
 use crate::engine::backend::layers::Elem;
 use crate::engine::estimate::estimate_step;
 
-use crate::engine::model::{GptConfig, TpShard};
+use crate::engine::model::{GptConfig, PpStage, TpShard};
 use crate::engine::rng::mix64;
 use crate::engine::train::trainer::{Hyper, Trainer};
 
@@ -38,25 +38,57 @@ pub struct BenchResult {
 pub fn preset(name: &str) -> Option<Vec<BenchCase>> {
     let small = BenchCase {
         label: "d4-256 gpt2-vocab".into(),
-        cfg: GptConfig { n_layer: 4, n_head: 4, n_embd: 256, block_size: 64, vocab: 50257, tp: TpShard::NONE },
+        cfg: GptConfig {
+            n_layer: 4,
+            n_head: 4,
+            n_embd: 256,
+            block_size: 64,
+            vocab: 50257,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        },
         batch: 4,
         seq: 64,
     };
     let gpt2 = BenchCase {
         label: "gpt2-124M".into(),
-        cfg: GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab: 50257, tp: TpShard::NONE },
+        cfg: GptConfig {
+            n_layer: 12,
+            n_head: 12,
+            n_embd: 768,
+            block_size: 1024,
+            vocab: 50257,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        },
         batch: 4,
         seq: 64,
     };
     let tiny = BenchCase {
         label: "d2-64 bytes".into(),
-        cfg: GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 64, vocab: 256, tp: TpShard::NONE },
+        cfg: GptConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 64,
+            block_size: 64,
+            vocab: 256,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        },
         batch: 16,
         seq: 64,
     };
     let d4_128 = BenchCase {
         label: "d4-128 bytes".into(),
-        cfg: GptConfig { n_layer: 4, n_head: 4, n_embd: 128, block_size: 256, vocab: 256, tp: TpShard::NONE },
+        cfg: GptConfig {
+            n_layer: 4,
+            n_head: 4,
+            n_embd: 128,
+            block_size: 256,
+            vocab: 256,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        },
         batch: 16,
         seq: 256,
     };

@@ -347,7 +347,7 @@ impl Backend for DeviceSim {
 mod tests {
     use super::*;
     use crate::engine::check::train_parity::{sequences, TrainParityCase};
-    use crate::engine::model::{GptConfig, TpShard};
+    use crate::engine::model::{GptConfig, PpStage, TpShard};
     use crate::engine::train::checkpoint;
     use crate::engine::train::trainer::{Hyper, SwapStats as SwapStatsOf, Trainer};
     use crate::memory::Category;
@@ -567,7 +567,15 @@ mod tests {
     fn the_offloaded_optimizer_overlaps_its_copies_with_the_host_update_and_computes_the_same() {
         let tokens = tokens();
         let case = TrainParityCase {
-            cfg: GptConfig { n_layer: 4, n_head: 4, n_embd: 512, block_size: 64, vocab: 256, tp: TpShard::NONE },
+            cfg: GptConfig {
+                n_layer: 4,
+                n_head: 4,
+                n_embd: 512,
+                block_size: 64,
+                vocab: 256,
+                tp: TpShard::NONE,
+                pp: PpStage::NONE,
+            },
             micro_batch: 1,
             grad_accum: 1,
             offload_optimizer: true,

@@ -6,7 +6,7 @@ use crate::config::{Checkpointing, Knobs, OffloadTarget, Precision};
 use crate::engine::backend::workspace::WorkspaceModel;
 use crate::engine::backend::{Backend, Elem};
 use crate::engine::estimate::{estimate_on, Estimate};
-use crate::engine::model::{GptConfig, TpShard};
+use crate::engine::model::{GptConfig, PpStage, TpShard};
 use crate::engine::train::trainer::{Hyper, Trainer};
 use crate::memory::format_bytes;
 
@@ -54,8 +54,24 @@ impl EstimateRow {
 /// GPT-2-small-like shape, plus the 1.5B (GPT-2 XL shape, bytes vocabulary) configurations the
 /// seed's headline case reaches, on a 16 GiB budget.
 pub fn grid() -> Vec<EstimateCase> {
-    let small = GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab: 50257, tp: TpShard::NONE };
-    let xl = GptConfig { n_layer: 48, n_head: 25, n_embd: 1600, block_size: 1024, vocab: 256, tp: TpShard::NONE };
+    let small = GptConfig {
+        n_layer: 12,
+        n_head: 12,
+        n_embd: 768,
+        block_size: 1024,
+        vocab: 50257,
+        tp: TpShard::NONE,
+        pp: PpStage::NONE,
+    };
+    let xl = GptConfig {
+        n_layer: 48,
+        n_head: 25,
+        n_embd: 1600,
+        block_size: 1024,
+        vocab: 256,
+        tp: TpShard::NONE,
+        pp: PpStage::NONE,
+    };
     let mut cases = Vec::new();
     for precision in [Precision::Fp32, Precision::Bf16] {
         for checkpointing in [Checkpointing::None, Checkpointing::Selective, Checkpointing::Full] {
@@ -227,7 +243,15 @@ mod tests {
     /// row is exact, so on a GPU a failing row is the backend's, not the harness's.
     #[test]
     fn the_estimator_is_exact_on_the_simulated_device() {
-        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 64, vocab: 256, tp: TpShard::NONE };
+        let cfg = GptConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 64,
+            block_size: 64,
+            vocab: 256,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
         let cases: Vec<EstimateCase> =
             [(Precision::Fp32, Checkpointing::None, 4), (Precision::Bf16, Checkpointing::Full, 2)]
                 .into_iter()
@@ -254,7 +278,15 @@ mod tests {
     fn expandable_segments_fit_where_fixed_segments_strand_free_memory() {
         use crate::engine::backend::CpuBackend;
         use crate::memory::{Pool, LARGE_ROUND};
-        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 256, block_size: 128, vocab: 256, tp: TpShard::NONE };
+        let cfg = GptConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 256,
+            block_size: 128,
+            vocab: 256,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
         let tokens: Vec<u32> = (0..8192u32).map(|i| (i * 7 + 3) % 256).collect();
         let mut min = Vec::new();
         for expandable in [false, true] {

@@ -6,7 +6,7 @@ use crate::config::{Checkpointing, OffloadTarget};
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::layers::*;
 use crate::engine::backend::{Backend, CpuBackend, View, ViewMut};
-use crate::engine::model::{self, GptConfig, TensorGroup, TpShard};
+use crate::engine::model::{self, GptConfig, PpStage, TensorGroup, TpShard};
 use crate::engine::parallel::placement::{FullGrads, Resident};
 use crate::engine::rng::Rng;
 use crate::memory::{Category, Pool};
@@ -198,7 +198,8 @@ fn encoder_backward_matches_finite_differences() {
 
 #[test]
 fn whole_model_gradients_match_finite_differences() {
-    let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 8, block_size: 4, vocab: 11, tp: TpShard::NONE };
+    let cfg =
+        GptConfig { n_layer: 2, n_head: 2, n_embd: 8, block_size: 4, vocab: 11, tp: TpShard::NONE, pp: PpStage::NONE };
     let (b, t) = (2, 4);
     let pool = Pool::new("cpu", 64 << 20);
     let mut params = vec![0.0f32; cfg.num_params()];
@@ -226,7 +227,8 @@ fn whole_model_gradients_match_finite_differences() {
 
 #[test]
 fn checkpointing_gives_the_same_gradients_with_fewer_activation_bytes() {
-    let cfg = GptConfig { n_layer: 3, n_head: 2, n_embd: 16, block_size: 8, vocab: 13, tp: TpShard::NONE };
+    let cfg =
+        GptConfig { n_layer: 3, n_head: 2, n_embd: 16, block_size: 8, vocab: 13, tp: TpShard::NONE, pp: PpStage::NONE };
     let (b, t) = (4, 8);
     let mut params = vec![0.0f32; cfg.num_params()];
     cfg.init_params(&mut params, 3);
@@ -311,7 +313,8 @@ fn sixteen_bit_layers_match_the_fp32_reference() {
 
 #[test]
 fn bf16_model_gradients_track_fp32() {
-    let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab: 13, tp: TpShard::NONE };
+    let cfg =
+        GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: 8, vocab: 13, tp: TpShard::NONE, pp: PpStage::NONE };
     let (b, t) = (4, 8);
     let mut params = vec![0.0f32; cfg.num_params()];
     cfg.init_params(&mut params, 5);

@@ -291,7 +291,7 @@ mod tests {
     use super::*;
     use crate::engine::backend::CpuBackend;
     use crate::engine::check::bench::{run_on, run_on_with, BenchCase, Techniques};
-    use crate::engine::model::{GptConfig, TpShard};
+    use crate::engine::model::{GptConfig, PpStage, TpShard};
 
     fn cpu() -> CpuBackend {
         CpuBackend::new(Pool::new("cpu", 1 << 30))
@@ -303,7 +303,15 @@ mod tests {
     fn a_profiled_step_is_the_same_step_with_every_op_counted() {
         let case = BenchCase {
             label: "d2-64".into(),
-            cfg: GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 32, vocab: 256, tp: TpShard::NONE },
+            cfg: GptConfig {
+                n_layer: 2,
+                n_head: 4,
+                n_embd: 64,
+                block_size: 32,
+                vocab: 256,
+                tp: TpShard::NONE,
+                pp: PpStage::NONE,
+            },
             batch: 4,
             seq: 32,
         };

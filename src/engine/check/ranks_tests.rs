@@ -10,14 +10,16 @@ use crate::memory::{Category, Pool};
 use crate::config::Knobs;
 use crate::engine::backend::layers::Elem;
 use crate::engine::estimate::{estimate_step, Estimate};
-use crate::engine::model::{GptConfig, TpShard};
+use crate::engine::model::{GptConfig, PpStage, TpShard};
 use crate::engine::parallel::comm::Group;
 use crate::engine::rng::mix64;
 use crate::engine::train::trainer::{Hyper, RankGroups, StepStats, Trainer};
 
-const CFG: GptConfig = GptConfig { n_layer: 4, n_head: 4, n_embd: 64, block_size: 32, vocab: 128, tp: TpShard::NONE };
+const CFG: GptConfig =
+    GptConfig { n_layer: 4, n_head: 4, n_embd: 64, block_size: 32, vocab: 128, tp: TpShard::NONE, pp: PpStage::NONE };
 /// A model whose state dwarfs the pool's 2 MiB segment rounding, for capacity tests.
-const WIDE: GptConfig = GptConfig { n_layer: 8, n_head: 4, n_embd: 192, block_size: 32, vocab: 512, tp: TpShard::NONE };
+const WIDE: GptConfig =
+    GptConfig { n_layer: 8, n_head: 4, n_embd: 192, block_size: 32, vocab: 512, tp: TpShard::NONE, pp: PpStage::NONE };
 const GLOBAL_BATCH: usize = 8;
 const MICRO_BATCH: usize = 2;
 
@@ -340,7 +342,15 @@ fn a_job_that_ooms_without_offload_fits_with_it() {
     // a larger micro-batch for activations.
     let wide = Setup { cfg: WIDE, ..Setup::ranks(1, 0) };
     let deep = Setup {
-        cfg: GptConfig { n_layer: 32, n_head: 4, n_embd: 32, block_size: 256, vocab: 128, tp: TpShard::NONE },
+        cfg: GptConfig {
+            n_layer: 32,
+            n_head: 4,
+            n_embd: 32,
+            block_size: 256,
+            vocab: 128,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        },
         micro_batch: 8,
         checkpointing: Checkpointing::Full,
         ..Setup::ranks(1, 0)

@@ -9,7 +9,7 @@ use crate::config::{Checkpointing, Knobs, OffloadTarget};
 
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::Backend;
-use crate::engine::model::{GptConfig, TpShard};
+use crate::engine::model::{GptConfig, PpStage, TpShard};
 use crate::engine::parallel::comm::{Comm, Group};
 use crate::engine::rng::mix64;
 use crate::engine::train::trainer::{Hyper, RankGroups, Trainer};
@@ -41,7 +41,15 @@ impl TrainParityCase {
     pub fn small(steps: usize) -> TrainParityCase {
         TrainParityCase {
             name: "plain",
-            cfg: GptConfig { n_layer: 2, n_head: 4, n_embd: 128, block_size: 64, vocab: 256, tp: TpShard::NONE },
+            cfg: GptConfig {
+                n_layer: 2,
+                n_head: 4,
+                n_embd: 128,
+                block_size: 64,
+                vocab: 256,
+                tp: TpShard::NONE,
+                pp: PpStage::NONE,
+            },
             micro_batch: 4,
             grad_accum: 2,
             steps,

@@ -342,7 +342,7 @@ pub fn verdict(e: &Estimate, capacity: usize) -> &'static str {
 mod tests {
     use super::*;
     use crate::config::Checkpointing;
-    use crate::engine::model::TpShard;
+    use crate::engine::model::{PpStage, TpShard};
     use crate::engine::rng::mix64;
     use crate::engine::train::trainer::{Hyper, Trainer};
     use crate::memory::{format_bytes, Pool};
@@ -433,8 +433,24 @@ mod tests {
     #[test]
     fn estimates_match_the_pool_within_five_percent_over_a_grid() {
         let models = [
-            GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 64, vocab: 256, tp: TpShard::NONE },
-            GptConfig { n_layer: 3, n_head: 2, n_embd: 32, block_size: 32, vocab: 512, tp: TpShard::NONE },
+            GptConfig {
+                n_layer: 2,
+                n_head: 4,
+                n_embd: 64,
+                block_size: 64,
+                vocab: 256,
+                tp: TpShard::NONE,
+                pp: PpStage::NONE,
+            },
+            GptConfig {
+                n_layer: 3,
+                n_head: 2,
+                n_embd: 32,
+                block_size: 32,
+                vocab: 512,
+                tp: TpShard::NONE,
+                pp: PpStage::NONE,
+            },
         ];
         let mut rows = Vec::new();
         for cfg in models {
@@ -480,7 +496,15 @@ mod tests {
 
     #[test]
     fn offload_estimates_match_the_pool() {
-        let cfg = GptConfig { n_layer: 3, n_head: 2, n_embd: 32, block_size: 32, vocab: 512, tp: TpShard::NONE };
+        let cfg = GptConfig {
+            n_layer: 3,
+            n_head: 2,
+            n_embd: 32,
+            block_size: 32,
+            vocab: 512,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
         for (precision, oo, oa) in [
             (Precision::Fp32, true, OffloadTarget::None),
             (Precision::Fp32, false, OffloadTarget::Cpu),
@@ -510,7 +534,15 @@ mod tests {
 
     #[test]
     fn knobs_lower_the_estimate() {
-        let cfg = GptConfig { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab: 256, tp: TpShard::NONE };
+        let cfg = GptConfig {
+            n_layer: 4,
+            n_head: 4,
+            n_embd: 128,
+            block_size: 128,
+            vocab: 256,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
         let est = |checkpointing, precision, micro, accum| {
             estimate_step(&cfg, &Knobs { checkpointing, precision, ..Knobs::plain(micro, 128, accum) })
         };

@@ -203,12 +203,26 @@ pub fn step_time(cfg: &GptConfig, k: &Knobs, speed: &DeviceSpeed) -> StepTime {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::model::TpShard;
+    use crate::engine::model::{PpStage, TpShard};
 
-    const DEMO: GptConfig =
-        GptConfig { n_layer: 2, n_head: 4, n_embd: 64, block_size: 64, vocab: 256, tp: TpShard::NONE };
-    const XL: GptConfig =
-        GptConfig { n_layer: 48, n_head: 25, n_embd: 1600, block_size: 1024, vocab: 50257, tp: TpShard::NONE };
+    const DEMO: GptConfig = GptConfig {
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 64,
+        block_size: 64,
+        vocab: 256,
+        tp: TpShard::NONE,
+        pp: PpStage::NONE,
+    };
+    const XL: GptConfig = GptConfig {
+        n_layer: 48,
+        n_head: 25,
+        n_embd: 1600,
+        block_size: 1024,
+        vocab: 50257,
+        tp: TpShard::NONE,
+        pp: PpStage::NONE,
+    };
 
     fn knobs(micro: usize, global: usize, t: usize) -> Knobs {
         Knobs::plain(micro, t, global / micro)

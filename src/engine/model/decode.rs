@@ -275,7 +275,7 @@ mod tests {
     use crate::config::{Checkpointing, OffloadTarget};
     use crate::engine::backend::CpuBackend;
     use crate::engine::model::forward;
-    use crate::engine::model::TpShard;
+    use crate::engine::model::{PpStage, TpShard};
     use crate::engine::quant::{quantize, Quantized, Scheme};
 
     /// The next-token probabilities after `tokens`, by the full forward pass over all of them.
@@ -304,7 +304,15 @@ mod tests {
     /// every position the probabilities the full pass over the same tokens gives.
     #[test]
     fn cached_decoding_matches_the_full_forward_pass_at_every_position() {
-        let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 16, vocab: 64, tp: TpShard::NONE };
+        let cfg = GptConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 32,
+            block_size: 16,
+            vocab: 64,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
         let mut w = vec![0f32; cfg.num_params()];
         cfg.init_params(&mut w, 11);
         let be = CpuBackend::new(Pool::new("cpu", 64 << 20));
@@ -337,7 +345,15 @@ mod tests {
     /// A cache is its own category, one (2, context, C) buffer per layer.
     #[test]
     fn the_cache_takes_its_own_category() {
-        let cfg = GptConfig { n_layer: 3, n_head: 2, n_embd: 32, block_size: 16, vocab: 64, tp: TpShard::NONE };
+        let cfg = GptConfig {
+            n_layer: 3,
+            n_head: 2,
+            n_embd: 32,
+            block_size: 16,
+            vocab: 64,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
         let pool = Pool::new("cpu", 64 << 20);
         let cache = KvCache::new::<f32>(&pool, &cfg, 10).unwrap();
         assert_eq!((cache.len(), cache.context()), (0, 10));

@@ -26,6 +26,32 @@ pub struct GptConfig {
     /// This rank's share under tensor parallelism; the sizes, the layout and the size tables
     /// below are this rank's (`TpShard::NONE`: the whole model).
     pub tp: TpShard,
+    /// This rank's pipeline stage: its layers (and the embedding on the first stage, the final
+    /// LayerNorm and classifier on the last); `PpStage::NONE`: every layer.
+    pub pp: PpStage,
+}
+
+/// A rank's pipeline stage: stage `stage` of `stages` holds a contiguous run of layers (the
+/// first `n_layer % stages` stages one more than the others), the first stage also `wte` and
+/// `wpe` (the embedding), the last `wte` (the tied classifier: its gradient is summed with the
+/// first stage's) and the final LayerNorm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PpStage {
+    pub stage: usize,
+    pub stages: usize,
+}
+
+impl PpStage {
+    /// No pipeline: one stage holding everything.
+    pub const NONE: PpStage = PpStage { stage: 0, stages: 1 };
+
+    pub fn is_first(&self) -> bool {
+        self.stage == 0
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.stage + 1 == self.stages
+    }
 }
 
 /// A rank's part of a tensor-parallel group (Megatron's layout): rank `rank` of `size` holds
@@ -208,9 +234,22 @@ impl GptConfig {
         [self.n_layer, self.n_head, self.n_embd, self.block_size, self.vocab].map(|x| x as u64)
     }
 
-    /// The whole model (no tensor parallelism): what checkpoints hold.
+    /// The whole model (no tensor or pipeline parallelism): what checkpoints hold.
     pub fn whole(&self) -> GptConfig {
-        GptConfig { tp: TpShard::NONE, ..*self }
+        GptConfig { tp: TpShard::NONE, pp: PpStage::NONE, ..*self }
+    }
+
+    /// This shape as pipeline stage `pp` holds it.
+    pub fn with_pp(&self, pp: PpStage) -> GptConfig {
+        GptConfig { pp, ..*self }
+    }
+
+    /// The layers this rank's stage holds (global indices).
+    pub fn stage_layers(&self) -> Range<usize> {
+        let (l, p, s) = (self.n_layer, self.pp.stages.max(1), self.pp.stage);
+        let (base, extra) = (l / p, l % p);
+        let start = s * base + s.min(extra);
+        start..start + base + usize::from(s < extra)
     }
 
     /// This shape as rank `tp.rank` of a tensor-parallel group of `tp.size` computes it.
@@ -237,10 +276,18 @@ impl GptConfig {
         layer_param_sizes(self.n_embd, self.tp.size).iter().map(|t| t.1).sum()
     }
 
-    /// Parameters this rank holds (all of them without tensor parallelism).
+    /// Parameters this rank holds (all of them without tensor or pipeline parallelism).
     pub fn num_params(&self) -> usize {
         let c = self.n_embd;
-        self.vocab * c + self.block_size * c + self.n_layer * self.layer_params() + 2 * c
+        let (first, last) = (self.pp.is_first(), self.pp.is_last());
+        let embed = if first {
+            (self.vocab + self.block_size) * c
+        } else if last {
+            self.vocab * c
+        } else {
+            0
+        };
+        embed + self.stage_layers().len() * self.layer_params() + if last { 2 * c } else { 0 }
     }
 
     /// The full parameter layout, in order.
@@ -252,15 +299,21 @@ impl GptConfig {
             out.push(TensorInfo { name, offset, len, decay });
             offset += len;
         };
-        push("wte".into(), self.vocab * c, true);
-        push("wpe".into(), self.block_size * c, true);
-        for l in 0..self.n_layer {
+        if self.pp.is_first() || self.pp.is_last() {
+            push("wte".into(), self.vocab * c, true);
+        }
+        if self.pp.is_first() {
+            push("wpe".into(), self.block_size * c, true);
+        }
+        for l in self.stage_layers() {
             for (name, len, decay) in layer_param_sizes(c, self.tp.size) {
                 push(format!("h{l}.{name}"), len, decay);
             }
         }
-        push("lnfw".into(), c, false);
-        push("lnfb".into(), c, false);
+        if self.pp.is_last() {
+            push("lnfw".into(), c, false);
+            push("lnfb".into(), c, false);
+        }
         out
     }
 
@@ -279,7 +332,7 @@ impl GptConfig {
         assert_eq!(range.len(), out.len(), "init_range: output length");
         let whole = self.whole();
         let tensors = whole.tensors();
-        if self.tp.size == 1 {
+        if self.tp.size == 1 && self.pp.stages == 1 {
             return whole.init_whole(&tensors, seed, range, out);
         }
         let runs = self.whole_runs();
@@ -335,7 +388,10 @@ impl GptConfig {
             }
             runs.push(WholeRun { local, whole, len, split });
         };
-        for (lt, wt) in self.tensors().iter().zip(self.whole().tensors()) {
+        let whole: std::collections::HashMap<String, TensorInfo> =
+            self.whole().tensors().into_iter().map(|t| (t.name.clone(), t)).collect();
+        for lt in self.tensors() {
+            let wt = &whole[&lt.name];
             let (lo, wo) = (lt.offset, wt.offset);
             let split = self.tp.size > 1 && tp_split(short_name(&lt.name));
             match short_name(&lt.name) {
@@ -354,7 +410,7 @@ impl GptConfig {
     /// This rank's part of a vector over the whole model's layout (a checkpoint's weights or
     /// moments).
     pub fn local_of(&self, whole: &[f32]) -> Vec<f32> {
-        if self.tp.size == 1 {
+        if self.tp.size == 1 && self.pp.stages == 1 {
             return whole.to_vec();
         }
         let mut out = vec![0f32; self.num_params()];
@@ -365,12 +421,15 @@ impl GptConfig {
     }
 
     /// A whole-layout vector holding this rank's `local` values where it contributes them:
-    /// its split runs, and the replicated ones on rank 0 only; zeros elsewhere, so the sum over
-    /// the tensor-parallel group is the whole vector.
+    /// its split runs, the replicated ones on tensor-parallel rank 0 only, `wte` from the first
+    /// stage only (the last holds the tied copy); zeros elsewhere, so the sum over the
+    /// tensor-parallel and pipeline groups is the whole vector.
     pub fn whole_part_of(&self, local: &[f32]) -> Vec<f32> {
         let mut out = vec![0f32; self.whole().num_params()];
+        let tied_copy = !self.pp.is_first();
         for r in self.whole_runs() {
-            if r.split || self.tp.rank == 0 {
+            let wte = r.whole < self.vocab * self.n_embd;
+            if (r.split || self.tp.rank == 0) && !(wte && tied_copy) {
                 out[r.whole..r.whole + r.len].copy_from_slice(&local[r.local..r.local + r.len]);
             }
         }
@@ -425,19 +484,30 @@ impl GptConfig {
         layer_param_sizes(self.n_embd, self.tp.size).iter().map(|t| t.1).collect()
     }
 
-    /// The tied token embedding / classifier weights `wte`.
+    /// The tied token embedding / classifier weights `wte` (first and last stage).
     pub fn wte_range(&self) -> Range<usize> {
         0..self.vocab * self.n_embd
     }
 
-    /// `wte` and `wpe`, adjacent: what the encoder reads and writes gradients for.
+    /// `wte` and `wpe`, adjacent: what the encoder reads and writes gradients for (first
+    /// stage).
     pub fn embed_range(&self) -> Range<usize> {
         0..(self.vocab + self.block_size) * self.n_embd
     }
 
-    /// Block `l`'s twelve tensors, contiguous in the layer-major layout.
+    /// Block `l`'s twelve tensors, contiguous in the layer-major layout (`l` one of the
+    /// stage's layers).
     pub fn layer_range(&self, l: usize) -> Range<usize> {
-        let start = self.embed_range().end + l * self.layer_params();
+        let layers = self.stage_layers();
+        debug_assert!(layers.contains(&l), "layer {l} is not on stage {:?}", self.pp);
+        let base = if self.pp.is_first() {
+            self.embed_range().end
+        } else if self.pp.is_last() {
+            self.wte_range().end
+        } else {
+            0
+        };
+        let start = base + (l - layers.start) * self.layer_params();
         start..start + self.layer_params()
     }
 
@@ -486,42 +556,67 @@ pub use passes::*;
 mod tests {
     use super::*;
 
-    /// Over a tensor-parallel group the ranks' split runs cover each split element of the whole
-    /// layout exactly once and every rank holds every replicated element; `local_of` and
-    /// `whole_part_of` are inverse, and the parts sum to the whole.
+    /// Over a grid of tensor-parallel ranks and pipeline stages, each whole-layout element is
+    /// held where the split says (a block's split tensors by one tensor-parallel rank of one
+    /// stage, its replicated ones by every rank of that stage, `wte` by the first and the last
+    /// stage); `local_of` and `whole_part_of` are inverse and the parts sum to the whole;
+    /// initialising a share = that share of the whole initialisation.
     #[test]
-    fn tensor_parallel_shares_tile_the_whole_layout() {
-        let whole = GptConfig { n_layer: 2, n_head: 4, n_embd: 16, block_size: 8, vocab: 24, tp: TpShard::NONE };
+    fn tensor_and_pipeline_shares_tile_the_whole_layout() {
+        let whole = GptConfig {
+            n_layer: 5,
+            n_head: 4,
+            n_embd: 16,
+            block_size: 8,
+            vocab: 24,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
         let n = whole.num_params();
         let values: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let mut whole_init = vec![0f32; n];
+        whole.init_range(7, 0..n, &mut whole_init);
         assert_eq!(whole.whole_runs(), [WholeRun { local: 0, whole: 0, len: n, split: false }]);
-        for size in [1, 2, 4] {
+        for (size, stages) in [(1, 1), (2, 1), (4, 1), (1, 2), (1, 3), (2, 2), (1, 5)] {
             let mut covered = vec![0usize; n];
             let mut sum = vec![0f32; n];
-            for rank in 0..size {
-                let cfg = whole.with_tp(TpShard { rank, size });
-                let runs = cfg.whole_runs();
-                assert_eq!(runs.iter().map(|r| r.len).sum::<usize>(), cfg.num_params(), "tp {size}");
-                assert!(runs.windows(2).all(|w| w[0].local + w[0].len == w[1].local), "runs in local order");
-                for r in &runs {
-                    covered[r.whole..r.whole + r.len].iter_mut().for_each(|c| *c += 1);
+            let mut layers = Vec::new();
+            for stage in 0..stages {
+                for rank in 0..size {
+                    let cfg = whole.with_tp(TpShard { rank, size }).with_pp(PpStage { stage, stages });
+                    if rank == 0 {
+                        layers.extend(cfg.stage_layers());
+                    }
+                    let runs = cfg.whole_runs();
+                    assert_eq!(runs.iter().map(|r| r.len).sum::<usize>(), cfg.num_params());
+                    assert!(runs.windows(2).all(|w| w[0].local + w[0].len == w[1].local), "runs in local order");
+                    for r in &runs {
+                        covered[r.whole..r.whole + r.len].iter_mut().for_each(|c| *c += 1);
+                    }
+                    for l in cfg.stage_layers() {
+                        let range = cfg.layer_range(l);
+                        let at = cfg.tensors().iter().find(|t| t.name == format!("h{l}.ln1w")).unwrap().offset;
+                        assert_eq!(range.start, at, "layer {l} on stage {stage}");
+                    }
+                    let local = cfg.local_of(&values);
+                    assert_eq!(local.len(), cfg.num_params());
+                    sum.iter_mut().zip(&cfg.whole_part_of(&local)).for_each(|(s, p)| *s += p);
+                    let mut init = vec![0f32; cfg.num_params()];
+                    cfg.init_range(7, 0..init.len(), &mut init);
+                    assert_eq!(init, cfg.local_of(&whole_init), "tp {size} stage {stage}/{stages} rank {rank}: init");
                 }
-                let local = cfg.local_of(&values);
-                assert_eq!(local.len(), cfg.num_params());
-                let part = cfg.whole_part_of(&local);
-                sum.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
-                // Initialising a rank's share = its share of the whole initialisation.
-                let mut init = vec![0f32; cfg.num_params()];
-                cfg.init_range(7, 0..init.len(), &mut init);
-                let mut whole_init = vec![0f32; n];
-                whole.init_range(7, 0..n, &mut whole_init);
-                assert_eq!(init, cfg.local_of(&whole_init), "tp {size} rank {rank}: init");
             }
+            assert_eq!(layers, (0..whole.n_layer).collect::<Vec<_>>(), "every layer on one stage, in order");
             for t in whole.tensors() {
-                let want = if size > 1 && tp_split(short_name(&t.name)) { 1 } else { size };
-                assert!(covered[t.offset..t.offset + t.len].iter().all(|&c| c == want), "tp {size}: {}", t.name);
+                let holders = if t.name == "wte" && stages > 1 { 2 } else { 1 };
+                let want = if size > 1 && tp_split(short_name(&t.name)) { holders } else { holders * size };
+                assert!(
+                    covered[t.offset..t.offset + t.len].iter().all(|&c| c == want),
+                    "tp {size} pp {stages}: {}",
+                    t.name
+                );
             }
-            assert_eq!(sum, values, "tp {size}: the ranks' parts sum to the whole");
+            assert_eq!(sum, values, "tp {size} pp {stages}: the ranks' parts sum to the whole");
         }
     }
 }

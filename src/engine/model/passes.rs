@@ -263,14 +263,16 @@ pub struct Activations {
     pub t: usize,
     pub inputs: Buffer,
     pub targets: Buffer,
+    /// The stage's input (B,T,C): the embedding's output on the first stage, the previous
+    /// stage's output on the others.
     pub encoded: Buffer,
+    /// The stage's blocks.
     pub layers: Vec<KeptLayer>,
-    pub lnf: Buffer,
-    pub lnf_mean: Buffer,
-    pub lnf_rstd: Buffer,
-    /// Logits, then probabilities after the loss, then logit gradients in backward.
+    /// The final LayerNorm's outputs and the losses (the last stage's).
+    pub head: Option<HeadActs>,
+    /// Logits, then probabilities after the loss, then logit gradients in backward (the last
+    /// stage's).
     pub logits: Option<Buffer>,
-    pub losses: Buffer,
     /// Mean cross-entropy over the micro-batch (f64 accumulation on the host).
     mean_loss: f32,
     /// Host traffic of activation offload so far in this forward/backward pair.
@@ -278,10 +280,23 @@ pub struct Activations {
     pub offload: OffloadTarget,
 }
 
+/// The head's activations: the final LayerNorm's output and statistics, the losses.
+pub struct HeadActs {
+    pub lnf: Buffer,
+    pub lnf_mean: Buffer,
+    pub lnf_rstd: Buffer,
+    pub losses: Buffer,
+}
+
 impl Activations {
-    /// Mean cross-entropy over the micro-batch.
+    /// Mean cross-entropy over the micro-batch (0 on a stage before the last).
     pub fn mean_loss(&self) -> f32 {
         self.mean_loss
+    }
+
+    /// The stage's output (B,T,C), its last block's: what a stage before the last sends on.
+    pub fn output<E: Elem>(&self) -> View<'_, E> {
+        self.layers.last().map(KeptLayer::output::<E>).unwrap_or(View::of(&self.encoded))
     }
 }
 
@@ -330,7 +345,29 @@ pub fn forward<E: Elem, B: Backend>(
     offload: OffloadTarget,
     tp: &TensorGroup,
 ) -> BackendResult<Activations> {
-    forward_pass(be, cfg, params, inputs, targets, b, t, mode, offload, tp, false)
+    forward_pass(be, cfg, params, inputs, targets, b, t, mode, offload, tp, None, false)
+}
+
+/// `forward` of a pipeline stage (`cfg.pp`): from `input`, the previous stage's output (B,T,C)
+/// in a pool buffer (`None` on the first stage: the embedding of `inputs`), through the
+/// stage's blocks; the last stage goes on to the head and the losses (of `targets`).
+/// `release_outputs`: keep nothing for backward (evaluation).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_stage<E: Elem, B: Backend>(
+    be: &B,
+    cfg: &GptConfig,
+    params: &dyn ParamSource<E>,
+    inputs: &[u32],
+    targets: &[u32],
+    b: usize,
+    t: usize,
+    mode: Checkpointing,
+    offload: OffloadTarget,
+    tp: &TensorGroup,
+    input: Option<Buffer>,
+    release_outputs: bool,
+) -> BackendResult<Activations> {
+    forward_pass(be, cfg, params, inputs, targets, b, t, mode, offload, tp, input, release_outputs)
 }
 
 /// Mean loss of a forward pass that keeps nothing for backward (evaluation): each block's
@@ -347,7 +384,7 @@ pub fn forward_loss<E: Elem, B: Backend>(
     tp: &TensorGroup,
 ) -> BackendResult<f32> {
     let acts =
-        forward_pass(be, cfg, params, inputs, targets, b, t, Checkpointing::Full, OffloadTarget::None, tp, true)?;
+        forward_pass(be, cfg, params, inputs, targets, b, t, Checkpointing::Full, OffloadTarget::None, tp, None, true)?;
     Ok(acts.mean_loss())
 }
 
@@ -393,6 +430,7 @@ fn forward_pass<E: Elem, B: Backend>(
     mode: Checkpointing,
     offload: OffloadTarget,
     tp: &TensorGroup,
+    stage_input: Option<Buffer>,
     release_outputs: bool,
 ) -> BackendResult<Activations> {
     let pool = be.pool();
@@ -400,41 +438,64 @@ fn forward_pass<E: Elem, B: Backend>(
     let mut swap = SwapStats::default();
     let bt = b * t;
     let g = global_activation_sizes(cfg, b, t);
+    let stage = cfg.stage_layers();
     let mut input_buf = alloc_act::<E>(pool, g[0].0, g[0].1)?;
     be.upload(ViewMut::of(&mut input_buf), inputs)?;
     let mut target_buf = alloc_act::<E>(pool, g[1].0, g[1].1)?;
     be.upload(ViewMut::of(&mut target_buf), targets)?;
-    let mut encoded = alloc_act::<E>(pool, g[2].0, g[2].1)?;
-    {
-        let w = params.fetch(cfg.embed_range(), (cfg.n_layer > 0).then(|| cfg.layer_range(0)))?;
-        let (wte, wpe) = w.view().split_at(v * c);
-        be.encoder_forward(ViewMut::of(&mut encoded), View::of(&input_buf), wte, wpe, t, c)?;
-    }
+    let encoded = match stage_input {
+        Some(received) => received,
+        None => {
+            debug_assert!(cfg.pp.is_first(), "a stage after the first starts from its input");
+            let mut encoded = alloc_act::<E>(pool, g[2].0, g[2].1)?;
+            let w = params.fetch(cfg.embed_range(), (!stage.is_empty()).then(|| cfg.layer_range(stage.start)))?;
+            let (wte, wpe) = w.view().split_at(v * c);
+            be.encoder_forward(ViewMut::of(&mut encoded), View::of(&input_buf), wte, wpe, t, c)?;
+            encoded
+        }
+    };
 
-    let mut layers: Vec<KeptLayer> = Vec::with_capacity(cfg.n_layer);
-    for l in 0..cfg.n_layer {
+    let mut layers: Vec<KeptLayer> = Vec::with_capacity(stage.len());
+    for (j, l) in stage.clone().enumerate() {
         let mut a = alloc_layer_acts::<E>(cfg, pool, b, t)?;
-        let next = if l + 1 < cfg.n_layer { cfg.layer_range(l + 1) } else { cfg.lnf_range() };
-        let w = params.fetch(cfg.layer_range(l), Some(next))?;
+        let next =
+            if l + 1 < stage.end { Some(cfg.layer_range(l + 1)) } else { cfg.pp.is_last().then(|| cfg.lnf_range()) };
+        let w = params.fetch(cfg.layer_range(l), next)?;
         let x = layers.last().map(KeptLayer::output::<E>).unwrap_or(View::of(&encoded));
         layer_forward(be, cfg, &cfg.layer_view(w.view()), &mut a, x, b, t, tp)?;
         drop(w);
         layers.push(KeptLayer::keep(a, mode));
         // The previous block's output has been consumed: release it, or move it to the host.
-        if release_outputs && l >= 1 {
-            layers[l - 1] = KeptLayer::Released;
-        } else if offload != OffloadTarget::None && l >= 1 {
+        if release_outputs && j >= 1 {
+            layers[j - 1] = KeptLayer::Released;
+        } else if offload != OffloadTarget::None && j >= 1 {
             let t0 = std::time::Instant::now();
-            if let KeptLayer::Output(buf) = &layers[l - 1] {
+            if let KeptLayer::Output(buf) = &layers[j - 1] {
                 let host = HostTensor::from_device::<E, B>(be, buf, c, offload == OffloadTarget::CpuInt8)?;
                 swap.bytes_to_host += host.host_bytes();
-                layers[l - 1] = KeptLayer::Host(host);
+                layers[j - 1] = KeptLayer::Host(host);
             }
             swap.transfer_ms += t0.elapsed().as_secs_f64() * 1e3;
             pool.set_host_bytes(Category::Activations, host_activation_bytes(&layers));
         }
     }
 
+    if !cfg.pp.is_last() {
+        swap.add(tp.take_moved());
+        return Ok(Activations {
+            b,
+            t,
+            inputs: input_buf,
+            targets: target_buf,
+            encoded,
+            layers,
+            head: None,
+            logits: None,
+            mean_loss: 0.0,
+            swap,
+            offload,
+        });
+    }
     let mut lnf = alloc_act::<E>(pool, g[3].0, g[3].1)?;
     let mut lnf_mean = alloc_act::<E>(pool, g[4].0, g[4].1)?;
     let mut lnf_rstd = alloc_act::<E>(pool, g[5].0, g[5].1)?;
@@ -471,11 +532,8 @@ fn forward_pass<E: Elem, B: Backend>(
         targets: target_buf,
         encoded,
         layers,
-        lnf,
-        lnf_mean,
-        lnf_rstd,
+        head: Some(HeadActs { lnf, lnf_mean, lnf_rstd, losses }),
         logits: Some(logits),
-        losses,
         mean_loss,
         swap,
         offload,
@@ -725,10 +783,21 @@ struct BackwardWorkspace {
 }
 
 impl BackwardWorkspace {
-    fn alloc<E: Elem>(cfg: &GptConfig, pool: &Pool, b: usize, t: usize) -> Result<Self, OomError> {
+    /// `dres`: the gradient of the stage's output, when the next stage sent it.
+    fn alloc<E: Elem>(
+        cfg: &GptConfig,
+        pool: &Pool,
+        b: usize,
+        t: usize,
+        dres: Option<Buffer>,
+    ) -> Result<Self, OomError> {
         let ws = backward_workspace_sizes(cfg, b, t);
+        let dres = match dres {
+            Some(given) => given,
+            None => alloc_elems::<E>(pool, ws[0].1, Category::Workspace)?,
+        };
         Ok(BackwardWorkspace {
-            dres: alloc_elems::<E>(pool, ws[0].1, Category::Workspace)?,
+            dres,
             dsmall: alloc_elems::<E>(pool, ws[1].1, Category::Workspace)?,
             dfch: alloc_elems::<E>(pool, ws[2].1, Category::Workspace)?,
             dqkv: alloc_elems::<E>(pool, ws[3].1, Category::Workspace)?,
@@ -744,41 +813,60 @@ pub fn backward<E: Elem, B: Backend>(
     cfg: &GptConfig,
     params: &dyn ParamSource<E>,
     grads: &mut dyn GradSink<E>,
-    mut acts: Activations,
+    acts: Activations,
     dloss: f32,
     tp: &TensorGroup,
 ) -> BackendResult<SwapStats> {
+    Ok(backward_stage(be, cfg, params, grads, acts, dloss, tp, None)?.0)
+}
+
+/// `backward` of a pipeline stage (`cfg.pp`): the last stage starts from the loss, the others
+/// from `dout`, the gradient of their output (B,T,C) sent back by the next stage; the first
+/// stage ends in the embedding's gradients, the others return the gradient of their input,
+/// for the previous stage.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_stage<E: Elem, B: Backend>(
+    be: &B,
+    cfg: &GptConfig,
+    params: &dyn ParamSource<E>,
+    grads: &mut dyn GradSink<E>,
+    mut acts: Activations,
+    dloss: f32,
+    tp: &TensorGroup,
+    dout: Option<Buffer>,
+) -> BackendResult<(SwapStats, Option<Buffer>)> {
     let pool = be.pool();
     let (c, v) = (cfg.n_embd, cfg.vocab);
     let (b, t) = (acts.b, acts.t);
     let bt = b * t;
-    let mut ws = BackwardWorkspace::alloc::<E>(cfg, pool, b, t)?;
+    let stage = cfg.stage_layers();
+    let mut ws = BackwardWorkspace::alloc::<E>(cfg, pool, b, t, dout)?;
 
-    // Head: loss -> logits -> lnf.
-    let mut logits = acts.logits.take().expect("forward fills logits");
-    be.crossentropy_backward_inplace::<E>(ViewMut::of(&mut logits), View::of(&acts.targets), dloss, v)?;
-    {
-        let wte = params.fetch(cfg.wte_range(), Some(cfg.lnf_range()))?;
-        let gwte = grads.open(cfg.wte_range())?;
-        // dsmall: (B,T,C) = d lnf
-        be.matmul_backward(
-            ViewMut::of(&mut ws.dsmall),
-            gwte,
-            None,
-            View::of(&logits),
-            View::of(&acts.lnf),
-            wte.view(),
-            bt,
-            c,
-            v,
-        )?;
-        grads.close(cfg.wte_range())?;
-    }
-    drop(logits);
-    be.zero::<E>(ViewMut::of(&mut ws.dres))?;
-    {
-        let last = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(View::of(&acts.encoded));
-        let w = params.fetch(cfg.lnf_range(), cfg.n_layer.checked_sub(1).map(|l| cfg.layer_range(l)))?;
+    if let Some(head) = acts.head.take() {
+        // Head: loss -> logits -> lnf.
+        let mut logits = acts.logits.take().expect("forward fills logits");
+        be.crossentropy_backward_inplace::<E>(ViewMut::of(&mut logits), View::of(&acts.targets), dloss, v)?;
+        {
+            let wte = params.fetch(cfg.wte_range(), Some(cfg.lnf_range()))?;
+            let gwte = grads.open(cfg.wte_range())?;
+            // dsmall: (B,T,C) = d lnf
+            be.matmul_backward(
+                ViewMut::of(&mut ws.dsmall),
+                gwte,
+                None,
+                View::of(&logits),
+                View::of(&head.lnf),
+                wte.view(),
+                bt,
+                c,
+                v,
+            )?;
+            grads.close(cfg.wte_range())?;
+        }
+        drop(logits);
+        be.zero::<E>(ViewMut::of(&mut ws.dres))?;
+        let last = acts.output::<E>();
+        let w = params.fetch(cfg.lnf_range(), stage.clone().last().map(|l| cfg.layer_range(l)))?;
         let (glnfw, glnfb) = grads.open(cfg.lnf_range())?.split_at(c);
         // dres: (B,T,C) = d(last block output) through lnf
         be.layernorm_backward(
@@ -788,19 +876,19 @@ pub fn backward<E: Elem, B: Backend>(
             View::of(&ws.dsmall),
             last,
             w.view().slice(0..c),
-            View::of(&acts.lnf_mean),
-            View::of(&acts.lnf_rstd),
+            View::of(&head.lnf_mean),
+            View::of(&head.lnf_rstd),
             c,
         )?;
         grads.close(cfg.lnf_range())?;
     }
 
     let mut copies = BlockInputCopies { prefetch: None, inbound: InboundSlot { be, pending: None } };
-    for l in (0..cfg.n_layer).rev() {
+    for l in stage.clone().rev() {
         let kept = acts.layers.pop().expect("one KeptLayer per layer");
         copies.restore_block_input::<E>(&mut acts, c)?;
-        let x = acts.layers.last().map(KeptLayer::output::<E>).unwrap_or(View::of(&acts.encoded));
-        let w = params.fetch(cfg.layer_range(l), l.checked_sub(1).map(|l| cfg.layer_range(l)))?;
+        let x = acts.output::<E>();
+        let w = params.fetch(cfg.layer_range(l), (l > stage.start).then(|| cfg.layer_range(l - 1)))?;
         let pl = cfg.layer_view(w.view());
         let a = recompute::<E, B>(be, cfg, &pl, kept, x, b, t, tp)?;
         let gl = cfg.layer_view_mut(grads.open(cfg.layer_range(l))?);
@@ -808,14 +896,19 @@ pub fn backward<E: Elem, B: Backend>(
         drop(a);
         grads.close(cfg.layer_range(l))?;
     }
-    let (gwte, gwpe) = grads.open(cfg.embed_range())?.split_at(v * c);
-    be.encoder_backward(gwte, gwpe, View::of(&ws.dres), View::of(&acts.inputs), t, c)?;
-    grads.close(cfg.embed_range())?;
+    let dinput = if cfg.pp.is_first() {
+        let (gwte, gwpe) = grads.open(cfg.embed_range())?.split_at(v * c);
+        be.encoder_backward(gwte, gwpe, View::of(&ws.dres), View::of(&acts.inputs), t, c)?;
+        grads.close(cfg.embed_range())?;
+        None
+    } else {
+        Some(ws.dres)
+    };
     if acts.offload != OffloadTarget::None {
         pool.set_host_bytes(Category::Activations, 0);
     }
     acts.swap.add(tp.take_moved());
-    Ok(acts.swap)
+    Ok((acts.swap, dinput))
 }
 
 /// The block inputs coming back during backward when activations are offloaded: by a copy

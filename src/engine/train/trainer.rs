@@ -14,7 +14,7 @@ use crate::engine::backend::optim::{clip_coefficient, lr_at, AdamW};
 use crate::engine::backend::{Backend, BackendError, BackendResult, CpuBackend, HostPin, View, ViewMut};
 use crate::engine::defrag::{defragment, Defragmentation};
 use crate::engine::model::{
-    self, alloc_elems, alloc_f32, short_name, tp_split, GptConfig, TensorGroup, TensorInfo, TpShard,
+    self, alloc_elems, alloc_f32, short_name, tp_split, GptConfig, PpStage, TensorGroup, TensorInfo, TpShard,
 };
 use crate::engine::parallel::comm::{shard_range, Comm, Group};
 use crate::engine::parallel::placement::{
@@ -65,6 +65,7 @@ pub fn gpt_config(spec: &JobSpec) -> GptConfig {
         block_size: m.block_size as usize,
         vocab: m.vocab.size(),
         tp: TpShard::NONE,
+        pp: PpStage::NONE,
     }
 }
 
@@ -1115,7 +1116,15 @@ mod tests {
     use crate::engine::rng::mix64;
 
     fn tiny() -> (GptConfig, Hyper) {
-        let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 16, block_size: 8, vocab: 32, tp: TpShard::NONE };
+        let cfg = GptConfig {
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 16,
+            block_size: 8,
+            vocab: 32,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
         let hyper = Hyper {
             knobs: Knobs {
                 micro_batch: 2,
@@ -1176,7 +1185,15 @@ mod tests {
     /// training goes on bit for bit as without it.
     #[test]
     fn defragmenting_between_steps_moves_the_state_and_changes_nothing() {
-        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 128, block_size: 32, vocab: 256, tp: TpShard::NONE };
+        let cfg = GptConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 128,
+            block_size: 32,
+            vocab: 256,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
         let (_, mut hyper) = tiny();
         hyper.knobs.seq_len = 32;
         let mut batch = |s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
@@ -1219,7 +1236,15 @@ mod tests {
     #[test]
     fn the_static_allocator_trains_identically_with_no_search_after_the_first_step() {
         // Model state above the small-block limit (1 MiB per buffer), as any real model's.
-        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 128, block_size: 32, vocab: 256, tp: TpShard::NONE };
+        let cfg = GptConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 128,
+            block_size: 32,
+            vocab: 256,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
         let run = |static_allocator: bool, checkpointing: Checkpointing| {
             let (_, mut hyper) = tiny();
             hyper.knobs = Knobs { seq_len: 32, static_allocator, checkpointing, ..hyper.knobs };
