@@ -207,6 +207,11 @@ pub struct MemorySpec {
     /// groups of `tensor_parallel` consecutive ranks.
     #[serde(default = "default_world_size", skip_serializing_if = "is_one")]
     pub tensor_parallel: i64,
+    /// Pipeline stages: each holds a contiguous run of layers (the first also the embedding,
+    /// the last the head), micro-batches flowing through them (GPipe); the world is data ×
+    /// pipeline × tensor.
+    #[serde(default = "default_world_size", skip_serializing_if = "is_one")]
+    pub pipeline_parallel: i64,
     #[serde(default)]
     pub offload: OffloadSpec,
     /// `caching` (default): every request searches the pool's free blocks. `static`: the first
@@ -265,6 +270,7 @@ impl Default for MemorySpec {
             zero_stage: 0,
             world_size: 1,
             tensor_parallel: 1,
+            pipeline_parallel: 1,
             offload: OffloadSpec::default(),
             allocator: Allocator::Caching,
             ranks: Ranks::Threads,
@@ -392,9 +398,9 @@ impl JobSpec {
         (self.train.global_batch / (self.train.micro_batch * self.data_parallel())) as usize
     }
 
-    /// Data-parallel ranks: the world over the tensor-parallel group's size.
+    /// Data-parallel ranks: the world over the tensor-parallel group's size and the stages.
     pub fn data_parallel(&self) -> i64 {
-        (self.memory.world_size / self.memory.tensor_parallel.max(1)).max(1)
+        (self.memory.world_size / (self.memory.tensor_parallel.max(1) * self.memory.pipeline_parallel.max(1))).max(1)
     }
 
     /// Device capacity in bytes (of a validated job: `device_memory` is a size).
@@ -416,6 +422,7 @@ impl JobSpec {
             delayed_update: self.memory.offload.delayed_update,
             world_size: self.memory.world_size as usize,
             tensor_parallel: self.memory.tensor_parallel as usize,
+            pipeline_parallel: self.memory.pipeline_parallel as usize,
             zero_stage: self.memory.zero_stage as usize,
             expandable_segments: self.device.expandable_segments(),
             static_allocator: self.memory.allocator == Allocator::Static,
@@ -467,13 +474,36 @@ impl JobSpec {
                 format!("{tp} must divide model.n_head ({}): each rank computes whole heads", m.n_head),
             );
         }
-        let dp = if tp_ok && world_ok { world / tp } else { world };
+        let pp = self.memory.pipeline_parallel;
+        let mut pp_ok = p.range("memory.pipeline_parallel", pp, 1, 64);
+        if pp_ok && tp_ok && world_ok && world % (tp * pp) != 0 {
+            p.push(
+                "memory.pipeline_parallel",
+                format!("tensor_parallel × pipeline_parallel = {tp} × {pp} must divide memory.world_size ({world})"),
+            );
+            pp_ok = false;
+        }
+        if pp_ok && pp > 1 {
+            if m.n_layer < pp {
+                p.push("memory.pipeline_parallel", format!("{pp} stages need at least as many layers (model.n_layer {})", m.n_layer));
+            }
+            if self.memory.zero_stage >= 2 {
+                p.push(
+                    "memory.zero_stage",
+                    format!("{} with pipeline_parallel {pp}: pipeline stages support ZeRO 0 and 1", self.memory.zero_stage),
+                );
+            }
+            if self.memory.offload.activations != OffloadTarget::None {
+                p.push("memory.offload.activations", "is not supported with pipeline_parallel > 1 yet");
+            }
+        }
+        let dp = if tp_ok && pp_ok && world_ok { world / (tp * pp) } else { world };
         if batch_ok && micro_ok && world_ok && t.global_batch % (t.micro_batch * dp) != 0 {
-            if tp > 1 {
+            if tp > 1 || pp > 1 {
                 p.push(
                     "train.global_batch",
                     format!(
-                        "{} must be divisible by micro_batch × data-parallel ranks (world_size / tensor_parallel) = {} × {}",
+                        "{} must be divisible by micro_batch × data-parallel ranks (world_size / (tensor_parallel × pipeline_parallel)) = {} × {}",
                         t.global_batch, t.micro_batch, dp
                     ),
                 );
@@ -600,6 +630,8 @@ pub struct Knobs {
     /// each holding 1/(world / tensor_parallel) of what is sharded.
     pub world_size: usize,
     pub tensor_parallel: usize,
+    /// Pipeline stages (GPipe: every micro-batch's activations of a stage in flight at once).
+    pub pipeline_parallel: usize,
     pub zero_stage: usize,
     /// The pool's large blocks come from an expandable segment (what `reserved` grows by).
     pub expandable_segments: bool,
@@ -622,15 +654,16 @@ impl Knobs {
             delayed_update: false,
             world_size: 1,
             tensor_parallel: 1,
+            pipeline_parallel: 1,
             zero_stage: 0,
             expandable_segments: false,
             static_allocator: false,
         }
     }
 
-    /// Data-parallel ranks: the world over the tensor-parallel group.
+    /// Data-parallel ranks: the world over the tensor-parallel group and the stages.
     pub fn data_parallel(&self) -> usize {
-        (self.world_size / self.tensor_parallel.max(1)).max(1)
+        (self.world_size / (self.tensor_parallel.max(1) * self.pipeline_parallel.max(1))).max(1)
     }
 }
 
@@ -848,7 +881,7 @@ policy: default
         assert!(message.contains("model.n_head (2)"), "{message}");
         let (field, message) = field_of(grid.replace("micro_batch: 8", "micro_batch: 32"));
         assert_eq!(field, "train.global_batch");
-        assert!(message.contains("data-parallel ranks (world_size / tensor_parallel) = 32 × 2"), "{message}");
+        assert!(message.contains("data-parallel ranks (world_size / (tensor_parallel × pipeline_parallel)) = 32 × 2"), "{message}");
         let (field, _) = field_of(grid.replace("tensor_parallel: 2", "tensor_parallel: 0"));
         assert_eq!(field, "memory.tensor_parallel");
     }

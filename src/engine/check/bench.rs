@@ -202,6 +202,7 @@ pub fn run_on_with<E: Elem, B: crate::engine::backend::Backend>(
             delayed_update,
             world_size: 1,
             tensor_parallel: 1,
+            pipeline_parallel: 1,
             zero_stage: 0,
             precision: crate::config::Precision::Fp32,
             expandable_segments: backend.pool().expandable(),

@@ -29,8 +29,9 @@ struct Setup {
     cfg: GptConfig,
     micro_batch: usize,
     world: usize,
-    /// Ranks of a tensor-parallel group (dividing `world`).
+    /// Ranks of a tensor-parallel group and pipeline stages (tp × pp dividing `world`).
     tp: usize,
+    pp: usize,
     stage: usize,
     offload_optimizer: bool,
     offload_params: bool,
@@ -45,6 +46,7 @@ impl Setup {
             micro_batch: MICRO_BATCH,
             world,
             tp: 1,
+            pp: 1,
             stage,
             offload_optimizer: false,
             offload_params: false,
@@ -75,11 +77,12 @@ impl Setup {
             offload_activations: self.offload_activations,
             world_size: self.world,
             tensor_parallel: self.tp,
+            pipeline_parallel: self.pp,
             zero_stage: self.stage,
             ..Knobs::plain(
                 self.micro_batch,
                 self.cfg.block_size,
-                GLOBAL_BATCH / (self.micro_batch * self.world / self.tp),
+                GLOBAL_BATCH / (self.micro_batch * self.world / (self.tp * self.pp)),
             )
         }
     }
@@ -139,7 +142,7 @@ fn on_backends<E: Elem, B: Backend, R: Send>(
                     let backend = open(rank);
                     let pool = backend.pool().clone();
                     let groups =
-                        RankGroups::split(&backend, comm.as_ref(), setup.tp, std::time::Duration::from_secs(60))
+                        RankGroups::split(&backend, comm.as_ref(), setup.tp, setup.pp, std::time::Duration::from_secs(60))
                             .expect("thread groups split");
                     let trainer = Trainer::<E, B>::on_ranks(setup.cfg, setup.hyper(steps), backend, groups)?;
                     Ok(f(trainer, pool))
@@ -600,6 +603,47 @@ fn checkpoints_resume_across_tensor_parallel_splits() {
             assert!(d < 2e-5, "{setup:?}: resumed losses off by {d:e}");
             let w = rel_distance(&weights, &reference.weights);
             assert!(w < 1e-4, "{setup:?}: resumed weights off by {w:e}");
+        }
+    }
+}
+
+/// World `world` as `pp` pipeline stages of `tp`-way splits (data-parallel: the rest).
+fn stages(world: usize, tp: usize, pp: usize, stage: usize) -> Setup {
+    Setup { tp, pp, ..Setup::ranks(world, stage) }
+}
+
+/// PP 2 and 4, and TP 2 × PP 2 × DP 2, follow the one-rank trajectory (GPipe over the step's
+/// micro-batches: the same gradients, the tied embedding's two halves added after the
+/// passes), report the same loss on every rank, and report the schedule's bubble.
+#[test]
+fn pipeline_stages_follow_the_single_rank_trajectory() {
+    let reference = train::<f32>(Setup::ranks(1, 0), 20, BIG).unwrap().remove(0);
+    let ref_losses = losses(&reference);
+    let cases = [
+        stages(2, 1, 2, 0),
+        stages(4, 1, 4, 0),
+        stages(8, 2, 2, 1),
+        Setup { checkpointing: Checkpointing::Full, ..stages(2, 1, 2, 0) },
+        Setup { offload_optimizer: true, ..stages(2, 1, 2, 0) },
+        Setup { offload_params: true, ..stages(4, 2, 2, 0) },
+    ];
+    for setup in cases {
+        let ranks = train::<f32>(setup, 20, BIG).unwrap();
+        let m = setup.knobs(Precision::Fp32).grad_accum as f64;
+        for (rank, r) in ranks.iter().enumerate() {
+            let d = max_rel_diff(&losses(r), &ref_losses);
+            let w = rel_distance(&r.weights, &reference.weights);
+            if rank == 0 {
+                println!(
+                    "world {} tp {} pp {} stage {} {:?}: max loss difference {d:.1e}, weight distance {w:.1e}",
+                    setup.world, setup.tp, setup.pp, setup.stage, setup.checkpointing
+                );
+            }
+            assert!(d < 2e-5, "{setup:?} rank {rank}: loss off by {d:e}");
+            assert!(w < 1e-4, "{setup:?} rank {rank}: weights off by {w:e}");
+            assert_eq!(losses(r), losses(&ranks[0]), "{setup:?}: every rank reports the same loss");
+            let p = setup.pp as f64;
+            assert_eq!(r.steps[0].bubble, Some((p - 1.0) / (m + p - 1.0)), "{setup:?}");
         }
     }
 }

@@ -106,6 +106,7 @@ impl TrainParityCase {
                 offload_activations: self.offload_activations,
                 world_size: self.world,
                 tensor_parallel: self.tp,
+                pipeline_parallel: 1,
                 zero_stage: self.zero_stage,
                 ..Knobs::plain(self.micro_batch, self.cfg.block_size, self.grad_accum)
             },
@@ -252,7 +253,7 @@ fn train_rank<E: Elem, B: Backend>(
     case: &TrainParityCase,
     tokens: &[u32],
 ) -> Result<(Vec<f32>, Vec<f32>, f64), String> {
-    let groups = RankGroups::split(&backend, comm.as_ref(), case.tp, std::time::Duration::from_secs(60))
+    let groups = RankGroups::split(&backend, comm.as_ref(), case.tp, 1, std::time::Duration::from_secs(60))
         .map_err(|e| e.to_string())?;
     let trainer = Trainer::<E, B>::on_ranks(case.cfg, case.hyper(), backend, groups);
     // A rank that cannot allocate must not leave the others waiting in a collective.

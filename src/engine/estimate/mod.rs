@@ -379,6 +379,7 @@ mod tests {
                 delayed_update: false,
                 world_size: 1,
                 tensor_parallel: 1,
+                pipeline_parallel: 1,
                 zero_stage: 0,
                 precision: crate::config::Precision::Fp32,
                 expandable_segments: false,

@@ -561,6 +561,58 @@ impl Group {
     }
 }
 
+/// Point to point over a group of two (neighbouring pipeline stages): a broadcast from the
+/// sender, `send_on` on one member and `recv_on` on the other, in the same order on both.
+impl Group {
+    /// Send `view` to the other member.
+    pub fn send_on<E: Elem, B: Backend>(&self, be: &B, view: View<E>) -> BackendResult<SwapStats> {
+        debug_assert_eq!(self.world(), 2, "point to point is between two ranks");
+        let n = view.len();
+        if let Some(native) = self.native_of(be).filter(|_| !view.host_visible()) {
+            native.broadcast(Some(view.address()), view.address(), n, Dtype::of::<E>(), self.rank)?;
+            return Ok(SwapStats::default());
+        }
+        let mut staged = Staged::new();
+        let mut host = vec![E::default(); n];
+        let down = if view.host_visible() {
+            host.copy_from_slice(view.host());
+            Ok(())
+        } else {
+            staged.down(be, view, &mut host)
+        };
+        // A rank whose download failed still takes part, so the other is not left waiting.
+        self.all_gather(&mut host, 0..n);
+        down?;
+        Ok(staged.stats)
+    }
+
+    /// Receive into `buf` what the other member sends.
+    pub fn recv_on<E: Elem, B: Backend>(&self, be: &B, mut buf: ViewMut<E>) -> BackendResult<SwapStats> {
+        debug_assert_eq!(self.world(), 2, "point to point is between two ranks");
+        let n = buf.len();
+        if let Some(native) = self.native_of(be).filter(|_| !buf.host_visible()) {
+            native.broadcast(None, buf.address(), n, Dtype::of::<E>(), 1 - self.rank)?;
+            return Ok(SwapStats::default());
+        }
+        if buf.host_visible() {
+            self.all_gather(buf.host_mut(), n..n);
+            return Ok(SwapStats::default());
+        }
+        let mut staged = Staged::new();
+        let mut host = vec![E::default(); n];
+        self.all_gather(&mut host, n..n);
+        staged.up(be, buf, &host)?;
+        Ok(staged.stats)
+    }
+
+    /// Take part in a transfer without a buffer of one's own (a rank that failed earlier in
+    /// the step): sends zeros, or receives into a host stand-in that is dropped.
+    pub fn stand_in<E: Elem>(&self, n: usize, sending: bool) {
+        let mut host = vec![E::default(); n];
+        self.all_gather(&mut host, if sending { 0..n } else { n..n });
+    }
+}
+
 /// ZeRO's collectives built from a backend's native primitives (NCCL): no host copies.
 impl Group {
     /// The native collectives that serve this group on `be`, if any.

@@ -433,7 +433,8 @@ impl Run<'_> {
         let reserved =
             spec.device.reserve.map_or(Ok(()), |fraction| pool.prereserve(fraction).map_err(BackendError::from));
         let tp = spec.memory.tensor_parallel as usize;
-        let groups = RankGroups::split(&backend, comm.as_ref(), tp, opts.processes.rendezvous_timeout)?;
+        let pp = spec.memory.pipeline_parallel as usize;
+        let groups = RankGroups::split(&backend, comm.as_ref(), tp, pp, opts.processes.rendezvous_timeout)?;
         let trainer = reserved.and_then(|()| Trainer::<E, B>::on_ranks(cfg, hyper.clone(), backend, groups));
         let all_ok = comm.as_ref().map_or(trainer.is_ok(), |c| c.agree(trainer.is_ok()));
         let mut trainer = match (trainer, all_ok) {

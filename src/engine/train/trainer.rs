@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::{JobSpec, Knobs, OffloadTarget};
+use crate::config::{Checkpointing, JobSpec, Knobs, OffloadTarget};
 use crate::memory::{Buffer, Category, Pool};
 
 use crate::engine::backend::layers::{narrow, Elem};
@@ -85,6 +85,9 @@ pub struct StepStats {
     pub skipped: bool,
     /// Device↔host traffic of this step when offloading.
     pub swap: Option<SwapStats>,
+    /// Pipeline stages: the share of a stage's step spent idle waiting for the others (GPipe:
+    /// (stages − 1) / (micro-batches + stages − 1)).
+    pub bubble: Option<f64>,
 }
 
 /// Where a training sequence comes from: (step, index in global batch, inputs, targets).
@@ -198,6 +201,8 @@ pub struct Trainer<E: Elem = f32, B: Backend = CpuBackend> {
     /// The tensor-parallel group (`None`: no tensor parallelism): `cfg.tp` is this rank's place
     /// in it, and every pass sums partial results over it.
     tp: Option<Group>,
+    /// The pipeline (`None`: one stage): `cfg.pp` is this rank's stage.
+    pipe: Option<Pipeline>,
     /// Optimizer steps completed (skipped fp16 steps included: their data is consumed).
     pub step: u64,
     adam_t: u64,
@@ -233,17 +238,19 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
     /// A rank's trainer on `backend`: its persistent state reserved first (an OOM here costs
     /// milliseconds), then initialised.
     pub fn on_backend(cfg: GptConfig, hyper: Hyper, backend: B, comm: Option<Group>) -> BackendResult<Self> {
-        Self::on_ranks(cfg, hyper, backend, RankGroups { data: comm, tensor: None })
+        Self::on_ranks(cfg, hyper, backend, RankGroups { data: comm, tensor: None, pipeline: None })
     }
 
     /// A rank's trainer of the whole model `cfg` on `backend`, in its data-parallel and
     /// tensor-parallel groups: it holds its tensor-parallel share of the model (`cfg.with_tp`),
     /// sharded over the data-parallel group by ZeRO.
     pub fn on_ranks(cfg: GptConfig, hyper: Hyper, backend: B, groups: RankGroups) -> BackendResult<Self> {
-        let RankGroups { data: comm, tensor } = groups;
+        let RankGroups { data: comm, tensor, pipeline } = groups;
         let tensor = tensor.filter(|g| g.world() > 1);
-        let cfg =
-            cfg.whole().with_tp(tensor.as_ref().map_or(TpShard::NONE, |g| TpShard { rank: g.rank(), size: g.world() }));
+        let cfg = cfg
+            .whole()
+            .with_tp(tensor.as_ref().map_or(TpShard::NONE, |g| TpShard { rank: g.rank(), size: g.world() }))
+            .with_pp(pipeline.as_ref().map_or(PpStage::NONE, |p| PpStage { stage: p.stages.rank(), stages: p.stages.world() }));
         let pool = backend.pool().clone();
         if hyper.knobs.static_allocator {
             // Armed before the model state: its large buffers get segments of their exact size.
@@ -383,6 +390,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             shard_tensors,
             comm,
             tp: tensor,
+            pipe: pipeline,
             cfg,
             hyper,
             pool,
@@ -424,7 +432,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
 
     /// Whether this rank writes the checkpoints and reports: the first of every group.
     fn leads(&self) -> bool {
-        self.data_rank() == 0 && self.tp.as_ref().is_none_or(|g| g.rank() == 0)
+        self.data_rank() == 0 && self.tp.as_ref().is_none_or(|g| g.rank() == 0) && self.cfg.pp.is_first()
     }
 
     /// Elements `range` of a state buffer, copied to the host.
@@ -474,14 +482,17 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
     /// The whole-model vector (a checkpoint's layout) of which this rank's tensor-parallel
     /// share is `local`: assembled over the tensor-parallel group (a collective of it).
     fn whole_of(&self, local: Vec<f32>) -> Vec<f32> {
-        match &self.tp {
-            None => local,
-            Some(tp) => {
-                let mut whole = self.cfg.whole_part_of(&local);
-                tp.all_reduce_sum(&mut whole);
-                whole
-            }
+        if self.tp.is_none() && self.pipe.is_none() {
+            return local;
         }
+        let mut whole = self.cfg.whole_part_of(&local);
+        if let Some(tp) = &self.tp {
+            tp.all_reduce_sum(&mut whole);
+        }
+        if let Some(pipe) = &self.pipe {
+            pipe.stages.all_reduce_sum(&mut whole);
+        }
+        whole
     }
 
     /// The full vector of which this rank holds `part` (its shard, or everything unshared).
@@ -559,7 +570,25 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         let mut swap = SwapStats::default();
         let mut grads_on_host = false;
         let (mut inputs, mut targets) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
-        {
+        let mut bubble = None;
+        if let Some(pipe) = &self.pipe {
+            let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), be);
+            let tp = TensorGroup::of(self.tp.as_ref());
+            let at = Passes { be, cfg: &self.cfg, knobs: &h.knobs, source: source.get(), tp: &tp, dloss };
+            let run = pipeline_passes::<E, B>(&at, pipe, &mut self.grads, self.step, first_seq, batch);
+            swap.add(run.swap);
+            swap.add(source.get().swap());
+            drop(source);
+            settle_pipeline_step(&pipe.world, self.cfg.pp, run.failure, be.pool())?;
+            // The tied `wte`: the embedding's gradient (first stage) plus the classifier's (last).
+            if let Some(ends) = &pipe.ends {
+                swap.add(ends.all_reduce_sum_on::<E, B>(be, ViewMut::range(&mut self.grads, self.cfg.wte_range()))?);
+            }
+            // Only the last stage has the losses.
+            loss_sum = pipe.stages.all_reduce_f64(run.loss_sum);
+            let (p, m) = (pipe.stages.world() as f64, h.knobs.grad_accum as f64);
+            bubble = Some((p - 1.0) / (m + p - 1.0));
+        } else {
             let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), be);
             let tp = TensorGroup::of(self.tp.as_ref());
             for micro in 0..h.knobs.grad_accum {
@@ -618,11 +647,12 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             swap.add(comm.all_reduce_sum_on::<E, B>(be, ViewMut::of(&mut self.grads))?);
         }
         let mut squares = match (&self.tp, self.grads_sharded) {
-            (None, true) => be.sum_squares::<E>(View::range(&self.grads, 0..k))?,
-            (None, false) => be.sum_squares::<E>(View::of(&self.grads))?,
+            (None, true) if self.pipe.is_none() => be.sum_squares::<E>(View::range(&self.grads, 0..k))?,
+            (None, false) if self.pipe.is_none() => be.sum_squares::<E>(View::of(&self.grads))?,
             // Tensor parallelism: the split tensors' squares summed over the group, the
-            // replicated ones (the same gradients on every rank of it) counted once.
-            (Some(tp), sharded) => {
+            // replicated ones (the same gradients on every rank of it) counted once; pipeline
+            // stages: summed over the stages, the tied `wte` counted on the first only.
+            (tp, sharded) => {
                 let all_tensors;
                 let tensors = if sharded {
                     &self.shard_tensors
@@ -631,14 +661,19 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                     &all_tensors
                 };
                 let (mut split, mut replicated) = (0.0f64, 0.0f64);
+                let tied_copy = !self.cfg.pp.is_first();
                 for ti in tensors {
+                    if tied_copy && ti.name == "wte" {
+                        continue;
+                    }
                     let sq = be.sum_squares::<E>(View::range(&self.grads, ti.offset..ti.offset + ti.len))?;
                     match tp_split(short_name(&ti.name)) {
                         true => split += sq,
                         false => replicated += sq,
                     }
                 }
-                replicated + tp.all_reduce_f64(split)
+                let stage = replicated + tp.as_ref().map_or(split, |tp| tp.all_reduce_f64(split));
+                self.pipe.as_ref().map_or(stage, |p| p.stages.all_reduce_f64(stage))
             }
         };
         if let Some(comm) = &self.comm {
@@ -691,6 +726,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
             skipped,
             // Offloading, or ranks on a device staging their collectives through the host.
             swap: (offloading || swap.bytes_to_host + swap.bytes_to_device > 0).then_some(swap),
+            bubble,
         })
     }
 
@@ -847,7 +883,10 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
     /// goes (one rank; always with the delayed update, whose gradients land beside it).
     fn streams_grads(&self) -> bool {
         match &self.opt {
-            OptimizerState::Host(host) => self.comm.is_none() && (self.stream_grads || host.delayed()),
+            OptimizerState::Host(host) => {
+                // A pipeline's tied `wte` gradient is summed across stages after the passes.
+                self.comm.is_none() && self.pipe.is_none() && (self.stream_grads || host.delayed())
+            }
             OptimizerState::Device { .. } => false,
         }
     }
@@ -891,6 +930,11 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         let be = &self.backend;
         let source = source_of(&self.params, self.params_sharded, &self.shard, self.comm.as_ref(), be);
         let tp = TensorGroup::of(self.tp.as_ref());
+        if let Some(pipe) = &self.pipe {
+            let knobs = Knobs { micro_batch: b, seq_len: t, ..self.hyper.knobs };
+            let at = Passes { be, cfg: &self.cfg, knobs: &knobs, source: source.get(), tp: &tp, dloss: 0.0 };
+            return Ok(pipeline_mean_loss::<E, B>(&at, pipe, count, batch)? as f32);
+        }
         Ok(model::mean_loss::<E, B>(be, &self.cfg, source.get(), count, b, t, batch, &tp)? as f32)
     }
     /// Move the persistent state on the device (compute weights, gradients, optimizer state)
@@ -951,7 +995,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         if ckpt.header.step > self.hyper.steps {
             return Err(mismatch(format!("step {} is past the job's {} steps", ckpt.header.step, self.hyper.steps)));
         }
-        if self.cfg.tp.size > 1 {
+        if self.cfg.tp.size > 1 || self.cfg.pp.stages > 1 {
             // This rank's share of the whole model, in its own layout.
             for part in [&mut ckpt.params, &mut ckpt.m, &mut ckpt.v] {
                 *part = self.cfg.local_of(part);
@@ -1055,36 +1099,284 @@ fn shard_in(sharded: bool, shard: &Range<usize>) -> Range<usize> {
     }
 }
 
-/// A rank's groups: data-parallel (gradients, ZeRO) and tensor-parallel; `None` for a
-/// dimension of size 1.
+/// What every pass of a step shares: backend, model share, knobs, weights, tensor-parallel
+/// group and the loss gradient.
+struct Passes<'a, E, B> {
+    be: &'a B,
+    cfg: &'a GptConfig,
+    knobs: &'a Knobs,
+    source: &'a dyn ParamSource<E>,
+    tp: &'a TensorGroup<'a>,
+    dloss: f32,
+}
+
+/// What one stage's passes of a step came to.
+struct PipelineRun {
+    /// The losses' sum over the micro-batches (the last stage's; 0 on the others).
+    loss_sum: f64,
+    swap: SwapStats,
+    /// The first failure; the stage went on taking part in every transfer after it.
+    failure: Option<BackendError>,
+}
+
+/// One step's passes on a pipeline stage, GPipe: every micro-batch forward (from the previous
+/// stage's output, or the embedding; the output sent on), then every micro-batch backward in
+/// the same order (from the next stage's gradient, or the loss; the input's gradient sent
+/// back), accumulating into `grads`. A stage that fails (an OOM) keeps taking part in each
+/// transfer with a stand-in, so no other stage waits for it; the step's outcome is agreed
+/// after (`settle_pipeline_step`).
+fn pipeline_passes<E: Elem, B: Backend>(
+    at: &Passes<'_, E, B>,
+    pipe: &Pipeline,
+    grads: &mut Buffer,
+    step: u64,
+    first_seq: usize,
+    batch: &mut BatchFn<'_>,
+) -> PipelineRun {
+    let Passes { be, cfg, knobs, source, tp, dloss } = *at;
+    let (b, t, m) = (knobs.micro_batch, knobs.seq_len, knobs.grad_accum);
+    let n = b * t * cfg.n_embd; // elements of a stage boundary (B,T,C)
+    let mut run = PipelineRun { loss_sum: 0.0, swap: SwapStats::default(), failure: None };
+    let mut kept: Vec<Option<model::Activations>> = Vec::with_capacity(m);
+    for micro in 0..m {
+        let (mut inputs, mut targets) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
+        for i in 0..b {
+            batch(step, (first_seq + micro * b + i) as u64, &mut inputs, &mut targets);
+        }
+        let input = pipe.prev.as_ref().and_then(|prev| receive::<E, B>(be, prev, n, Category::Activations, &mut run));
+        let acts = match (&run.failure, pipe.prev.is_none() || input.is_some()) {
+            (None, true) => model::forward_stage::<E, B>(
+                be,
+                cfg,
+                source,
+                &inputs,
+                &targets,
+                b,
+                t,
+                knobs.checkpointing,
+                knobs.offload_activations,
+                tp,
+                input,
+                false,
+            )
+            .map_err(|e| run.failure = Some(e))
+            .ok(),
+            _ => None,
+        };
+        if let Some(next) = &pipe.next {
+            send::<E, B>(be, next, acts.as_ref().map(|a| a.output::<E>()), n, &mut run);
+        }
+        run.loss_sum += acts.as_ref().map_or(0.0, |a| a.mean_loss() as f64);
+        kept.push(acts);
+    }
+    for acts in kept {
+        let dout = pipe.next.as_ref().and_then(|next| receive::<E, B>(be, next, n, Category::Workspace, &mut run));
+        let mut dinput = None;
+        if let (Some(acts), None, true) = (acts, &run.failure, pipe.next.is_none() || dout.is_some()) {
+            let mut sink = FullGrads(ViewMut::of(grads));
+            match model::backward_stage::<E, B>(be, cfg, source, &mut sink, acts, dloss, tp, dout) {
+                Ok((moved, d)) => {
+                    run.swap.add(moved);
+                    dinput = d;
+                }
+                Err(e) => run.failure = Some(e),
+            }
+        }
+        if let Some(prev) = &pipe.prev {
+            send::<E, B>(be, prev, dinput.as_ref().map(View::of), n, &mut run);
+        }
+    }
+    run
+}
+
+/// `model::mean_loss` through the stages: each chunk of sequences forward from stage to stage
+/// (nothing kept for backward), the losses summed on the last stage and shared with every
+/// stage; the evaluating ranks of the pipeline agree on success as a step's do.
+fn pipeline_mean_loss<E: Elem, B: Backend>(
+    at: &Passes<'_, E, B>,
+    pipe: &Pipeline,
+    count: usize,
+    sequence: &mut EvalBatchFn<'_>,
+) -> BackendResult<f64> {
+    let Passes { be, cfg, knobs, source, tp, .. } = *at;
+    let (micro, t) = (knobs.micro_batch, knobs.seq_len);
+    let mut run = PipelineRun { loss_sum: 0.0, swap: SwapStats::default(), failure: None };
+    let mut done = 0;
+    while done < count {
+        let b = micro.min(count - done);
+        let n = b * t * cfg.n_embd;
+        let (mut inputs, mut targets) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
+        for i in 0..b {
+            sequence(done + i, &mut inputs, &mut targets);
+        }
+        let input = pipe.prev.as_ref().and_then(|prev| receive::<E, B>(be, prev, n, Category::Activations, &mut run));
+        let acts = match (&run.failure, pipe.prev.is_none() || input.is_some()) {
+            (None, true) => model::forward_stage::<E, B>(
+                be,
+                cfg,
+                source,
+                &inputs,
+                &targets,
+                b,
+                t,
+                Checkpointing::Full,
+                OffloadTarget::None,
+                tp,
+                input,
+                true,
+            )
+            .map_err(|e| run.failure = Some(e))
+            .ok(),
+            _ => None,
+        };
+        if let Some(next) = &pipe.next {
+            send::<E, B>(be, next, acts.as_ref().map(|a| a.output::<E>()), n, &mut run);
+        }
+        run.loss_sum += acts.as_ref().map_or(0.0, |a| a.mean_loss() as f64 * b as f64);
+        done += b;
+    }
+    settle_pipeline_step(&pipe.stages, cfg.pp, run.failure, be.pool())?;
+    Ok(pipe.stages.all_reduce_f64(run.loss_sum) / count as f64)
+}
+
+/// Receive a stage boundary of `n` elements from the other member of `pair` into a fresh pool
+/// buffer; once the stage has failed (or cannot allocate it), into a stand-in.
+fn receive<E: Elem, B: Backend>(
+    be: &B,
+    pair: &Group,
+    n: usize,
+    category: Category,
+    run: &mut PipelineRun,
+) -> Option<Buffer> {
+    if run.failure.is_none() {
+        match be.pool().alloc(n * E::BYTES, category) {
+            Ok(mut buf) => match pair.recv_on::<E, B>(be, ViewMut::of(&mut buf)) {
+                Ok(moved) => {
+                    run.swap.add(moved);
+                    return Some(buf);
+                }
+                Err(e) => {
+                    run.failure = Some(e);
+                    return None;
+                }
+            },
+            Err(e) => run.failure = Some(e.into()),
+        }
+    }
+    pair.stand_in::<E>(n, false);
+    None
+}
+
+/// Send a stage boundary to the other member of `pair`; zeros once the stage has failed.
+fn send<E: Elem, B: Backend>(be: &B, pair: &Group, view: Option<View<E>>, n: usize, run: &mut PipelineRun) {
+    match (view, &run.failure) {
+        (Some(view), None) => match pair.send_on::<E, B>(be, view) {
+            Ok(moved) => run.swap.add(moved),
+            Err(e) => run.failure = Some(e),
+        },
+        _ => pair.stand_in::<E>(n, true),
+    }
+}
+
+/// After a pipeline step's passes every rank learns whether all of them succeeded (a
+/// collective of the world); if one failed, every rank fails the step with it — an OOM on any
+/// stage is the step's OOM (on the others with their own pool's figures and the failing
+/// stage's request), so the supervisor steps down as for any OOM.
+fn settle_pipeline_step(world: &Group, at: PpStage, failure: Option<BackendError>, pool: &Pool) -> BackendResult {
+    let me = world.rank() as u64;
+    let first_failed = world.min_u64(if failure.is_some() { me } else { u64::MAX });
+    if first_failed == u64::MAX {
+        return Ok(());
+    }
+    // The failing rank's request and category (an OOM), or u64::MAX (another error).
+    let (requested, category) = match &failure {
+        Some(BackendError::Oom(oom)) if me == first_failed => (oom.requested_bytes as u64, oom.category as u64),
+        _ => (u64::MAX, u64::MAX),
+    };
+    let requested = world.min_u64(requested);
+    let category = world.min_u64(category);
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    tracing::error!("stage {} stops: rank {first_failed} failed this step", at.stage);
+    match Category::ALL.get(category as usize).copied() {
+        Some(category) if requested != u64::MAX => Err(BackendError::Oom(crate::memory::OomError {
+            requested_bytes: requested as usize,
+            category,
+            stats: Box::new(pool.stats()),
+        })),
+        _ => Err(BackendError::Device {
+            op: "pipeline step",
+            device: format!("stage {}", at.stage),
+            detail: format!("rank {first_failed} failed this step"),
+        }),
+    }
+}
+
+/// A rank's groups: data-parallel (gradients, ZeRO), tensor-parallel and pipeline; `None`
+/// for a dimension of size 1.
 #[derive(Clone, Default)]
 pub struct RankGroups {
     pub data: Option<Group>,
     pub tensor: Option<Group>,
+    pub pipeline: Option<Pipeline>,
+}
+
+/// A pipeline stage's links: the stage group (ranked by stage), the pairs it shares with the
+/// previous and the next stage (activations forward, their gradients back), the group of the
+/// first and last stage (the tied `wte`'s gradient), and the world (every stage agrees on a
+/// step's success).
+#[derive(Clone)]
+pub struct Pipeline {
+    pub stages: Group,
+    pub prev: Option<Group>,
+    pub next: Option<Group>,
+    pub ends: Option<Group>,
+    pub world: Group,
 }
 
 impl RankGroups {
-    /// A rank's groups, split from its world group (a collective of the world): a
-    /// tensor-parallel group is `tp` consecutive ranks (the closest together: threads of one
-    /// process, GPUs of one machine), a data-parallel group the ranks at the same place in
-    /// theirs. Each gets its own native communicator where the world has one on `be` (NCCL),
+    /// A rank's groups, split from its world group (a collective of the world). The world is
+    /// ordered stage-major, then data-parallel, then tensor-parallel: rank = (stage · dp +
+    /// d) · tp + t, so a tensor-parallel group is `tp` consecutive ranks (the closest together:
+    /// threads of one process, GPUs of one machine), a data-parallel group the ranks at the
+    /// same place in theirs on one stage, a pipeline the ranks at the same place on every
+    /// stage. Each gets its own native communicator where the world has one on `be` (NCCL),
     /// else stages through the host. Process groups wait up to `timeout` for each sub-group's
     /// members.
     pub fn split<B: Backend>(
         be: &B,
         world: Option<&Group>,
         tp: usize,
+        pp: usize,
         timeout: Duration,
     ) -> Result<RankGroups, RendezvousError> {
         let Some(world) = world.filter(|w| w.world() > 1) else {
             return Ok(RankGroups::default());
         };
-        if tp <= 1 {
-            return Ok(RankGroups { data: Some(world.clone()), tensor: None });
+        let (tp, pp) = (tp.max(1), pp.max(1));
+        if tp == 1 && pp == 1 {
+            return Ok(RankGroups { data: Some(world.clone()), tensor: None, pipeline: None });
         }
-        let tensor = world.split_on(be, (world.rank() / tp) as u64, timeout)?;
-        let data = world.split_on(be, (world.rank() % tp) as u64, timeout)?;
-        Ok(RankGroups { data: (data.world() > 1).then_some(data), tensor: Some(tensor) })
+        let r = world.rank();
+        let dp = world.world() / (tp * pp);
+        let sized = |g: Group| (g.world() > 1).then_some(g);
+        let tensor = sized(world.split_on(be, (r / tp) as u64, timeout)?);
+        let data = sized(world.split_on(be, ((r / (tp * dp)) * tp + r % tp) as u64, timeout)?);
+        let pipeline = if pp > 1 {
+            let stages = world.split_on(be, (r % (tp * dp)) as u64, timeout)?;
+            let s = stages.rank();
+            // Pairs (0,1), (2,3), … and (1,2), (3,4), …: each stage is in one of each.
+            let even = sized(stages.split_on(be, (s / 2) as u64, timeout)?);
+            let odd = sized(stages.split_on(be, s.div_ceil(2) as u64, timeout)?);
+            let (next, prev) = if s % 2 == 0 { (even, odd) } else { (odd, even) };
+            let end = s == 0 || s + 1 == pp;
+            let ends = sized(stages.split_on(be, if end { 0 } else { s as u64 + 1 }, timeout)?);
+            Some(Pipeline { stages, prev, next, ends, world: world.clone() })
+        } else {
+            None
+        };
+        Ok(RankGroups { data, tensor, pipeline })
     }
 }
 
@@ -1137,6 +1429,7 @@ mod tests {
                 delayed_update: false,
                 world_size: 1,
                 tensor_parallel: 1,
+                pipeline_parallel: 1,
                 zero_stage: 0,
                 precision: crate::config::Precision::Fp32,
                 expandable_segments: false,
