@@ -485,12 +485,18 @@ impl JobSpec {
         }
         if pp_ok && pp > 1 {
             if m.n_layer < pp {
-                p.push("memory.pipeline_parallel", format!("{pp} stages need at least as many layers (model.n_layer {})", m.n_layer));
+                p.push(
+                    "memory.pipeline_parallel",
+                    format!("{pp} stages need at least as many layers (model.n_layer {})", m.n_layer),
+                );
             }
             if self.memory.zero_stage >= 2 {
                 p.push(
                     "memory.zero_stage",
-                    format!("{} with pipeline_parallel {pp}: pipeline stages support ZeRO 0 and 1", self.memory.zero_stage),
+                    format!(
+                        "{} with pipeline_parallel {pp}: pipeline stages support ZeRO 0 and 1",
+                        self.memory.zero_stage
+                    ),
                 );
             }
             if self.memory.offload.activations != OffloadTarget::None {
@@ -881,9 +887,26 @@ policy: default
         assert!(message.contains("model.n_head (2)"), "{message}");
         let (field, message) = field_of(grid.replace("micro_batch: 8", "micro_batch: 32"));
         assert_eq!(field, "train.global_batch");
-        assert!(message.contains("data-parallel ranks (world_size / (tensor_parallel × pipeline_parallel)) = 32 × 2"), "{message}");
+        assert!(
+            message.contains("data-parallel ranks (world_size / (tensor_parallel × pipeline_parallel)) = 32 × 2"),
+            "{message}"
+        );
         let (field, _) = field_of(grid.replace("tensor_parallel: 2", "tensor_parallel: 0"));
         assert_eq!(field, "memory.tensor_parallel");
+        // Pipeline stages: world 4 = 1 data × 2 stages × 2 tensor; micro 8 × 4 accumulation.
+        let staged = grid.replace("tensor_parallel: 2\n", "tensor_parallel: 2\n  pipeline_parallel: 2\n");
+        let spec = JobSpec::parse(&staged).unwrap();
+        assert_eq!((spec.data_parallel(), spec.grad_accum(), spec.knobs().pipeline_parallel), (1, 4, 2));
+        assert_eq!(JobSpec::parse(&spec.to_yaml()).unwrap(), spec);
+        let (field, message) = field_of(staged.replace("pipeline_parallel: 2", "pipeline_parallel: 3"));
+        assert_eq!(field, "memory.pipeline_parallel");
+        assert!(message.contains("2 × 3 must divide memory.world_size (4)"), "{message}");
+        let (field, message) = field_of(staged.replace("n_layer: 4", "n_layer: 1"));
+        assert_eq!(field, "memory.pipeline_parallel");
+        assert!(message.contains("at least as many layers (model.n_layer 1)"), "{message}");
+        let (field, message) = field_of(staged.replace("zero_stage: 0", "zero_stage: 2"));
+        assert_eq!(field, "memory.zero_stage");
+        assert!(message.contains("pipeline stages support ZeRO 0 and 1"), "{message}");
     }
 
     #[test]

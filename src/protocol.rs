@@ -104,6 +104,19 @@ pub struct Step {
     /// Device↔host traffic when offloading.
     #[serde(default)]
     pub swap: Option<Swap>,
+    /// Pipeline stages: the schedule's bubble, the share of a stage's step spent waiting for
+    /// the others (absent without stages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelineStep>,
+}
+
+/// A pipeline's schedule in one step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PipelineStep {
+    pub stages: usize,
+    pub micro_batches: usize,
+    /// GPipe: (stages − 1) / (micro_batches + stages − 1).
+    pub bubble_fraction: f64,
 }
 
 /// The driver's count of a GPU's memory, which includes what the pool does not see.
@@ -494,6 +507,7 @@ mod tests {
                     host_ms: 2.0,
                     fraction: 0.125,
                 }),
+                pipeline: Some(PipelineStep { stages: 2, micro_batches: 4, bubble_fraction: 0.2 }),
             }),
             Event::Eval(Eval { step: 41, val_loss: 2.5 }),
             Event::Checkpoint(CheckpointWritten { step: 41, path: "runs/j/ckpt-00000041.bin".into() }),

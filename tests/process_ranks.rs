@@ -93,15 +93,17 @@ fn process_ranks_train_bit_for_bit_as_thread_ranks_and_resume_across_a_stop() {
     }
 }
 
-/// Tensor parallelism with ranks as processes: TP 2, and TP 2 × DP 2 at ZeRO-1 (the
-/// sub-groups meet over TCP), train bit for bit as the same grid of thread ranks, and resume
-/// across a stop; the checkpoint written by the grid resumes on one rank.
+/// Tensor and pipeline parallelism with ranks as processes: TP 2, TP 2 × DP 2 at ZeRO-1, PP 2
+/// and TP 2 × PP 2 (the sub-groups and the stages' pairs meet over TCP) train bit for bit as
+/// the same grid of thread ranks, and resume across a stop.
 #[test]
-fn tensor_parallel_process_ranks_train_as_thread_ranks_and_resume() {
+fn model_parallel_process_ranks_train_as_thread_ranks_and_resume() {
     let dir = tempfile::tempdir().unwrap();
     for (case, memory) in [
         ("tp2", "world_size: 2, tensor_parallel: 2"),
         ("tp2-dp2-z1", "world_size: 4, tensor_parallel: 2, zero_stage: 1"),
+        ("pp2", "world_size: 2, pipeline_parallel: 2"),
+        ("tp2-pp2", "world_size: 4, tensor_parallel: 2, pipeline_parallel: 2"),
     ] {
         let case_dir = dir.path().join(case);
         std::fs::create_dir_all(&case_dir).unwrap();

@@ -282,6 +282,17 @@ pub fn describe_change(before: &JobSpec, after: &JobSpec) -> String {
             after.grad_accum()
         ));
     }
+    if b.pipeline_parallel != a.pipeline_parallel {
+        parts.push(format!(
+            "pipeline_parallel {} → {} (data-parallel ranks {} → {}, grad_accum {} → {})",
+            b.pipeline_parallel,
+            a.pipeline_parallel,
+            before.data_parallel(),
+            after.data_parallel(),
+            before.grad_accum(),
+            after.grad_accum()
+        ));
+    }
     if b.zero_stage != a.zero_stage {
         parts.push(format!("zero_stage {} → {}", b.zero_stage, a.zero_stage));
     }

@@ -473,6 +473,7 @@ mod tests {
                 loss_scale: None,
                 skipped: false,
                 skipped_steps: 0,
+                pipeline: None,
                 nvml: None,
                 swap: swap.map(|fraction| Swap {
                     bytes_to_host: 1,

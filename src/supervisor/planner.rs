@@ -241,6 +241,9 @@ pub fn describe_knobs(spec: &JobSpec) -> String {
     if m.tensor_parallel > 1 {
         parts.push(format!("tensor parallel {}", m.tensor_parallel));
     }
+    if m.pipeline_parallel > 1 {
+        parts.push(format!("{} pipeline stages", m.pipeline_parallel));
+    }
     if m.zero_stage > 0 {
         parts.push(format!("zero {}", m.zero_stage));
     }

@@ -117,6 +117,10 @@ pub struct RungSet {
     /// activations. Applies only where the job's world_size and n_head allow it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensor_parallel: Option<i64>,
+    /// Split the layers into this many pipeline stages (`memory.pipeline_parallel`): a stage
+    /// holds its layers' state. Applies only where the world and n_layer allow it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline_parallel: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offload: Option<OffloadSet>,
     /// `static`: the first step's allocations packed into one arena, reserved = allocated
@@ -255,6 +259,11 @@ impl Policy {
                     bad(format!("{at}.tensor_parallel"), format!("{t} must be in [1, 64]"));
                 }
             }
+            if let Some(p) = set.pipeline_parallel {
+                if !(1..=64).contains(&p) {
+                    bad(format!("{at}.pipeline_parallel"), format!("{p} must be in [1, 64]"));
+                }
+            }
             if let Some(r) = set.reserve {
                 if !(r > 0.0 && r <= 1.0) {
                     bad(format!("{at}.reserve"), format!("{r} must be in (0, 1] (a fraction of the device's memory)"));
@@ -372,6 +381,18 @@ pub fn apply_rung(rung: &Rung, spec: &JobSpec) -> Result<JobSpec, String> {
             return Err(format!("tensor_parallel {t} needs an n_head it divides (it is {heads})"));
         }
         next.memory.tensor_parallel = t;
+    }
+    if let Some(p) = set.pipeline_parallel {
+        let (world, tp, layers) = (spec.memory.world_size, next.memory.tensor_parallel, spec.model.n_layer);
+        if world % (tp * p) != 0 {
+            return Err(format!(
+                "pipeline_parallel {p} needs a world_size that tensor_parallel × {p} divides (it is {world}, tensor_parallel {tp})"
+            ));
+        }
+        if layers < p {
+            return Err(format!("pipeline_parallel {p} needs at least {p} layers (n_layer is {layers})"));
+        }
+        next.memory.pipeline_parallel = p;
     }
     if let Some(z) = set.zero_stage {
         if z > 0 && spec.memory.world_size <= 1 {
@@ -567,6 +588,19 @@ pub(crate) mod tests {
                 (got, want) => panic!("{world} {heads} {set}: {got:?}, wanted {want:?}"),
             }
         }
+        // Pipeline stages: the world must hold tensor × pipeline ranks, the model enough layers.
+        let mut deep = job(4, 4);
+        deep.model.n_layer = 2;
+        let next = apply_rung(&rung("{ pipeline_parallel: 2 }"), &deep).unwrap();
+        assert_eq!((next.memory.pipeline_parallel, next.data_parallel(), next.grad_accum()), (2, 2, 2));
+        let both = apply_rung(&rung("{ tensor_parallel: 2, pipeline_parallel: 2 }"), &deep).unwrap();
+        assert_eq!((both.data_parallel(), both.grad_accum()), (1, 4));
+        let e = apply_rung(&rung("{ pipeline_parallel: 3 }"), &deep).unwrap_err();
+        assert!(e.contains("needs a world_size that tensor_parallel × 3 divides"), "{e}");
+        let e = apply_rung(&rung("{ pipeline_parallel: 4 }"), &deep).unwrap_err();
+        assert!(e.contains("needs at least 4 layers (n_layer is 2)"), "{e}");
+        let e = Policy::parse("name: x\nrungs: [{ name: a, set: { pipeline_parallel: 65 } }]").unwrap_err();
+        assert!(e.to_string().contains("rungs[0].set.pipeline_parallel: 65 must be in [1, 64]"), "{e}");
         let e = Policy::parse("name: x\nrungs: [{ name: a, set: { tensor_parallel: 0 } }]").unwrap_err();
         assert!(e.to_string().contains("rungs[0].set.tensor_parallel: 0 must be in [1, 64]"), "{e}");
     }

@@ -23,7 +23,7 @@ use crate::engine::backend::layers::Elem;
 use crate::engine::backend::workspace::WorkspaceModel;
 use crate::engine::model::{
     activation_width, backward_workspace_sizes, block_backward_scratch, block_forward_scratch, global_activation_sizes,
-    head_backward_scratch, head_forward_scratch, kept_in, layer_activation_sizes, GptConfig, TpShard,
+    head_backward_scratch, head_forward_scratch, kept_in, layer_activation_sizes, GptConfig, PpStage, TpShard,
 };
 use crate::engine::train::trainer::gpt_config;
 
@@ -119,11 +119,25 @@ pub fn estimate_on(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> Estimat
 }
 
 fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> Estimate {
+    // A rank's share of the model under tensor parallelism (every tensor-parallel rank holds
+    // the same amount), ZeRO-sharded over the data-parallel ranks; with pipeline stages, the
+    // stage whose peak is highest.
+    let shard = cfg.whole().with_tp(TpShard { rank: 0, size: k.tensor_parallel.max(1) });
+    let stages = k.pipeline_parallel.max(1);
+    (0..stages)
+        .map(|stage| estimate_stage::<E>(model, &shard.with_pp(PpStage { stage, stages }), k))
+        .rev()
+        .max_by_key(|e| e.peak_allocated)
+        .expect("at least one stage")
+}
+
+/// The peak of one pipeline stage (`cfg.pp`; all of the model with one stage). GPipe keeps
+/// every micro-batch's activations from its forward to its backward: the other micro-batches'
+/// kept sets are live beside the one in flight.
+fn estimate_stage<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> Estimate {
     let Knobs { micro_batch, seq_len, grad_accum, checkpointing: mode, offload_optimizer, .. } = *k;
     let offload_activations = k.offload_activations != OffloadTarget::None;
-    // A rank's share of the model under tensor parallelism (every tensor-parallel rank holds
-    // the same amount), ZeRO-sharded over the data-parallel ranks.
-    let cfg = &cfg.whole().with_tp(TpShard { rank: 0, size: k.tensor_parallel.max(1) });
+    let (first, last, n_layer) = (cfg.pp.is_first(), cfg.pp.is_last(), cfg.stage_layers().len());
     let n = cfg.num_params();
     let world = k.data_parallel();
     let stage = if world > 1 { k.zero_stage } else { 0 };
@@ -143,7 +157,8 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
     let weights = transient(stage >= 3 || k.offload_params);
     let ahead = transient(k.offload_params && stage < 3);
     let bucket = transient(stage >= 2);
-    let (wte, embed, block) = (cfg.wte_range().len(), cfg.embed_range().len(), cfg.layer_params());
+    let wte = if first || last { cfg.wte_range().len() } else { 0 };
+    let (embed, block) = (if first { cfg.embed_range().len() } else { 0 }, cfg.layer_params());
     // With activation offload (full checkpointing) at most one kept block output is on the
     // device at any moment; the others are in host memory.
     let on_device = |kept_layers: usize| if offload_activations { kept_layers.min(1) } else { kept_layers };
@@ -180,10 +195,24 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
             }
         }
     };
+    // A stage before the last has no head: its globals are the tokens and its input.
+    let globals_here = if last { &globals[..] } else { &globals[..3] };
     let add_globals = |live: &mut Live, skip_logits: bool| {
-        for (name, elems) in globals {
+        for &(name, elems) in globals_here {
             if !(skip_logits && name == "logits") {
                 act(live, name, elems);
+            }
+        }
+    };
+    // Pipeline stages (GPipe): the other micro-batches' kept activations, each with its own
+    // tokens, input and (last stage) head outputs.
+    let in_flight = if cfg.pp.stages > 1 { grad_accum.saturating_sub(1) } else { 0 };
+    let kept_in_mode = |name: &str| kept_in(mode, name);
+    let add_others = |live: &mut Live| {
+        for _ in 0..in_flight {
+            add_globals(live, false);
+            for _ in 0..n_layer {
+                add_layer(live, &kept_in_mode);
             }
         }
     };
@@ -203,32 +232,40 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
     let kept = |name: &str| kept_in(mode, name);
     let all = |_: &str| true;
     let mut candidates: Vec<(&'static str, Live)> = Vec::new();
+    // With pipeline stages every moment below also holds the other micro-batches' kept sets.
+    let state_only = base.clone();
+    let base = {
+        let mut b = base;
+        add_others(&mut b);
+        b
+    };
 
     // Backward start (the classifier's backward): everything kept, head outputs, all workspace,
     // the tied embedding's weights and gradient bucket.
     let mut start = base.clone();
     add_globals(&mut start, false);
-    for _ in 0..on_device(cfg.n_layer) {
+    for _ in 0..on_device(n_layer) {
         add_layer(&mut start, &kept);
     }
-    add_workspace(&mut start, head_backward_scratch::<E>(model, cfg, b, t));
+    let head_scratch = if last { head_backward_scratch::<E>(model, cfg, b, t) } else { Vec::new() };
+    add_workspace(&mut start, head_scratch);
     weights(&mut start, wte);
     bucket(&mut start, wte);
     candidates.push(("backward start", start));
 
     // Last block's backward: its kept part is rebuilt to the full set; the logits are gone.
-    if cfg.n_layer > 0 {
+    if n_layer > 0 {
         let mut rec = base.clone();
         add_globals(&mut rec, true);
         // With offload: this block's restored input plus the next one being prefetched.
-        let kept_layers = if offload_activations { (cfg.n_layer - 1).min(2) } else { cfg.n_layer - 1 };
+        let kept_layers = if offload_activations { (n_layer - 1).min(2) } else { n_layer - 1 };
         for _ in 0..kept_layers {
             add_layer(&mut rec, &kept);
         }
         add_layer(&mut rec, &all);
         add_workspace(&mut rec, block_backward_scratch::<E>(model, cfg, b, t));
         weights(&mut rec, block);
-        if cfg.n_layer > 1 {
+        if n_layer > 1 {
             ahead(&mut rec, block);
         }
         bucket(&mut rec, block);
@@ -236,14 +273,16 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
     }
 
     // Encoder backward: the blocks are done; the embeddings' gradient bucket is live.
-    let mut enc = base.clone();
-    add_globals(&mut enc, true);
-    add_workspace(&mut enc, Vec::new());
-    bucket(&mut enc, embed);
-    candidates.push(("encoder backward", enc));
+    if first {
+        let mut enc = base.clone();
+        add_globals(&mut enc, true);
+        add_workspace(&mut enc, Vec::new());
+        bucket(&mut enc, embed);
+        candidates.push(("encoder backward", enc));
+    }
 
     // Gradient norm: the model state and the reduction's scratch over the (local) gradients.
-    let mut norm = base.clone();
+    let mut norm = state_only;
     add_scratch(&mut norm, model.sum_squares::<E>(grads_len));
     candidates.push(("gradient norm", norm));
 
@@ -256,12 +295,12 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
     }
     let mut encoder = fwd.clone();
     weights(&mut encoder, embed);
-    if cfg.n_layer > 0 {
+    if n_layer > 0 {
         ahead(&mut encoder, block);
     }
     candidates.push(("forward encoder", encoder));
     let mut head = fwd.clone();
-    for l in 0..cfg.n_layer {
+    for l in 0..n_layer {
         let mut at = fwd.clone();
         for _ in 0..on_device(l) {
             add_layer(&mut at, &kept);
@@ -269,20 +308,22 @@ fn estimate_for<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) -> E
         add_layer(&mut at, &all);
         add_scratch(&mut at, block_forward_scratch::<E>(model, cfg, b, t));
         weights(&mut at, block);
-        if l + 1 < cfg.n_layer {
+        if l + 1 < n_layer {
             ahead(&mut at, block);
         }
         candidates.push(("forward", at));
     }
-    for _ in 0..on_device(cfg.n_layer) {
-        add_layer(&mut head, &kept);
+    if last {
+        for _ in 0..on_device(n_layer) {
+            add_layer(&mut head, &kept);
+        }
+        for &(name, elems) in globals.iter().skip(3).take(4) {
+            act(&mut head, name, elems);
+        }
+        add_scratch(&mut head, head_forward_scratch::<E>(model, cfg, b, t));
+        weights(&mut head, wte);
+        candidates.push(("forward head", head));
     }
-    for &(name, elems) in globals.iter().skip(3).take(4) {
-        act(&mut head, name, elems);
-    }
-    add_scratch(&mut head, head_forward_scratch::<E>(model, cfg, b, t));
-    weights(&mut head, wte);
-    candidates.push(("forward head", head));
 
     // The first of equal candidates wins, so the reported moment is stable.
     let (peak_at, live) = candidates.into_iter().rev().max_by_key(|(_, l)| l.total()).expect("candidates");

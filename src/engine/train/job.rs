@@ -571,6 +571,11 @@ impl Run<'_> {
                     host_ms: w.host_ms,
                     fraction: w.transfer_ms / step.step_ms.max(1e-9),
                 }),
+                pipeline: step.bubble.map(|bubble_fraction| protocol::PipelineStep {
+                    stages: spec.memory.pipeline_parallel as usize,
+                    micro_batches: hyper.knobs.grad_accum,
+                    bubble_fraction,
+                }),
             }))?;
             progress.set_position(step.step);
             progress.set_message(format!("loss {:.4}", step.loss));

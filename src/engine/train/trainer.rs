@@ -250,7 +250,11 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
         let cfg = cfg
             .whole()
             .with_tp(tensor.as_ref().map_or(TpShard::NONE, |g| TpShard { rank: g.rank(), size: g.world() }))
-            .with_pp(pipeline.as_ref().map_or(PpStage::NONE, |p| PpStage { stage: p.stages.rank(), stages: p.stages.world() }));
+            .with_pp(
+                pipeline
+                    .as_ref()
+                    .map_or(PpStage::NONE, |p| PpStage { stage: p.stages.rank(), stages: p.stages.world() }),
+            );
         let pool = backend.pool().clone();
         if hyper.knobs.static_allocator {
             // Armed before the model state: its large buffers get segments of their exact size.
