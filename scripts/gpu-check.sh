@@ -109,6 +109,14 @@ if [ "${gpus:-0}" -ge 2 ]; then
     grep -E '"event":"(started|eval|finished|oom)"' "$run/tp.jsonl" | cut -c1-400
     echo "tensor-parallel train exit status: $tp_status"
     [ $tp_status -eq 0 ] || train_status=1
+    # Two pipeline stages, one per GPU: activations and their gradients cross between them.
+    sed 's/^memory:/memory:\n  world_size: 2\n  pipeline_parallel: 2/' "$job" > "$job.pp.yaml"
+    echo "== headroom train on cuda:0 and cuda:1 (pipeline_parallel 2)"
+    "$BIN" train --config "$job.pp.yaml" --fresh --run-dir "$run/pp" > "$run/pp.jsonl"
+    pp_status=$?
+    grep -E '"event":"(started|eval|finished|oom)"' "$run/pp.jsonl" | cut -c1-400
+    echo "pipeline train exit status: $pp_status"
+    [ $pp_status -eq 0 ] || train_status=1
 fi
 
 # The seed's headline case at real scale: GPT-2 XL shape (1.48B parameters, bytes vocabulary)

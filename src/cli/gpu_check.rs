@@ -273,6 +273,13 @@ fn checks<B: crate::engine::backend::Backend>(
                         &TrainParityCase::small_tensor_parallel(steps),
                         tokens,
                     ),
+                    // Pipeline: two stages, activations and their gradients between them.
+                    train_parity::<half::bf16, _, _>(
+                        reference,
+                        device,
+                        &TrainParityCase::small_pipeline(steps),
+                        tokens,
+                    ),
                 ];
                 print!("{}", train_parity::table(&reports));
                 checks.extend(reports.iter().map(parity_check));
@@ -584,8 +591,8 @@ mod tests {
         assert!(names.contains(&"op workspace = cpu declarations"), "{names:?}");
         let trained = names.iter().filter(|n| n.starts_with("training parity")).count();
         assert_eq!(
-            trained, 7,
-            "plain fp32, bf16 and fp16, offloaded bf16, 2 ranks at ZeRO-1 and ZeRO-3, TP 2: {names:?}"
+            trained, 8,
+            "plain fp32, bf16 and fp16, offloaded bf16, 2 ranks at ZeRO-1 and ZeRO-3, TP 2, PP 2: {names:?}"
         );
         assert!(names.contains(&"training parity 2 ranks z3 bf16 (3 steps)"), "{names:?}");
         assert!(names.contains(&"training parity TP 2 bf16 (3 steps)"), "{names:?}");

@@ -347,7 +347,7 @@ pub fn parallel_table(
     steps: usize,
 ) -> Result<String, crate::engine::train::job::TrainError> {
     use std::sync::{Arc, Mutex};
-    let settings: [(&str, &str); 20] = [
+    let settings: [(&str, &str); 22] = [
         ("1 rank", "world_size: 1"),
         ("2 ranks, ZeRO-0", "world_size: 2, zero_stage: 0"),
         ("2 ranks, ZeRO-1", "world_size: 2, zero_stage: 1"),
@@ -361,6 +361,8 @@ pub fn parallel_table(
         ("2 ranks, TP 2", "world_size: 2, tensor_parallel: 2"),
         ("4 ranks, TP 4", "world_size: 4, tensor_parallel: 4"),
         ("4 ranks, TP 2 × DP 2, ZeRO-1", "world_size: 4, tensor_parallel: 2, zero_stage: 1"),
+        ("2 ranks, PP 2", "world_size: 2, pipeline_parallel: 2"),
+        ("4 ranks, TP 2 × PP 2", "world_size: 4, tensor_parallel: 2, pipeline_parallel: 2"),
         ("offload optimizer", "offload: { optimizer: cpu }"),
         ("offload params", "offload: { params: cpu }"),
         ("offload params + optim", "offload: { params: cpu, optimizer: cpu }"),
@@ -377,13 +379,14 @@ pub fn parallel_table(
     for (label, memory) in settings {
         let world: usize = memory.split("world_size: ").nth(1).and_then(|r| r[..1].parse().ok()).unwrap_or(1);
         let tp: usize = memory.split("tensor_parallel: ").nth(1).and_then(|r| r[..1].parse().ok()).unwrap_or(1);
+        let pp: usize = memory.split("pipeline_parallel: ").nth(1).and_then(|r| r[..1].parse().ok()).unwrap_or(1);
         let yaml = format!(
             "name: bench\nmodel: {{ n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab: bytes }}\n\
              data: {{ path: {} }}\ntrain: {{ steps: {}, global_batch: 16, micro_batch: {}, lr: 1.0e-3 }}\n\
              memory: {{ {memory} }}\ndevice: {{ kind: cpu, device_memory: 4GiB }}\n",
             data_path.display(),
             steps + 1,
-            16 / (world / tp)
+            16 / (world / (tp * pp))
         );
         let spec = crate::config::JobSpec::parse(&yaml)?;
         let buf = Arc::new(Mutex::new(Vec::<u8>::new()));

@@ -32,6 +32,8 @@ pub struct TrainParityCase {
     /// (tensor parallelism), and the ZeRO stage over the data-parallel ones.
     pub world: usize,
     pub tp: usize,
+    /// Pipeline stages (tp × pp dividing `world`).
+    pub pp: usize,
     pub zero_stage: usize,
 }
 
@@ -59,6 +61,7 @@ impl TrainParityCase {
             offload_activations: OffloadTarget::None,
             world: 1,
             tp: 1,
+            pp: 1,
             zero_stage: 0,
         }
     }
@@ -92,6 +95,12 @@ impl TrainParityCase {
         TrainParityCase { name: "TP 2", world: 2, tp: 2, ..Self::small(steps) }
     }
 
+    /// `small` as two pipeline stages (one layer each), GPipe over its two micro-batches: the
+    /// activations and their gradients cross between the stages' devices.
+    pub fn small_pipeline(steps: usize) -> TrainParityCase {
+        TrainParityCase { name: "PP 2", world: 2, pp: 2, ..Self::small(steps) }
+    }
+
     /// Four ranks: two data-parallel copies (ZeRO-1 between them) of a two-way split.
     pub fn small_grid(steps: usize) -> TrainParityCase {
         TrainParityCase { name: "TP 2 × DP 2 z1", world: 4, tp: 2, zero_stage: 1, grad_accum: 1, ..Self::small(steps) }
@@ -106,12 +115,12 @@ impl TrainParityCase {
                 offload_activations: self.offload_activations,
                 world_size: self.world,
                 tensor_parallel: self.tp,
-                pipeline_parallel: 1,
+                pipeline_parallel: self.pp,
                 zero_stage: self.zero_stage,
                 ..Knobs::plain(self.micro_batch, self.cfg.block_size, self.grad_accum)
             },
             steps: self.steps as u64,
-            global_batch: self.micro_batch * self.grad_accum * self.world / self.tp,
+            global_batch: self.micro_batch * self.grad_accum * self.world / (self.tp * self.pp),
             lr: 1e-3,
             warmup_steps: 2,
             weight_decay: 0.1,
@@ -253,7 +262,7 @@ fn train_rank<E: Elem, B: Backend>(
     case: &TrainParityCase,
     tokens: &[u32],
 ) -> Result<(Vec<f32>, Vec<f32>, f64), String> {
-    let groups = RankGroups::split(&backend, comm.as_ref(), case.tp, 1, std::time::Duration::from_secs(60))
+    let groups = RankGroups::split(&backend, comm.as_ref(), case.tp, case.pp, std::time::Duration::from_secs(60))
         .map_err(|e| e.to_string())?;
     let trainer = Trainer::<E, B>::on_ranks(case.cfg, case.hyper(), backend, groups);
     // A rank that cannot allocate must not leave the others waiting in a collective.
@@ -431,6 +440,7 @@ mod tests {
             TrainParityCase::small_ranks(4, 1),
             TrainParityCase::small_ranks(4, 3),
             TrainParityCase::small_tensor_parallel(4),
+            TrainParityCase::small_pipeline(4),
         ];
         for case in cases {
             for report in [
@@ -461,7 +471,11 @@ mod tests {
         };
         let cases = [0, 1, 2, 3].map(|stage| TrainParityCase::small_ranks(4, stage));
         // Tensor parallelism: the sub-groups get communicators split from the world's.
-        let grids = [TrainParityCase::small_tensor_parallel(4), TrainParityCase::small_grid(4)];
+        let grids = [
+            TrainParityCase::small_tensor_parallel(4),
+            TrainParityCase::small_grid(4),
+            TrainParityCase::small_pipeline(4),
+        ];
         for case in cases.iter().chain([&offloaded]).chain(&grids) {
             let group = SimCollectives::group(case.world);
             let native = |r: usize| Ok(DeviceSim::new(256 << 20).with_collectives(group[r].clone()));
