@@ -52,6 +52,29 @@ fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// Rank 0 of `job`, streaming events until its first checkpoint: the process, its stderr (read
+/// to the end on its own thread) and the checkpoint's step.
+fn start_until_checkpoint(job: &Path, run: &Path) -> (std::process::Child, std::thread::JoinHandle<String>, u64) {
+    let mut rank0 = spawn_train(job, run, "warn", Stdio::piped());
+    let stdout = BufReader::new(rank0.stdout.take().unwrap());
+    let stderr = rank0.stderr.take().unwrap();
+    let stderr = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in stdout.lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let checkpointed = loop {
+        let line = rx.recv_timeout(Duration::from_secs(60)).expect("rank 0 reports a checkpoint");
+        let event: serde_json::Value = serde_json::from_str(&line).unwrap();
+        if event["event"] == "checkpoint" {
+            break event["step"].as_u64().unwrap();
+        }
+    };
+    (rank0, stderr, checkpointed)
+}
+
 #[test]
 fn process_ranks_train_bit_for_bit_as_thread_ranks_and_resume_across_a_stop() {
     let dir = tempfile::tempdir().unwrap();
@@ -136,23 +159,7 @@ fn a_rank_that_dies_ends_the_attempt_promptly_and_the_job_resumes_from_its_check
     let job = write_job(dir.path(), &ranks_job(100_000, "zero_stage: 2, ranks: processes"));
     let run = dir.path().join("run");
     // Rank 0 streams events until rank 1 is killed past its first checkpoint.
-    let mut rank0 = spawn_train(&job, &run, "warn", Stdio::piped());
-    let stdout = BufReader::new(rank0.stdout.take().unwrap());
-    let stderr = rank0.stderr.take().unwrap();
-    let stderr = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap());
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in stdout.lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let checkpointed = loop {
-        let line = rx.recv_timeout(Duration::from_secs(60)).expect("rank 0 reports a checkpoint");
-        let event: serde_json::Value = serde_json::from_str(&line).unwrap();
-        if event["event"] == "checkpoint" {
-            break event["step"].as_u64().unwrap();
-        }
-    };
+    let (mut rank0, stderr, checkpointed) = start_until_checkpoint(&job, &run);
     let rank1 = rank_pid(&run, 1).expect("rank 1 runs as its own process");
     assert_ne!(rank1, rank0.id());
     Command::new("kill").args(["-9", &rank1.to_string()]).status().unwrap();
@@ -180,49 +187,38 @@ fn a_rank_that_dies_ends_the_attempt_promptly_and_the_job_resumes_from_its_check
     wait_until("rank 1 ends with rank 0", Duration::from_secs(10), || processes_of(&run).is_empty());
 }
 
-/// In a data × tensor grid of processes (world 4, tensor_parallel 2) the death of a rank
-/// outside rank 0's tensor-parallel group still ends every rank promptly (each sub-group's
-/// lost connection ends its members, and the world's ends rank 0), and the job resumes.
+/// In a grid of processes — data × tensor (world 4, tensor_parallel 2) and pipeline × tensor
+/// (world 4, two stages of two) — the death of a rank outside rank 0's tensor-parallel group
+/// still ends every rank promptly (each sub-group's lost connection ends its members, and the
+/// world's ends rank 0), and the job resumes.
 #[test]
-fn a_rank_lost_from_a_tensor_parallel_grid_ends_every_rank_and_the_job_resumes() {
-    let dir = tempfile::tempdir().unwrap();
-    let yaml = ranks_job(100_000, "zero_stage: 1, ranks: processes")
-        .replace("world_size: 2,", "world_size: 4, tensor_parallel: 2,");
-    let job = write_job(dir.path(), &yaml);
-    let run = dir.path().join("run");
-    let mut rank0 = spawn_train(&job, &run, "warn", Stdio::piped());
-    let stdout = BufReader::new(rank0.stdout.take().unwrap());
-    let stderr = rank0.stderr.take().unwrap();
-    let stderr = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap());
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in stdout.lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let checkpointed = loop {
-        let line = rx.recv_timeout(Duration::from_secs(60)).expect("rank 0 reports a checkpoint");
-        let event: serde_json::Value = serde_json::from_str(&line).unwrap();
-        if event["event"] == "checkpoint" {
-            break event["step"].as_u64().unwrap();
-        }
-    };
-    let rank3 = rank_pid(&run, 3).expect("rank 3 runs as its own process");
-    Command::new("kill").args(["-9", &rank3.to_string()]).status().unwrap();
-    let mut status = None;
-    wait_until("rank 0 ends after rank 3 died", Duration::from_secs(30), || {
-        status = rank0.try_wait().unwrap();
-        status.is_some()
-    });
-    assert_eq!(status.unwrap().code(), Some(1), "a lost rank is a crash of the attempt (exit 1)");
-    let stderr = stderr.join().unwrap();
-    assert!(stderr.contains("the connection to rank"), "{stderr}");
-    wait_until("no rank outlives the attempt", Duration::from_secs(10), || processes_of(&run).is_empty());
+fn a_rank_lost_from_a_model_parallel_grid_ends_every_rank_and_the_job_resumes() {
+    for (case, grid) in [
+        ("tp2-dp2", "world_size: 4, tensor_parallel: 2, zero_stage: 1,"),
+        ("tp2-pp2", "world_size: 4, tensor_parallel: 2, pipeline_parallel: 2,"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = ranks_job(100_000, "ranks: processes").replace("world_size: 2,", grid);
+        let job = write_job(dir.path(), &yaml);
+        let run = dir.path().join("run");
+        let (mut rank0, stderr, checkpointed) = start_until_checkpoint(&job, &run);
+        let rank3 = rank_pid(&run, 3).expect("rank 3 runs as its own process");
+        Command::new("kill").args(["-9", &rank3.to_string()]).status().unwrap();
+        let mut status = None;
+        wait_until("rank 0 ends after rank 3 died", Duration::from_secs(30), || {
+            status = rank0.try_wait().unwrap();
+            status.is_some()
+        });
+        assert_eq!(status.unwrap().code(), Some(1), "{case}: a lost rank is a crash of the attempt (exit 1)");
+        let stderr = stderr.join().unwrap();
+        assert!(stderr.contains("the connection to rank"), "{case}: {stderr}");
+        wait_until("no rank outlives the attempt", Duration::from_secs(10), || processes_of(&run).is_empty());
 
-    let out = train(&job, &run, &["--resume", "--stop-after", &(checkpointed + 5).to_string()]);
-    assert_eq!(out.status.code(), Some(4), "{}", String::from_utf8_lossy(&out.stderr));
-    let resumed = of_kind(&events(&out), "started")[0]["resumed_from_step"].as_u64().unwrap();
-    assert!(resumed >= checkpointed, "resumed from {resumed}, checkpointed {checkpointed}");
+        let out = train(&job, &run, &["--resume", "--stop-after", &(checkpointed + 5).to_string()]);
+        assert_eq!(out.status.code(), Some(4), "{case}: {}", String::from_utf8_lossy(&out.stderr));
+        let resumed = of_kind(&events(&out), "started")[0]["resumed_from_step"].as_u64().unwrap();
+        assert!(resumed >= checkpointed, "{case}: resumed from {resumed}, checkpointed {checkpointed}");
+    }
 }
 
 #[test]

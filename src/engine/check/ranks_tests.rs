@@ -385,12 +385,12 @@ fn a_job_that_ooms_without_offload_fits_with_it() {
     }
 }
 
-#[test]
-fn checkpoints_resume_under_another_stage_and_world_size() {
+/// Train 4 steps under `written_by` and checkpoint (every rank takes part, one writes); then
+/// resume under each of `resumed_by` and train 4 more: each continues the one-rank run.
+fn check_resume_across(written_by: Setup, resumed_by: &[Setup]) {
     let dir = tempfile::tempdir().unwrap();
     let reference = train::<f32>(Setup::ranks(1, 0), 8, BIG).unwrap().remove(0);
-    // Steps 0..4 on two ranks at ZeRO-3, saved (every rank takes part, rank 0 writes).
-    on_ranks::<f32, _>(Setup::ranks(2, 3), 8, BIG, |mut trainer, _| {
+    on_ranks::<f32, _>(written_by, 8, BIG, |mut trainer, _| {
         for _ in 0..4 {
             trainer.train_step(&mut batch(CFG)).unwrap();
         }
@@ -398,8 +398,7 @@ fn checkpoints_resume_under_another_stage_and_world_size() {
     })
     .into_iter()
     .for_each(|r| r.unwrap());
-    // Steps 4..8 on four ranks at ZeRO-1, and on one rank, from that checkpoint.
-    for setup in [Setup::ranks(4, 1), Setup::ranks(1, 0)] {
+    for &setup in resumed_by {
         let results = on_ranks::<f32, _>(setup, 8, BIG, |mut trainer, _| {
             let (path, ckpt) =
                 crate::engine::train::checkpoint::load_latest(dir.path(), None, |e| panic!("{e}")).unwrap();
@@ -411,11 +410,17 @@ fn checkpoints_resume_under_another_stage_and_world_size() {
         for r in results {
             let (tail, weights) = r.unwrap();
             let d = max_rel_diff(&tail, &losses(&reference)[4..]);
-            assert!(d < 2e-5, "{setup:?}: resumed losses off by {d:e}");
+            assert!(d < 2e-5, "{written_by:?} -> {setup:?}: resumed losses off by {d:e}");
             let w = rel_distance(&weights, &reference.weights);
-            assert!(w < 1e-4, "{setup:?}: resumed weights off by {w:e}");
+            assert!(w < 1e-4, "{written_by:?} -> {setup:?}: resumed weights off by {w:e}");
         }
     }
+}
+
+#[test]
+fn checkpoints_resume_under_another_stage_and_world_size() {
+    // Written by two ranks at ZeRO-3; resumed by four at ZeRO-1 and by one.
+    check_resume_across(Setup::ranks(2, 3), &[Setup::ranks(4, 1), Setup::ranks(1, 0)]);
 }
 
 /// Ranks on a device whose memory the host may not read (`DeviceSim`) stage their collectives
@@ -583,33 +588,7 @@ fn tensor_parallel_memory_per_rank_is_the_split_share_and_the_estimate() {
 /// resumes under TP 4, plain data parallelism and one rank, each continuing the one-rank run.
 #[test]
 fn checkpoints_resume_across_tensor_parallel_splits() {
-    let dir = tempfile::tempdir().unwrap();
-    let reference = train::<f32>(Setup::ranks(1, 0), 8, BIG).unwrap().remove(0);
-    on_ranks::<f32, _>(grid(4, 2, 3), 8, BIG, |mut trainer, _| {
-        for _ in 0..4 {
-            trainer.train_step(&mut batch(CFG)).unwrap();
-        }
-        trainer.save_checkpoint(dir.path(), None).unwrap();
-    })
-    .into_iter()
-    .for_each(|r| r.unwrap());
-    for setup in [grid(4, 4, 0), Setup::ranks(2, 1), Setup::ranks(1, 0), grid(2, 2, 0)] {
-        let results = on_ranks::<f32, _>(setup, 8, BIG, |mut trainer, _| {
-            let (path, ckpt) =
-                crate::engine::train::checkpoint::load_latest(dir.path(), None, |e| panic!("{e}")).unwrap();
-            trainer.restore(&path, ckpt).unwrap();
-            assert_eq!(trainer.step, 4);
-            let tail: Vec<f32> = (0..4).map(|_| trainer.train_step(&mut batch(CFG)).unwrap().loss).collect();
-            (tail, trainer.full_master_params().unwrap())
-        });
-        for r in results {
-            let (tail, weights) = r.unwrap();
-            let d = max_rel_diff(&tail, &losses(&reference)[4..]);
-            assert!(d < 2e-5, "{setup:?}: resumed losses off by {d:e}");
-            let w = rel_distance(&weights, &reference.weights);
-            assert!(w < 1e-4, "{setup:?}: resumed weights off by {w:e}");
-        }
-    }
+    check_resume_across(grid(4, 2, 3), &[grid(4, 4, 0), Setup::ranks(2, 1), Setup::ranks(1, 0), grid(2, 2, 0)]);
 }
 
 /// World `world` as `pp` pipeline stages of `tp`-way splits (data-parallel: the rest).
@@ -717,31 +696,8 @@ fn an_oom_on_one_stage_fails_the_step_on_every_stage_without_a_hang() {
 /// another grid of stages, and on tensor-parallel ranks, each continuing the one-rank run.
 #[test]
 fn checkpoints_resume_across_pipeline_stages() {
-    let dir = tempfile::tempdir().unwrap();
-    let reference = train::<f32>(Setup::ranks(1, 0), 8, BIG).unwrap().remove(0);
-    on_ranks::<f32, _>(stages(4, 1, 2, 1), 8, BIG, |mut trainer, _| {
-        for _ in 0..4 {
-            trainer.train_step(&mut batch(CFG)).unwrap();
-        }
-        trainer.save_checkpoint(dir.path(), None).unwrap();
-    })
-    .into_iter()
-    .for_each(|r| r.unwrap());
-    for setup in [Setup::ranks(1, 0), stages(4, 1, 4, 0), stages(4, 2, 2, 0), grid(2, 2, 0)] {
-        let results = on_ranks::<f32, _>(setup, 8, BIG, |mut trainer, _| {
-            let (path, ckpt) =
-                crate::engine::train::checkpoint::load_latest(dir.path(), None, |e| panic!("{e}")).unwrap();
-            trainer.restore(&path, ckpt).unwrap();
-            assert_eq!(trainer.step, 4);
-            let tail: Vec<f32> = (0..4).map(|_| trainer.train_step(&mut batch(CFG)).unwrap().loss).collect();
-            (tail, trainer.full_master_params().unwrap())
-        });
-        for r in results {
-            let (tail, weights) = r.unwrap();
-            let d = max_rel_diff(&tail, &losses(&reference)[4..]);
-            assert!(d < 2e-5, "{setup:?}: resumed losses off by {d:e}");
-            let w = rel_distance(&weights, &reference.weights);
-            assert!(w < 1e-4, "{setup:?}: resumed weights off by {w:e}");
-        }
-    }
+    check_resume_across(
+        stages(4, 1, 2, 1),
+        &[Setup::ranks(1, 0), stages(4, 1, 4, 0), stages(4, 2, 2, 0), grid(2, 2, 0)],
+    );
 }

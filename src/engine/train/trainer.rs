@@ -1147,29 +1147,7 @@ fn pipeline_passes<E: Elem, B: Backend>(
         for i in 0..b {
             batch(step, (first_seq + micro * b + i) as u64, &mut inputs, &mut targets);
         }
-        let input = pipe.prev.as_ref().and_then(|prev| receive::<E, B>(be, prev, n, Category::Activations, &mut run));
-        let acts = match (&run.failure, pipe.prev.is_none() || input.is_some()) {
-            (None, true) => model::forward_stage::<E, B>(
-                be,
-                cfg,
-                source,
-                &inputs,
-                &targets,
-                b,
-                t,
-                knobs.checkpointing,
-                knobs.offload_activations,
-                tp,
-                input,
-                false,
-            )
-            .map_err(|e| run.failure = Some(e))
-            .ok(),
-            _ => None,
-        };
-        if let Some(next) = &pipe.next {
-            send::<E, B>(be, next, acts.as_ref().map(|a| a.output::<E>()), n, &mut run);
-        }
+        let acts = forward_through::<E, B>(at, pipe, (&inputs, &targets, b), false, &mut run);
         run.loss_sum += acts.as_ref().map_or(0.0, |a| a.mean_loss() as f64);
         kept.push(acts);
     }
@@ -1202,45 +1180,54 @@ fn pipeline_mean_loss<E: Elem, B: Backend>(
     count: usize,
     sequence: &mut EvalBatchFn<'_>,
 ) -> BackendResult<f64> {
-    let Passes { be, cfg, knobs, source, tp, .. } = *at;
+    let Passes { be, cfg, knobs, .. } = *at;
     let (micro, t) = (knobs.micro_batch, knobs.seq_len);
     let mut run = PipelineRun { loss_sum: 0.0, swap: SwapStats::default(), failure: None };
     let mut done = 0;
     while done < count {
         let b = micro.min(count - done);
-        let n = b * t * cfg.n_embd;
         let (mut inputs, mut targets) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
         for i in 0..b {
             sequence(done + i, &mut inputs, &mut targets);
         }
-        let input = pipe.prev.as_ref().and_then(|prev| receive::<E, B>(be, prev, n, Category::Activations, &mut run));
-        let acts = match (&run.failure, pipe.prev.is_none() || input.is_some()) {
-            (None, true) => model::forward_stage::<E, B>(
-                be,
-                cfg,
-                source,
-                &inputs,
-                &targets,
-                b,
-                t,
-                Checkpointing::Full,
-                OffloadTarget::None,
-                tp,
-                input,
-                true,
-            )
-            .map_err(|e| run.failure = Some(e))
-            .ok(),
-            _ => None,
-        };
-        if let Some(next) = &pipe.next {
-            send::<E, B>(be, next, acts.as_ref().map(|a| a.output::<E>()), n, &mut run);
-        }
+        let acts = forward_through::<E, B>(at, pipe, (&inputs, &targets, b), true, &mut run);
         run.loss_sum += acts.as_ref().map_or(0.0, |a| a.mean_loss() as f64 * b as f64);
         done += b;
     }
     settle_pipeline_step(&pipe.stages, cfg.pp, run.failure, be.pool())?;
     Ok(pipe.stages.all_reduce_f64(run.loss_sum) / count as f64)
+}
+
+/// One micro-batch (`b` sequences of `inputs`, `targets`) through this stage's forward: its
+/// input received from the previous stage (or the embedding), its output sent on. `evaluation`:
+/// nothing kept for backward (full checkpointing's outputs, released as they are consumed).
+fn forward_through<E: Elem, B: Backend>(
+    at: &Passes<'_, E, B>,
+    pipe: &Pipeline,
+    (inputs, targets, b): (&[u32], &[u32], usize),
+    evaluation: bool,
+    run: &mut PipelineRun,
+) -> Option<model::Activations> {
+    let Passes { be, cfg, knobs, source, tp, .. } = *at;
+    let t = knobs.seq_len;
+    let n = b * t * cfg.n_embd;
+    let input = pipe.prev.as_ref().and_then(|prev| receive::<E, B>(be, prev, n, Category::Activations, run));
+    let (mode, offload) = match evaluation {
+        true => (Checkpointing::Full, OffloadTarget::None),
+        false => (knobs.checkpointing, knobs.offload_activations),
+    };
+    let acts = match (&run.failure, pipe.prev.is_none() || input.is_some()) {
+        (None, true) => {
+            model::forward_stage::<E, B>(be, cfg, source, inputs, targets, b, t, mode, offload, tp, input, evaluation)
+                .map_err(|e| run.failure = Some(e))
+                .ok()
+        }
+        _ => None,
+    };
+    if let Some(next) = &pipe.next {
+        send::<E, B>(be, next, acts.as_ref().map(|a| a.output::<E>()), n, run);
+    }
+    acts
 }
 
 /// Receive a stage boundary of `n` elements from the other member of `pair` into a fresh pool
