@@ -309,6 +309,13 @@ mod tests {
         };
         eprintln!("{}", lib.version);
         assert!(lib.version.starts_with("NCCL 2."), "{}", lib.version);
+        // Sub-group communicators (tensor- and pipeline-parallel groups) need ncclCommSplit,
+        // NCCL 2.18 and later: pip's libnccl has it.
+        let minor: u32 = lib.version.split('.').nth(1).and_then(|m| m.parse().ok()).unwrap_or(0);
+        assert_eq!(lib.split.is_some(), minor >= 18, "{}: ncclCommSplit resolved iff NCCL >= 2.18", lib.version);
+        if required {
+            assert!(lib.split.is_some(), "CI's libnccl resolves ncclCommSplit ({})", lib.version);
+        }
         // The process-group path: a unique id is made without a GPU (NCCL's bootstrap is the
         // network) and a wrong-sized one is refused before NCCL sees it.
         match unique_id() {
