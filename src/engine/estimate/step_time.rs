@@ -107,10 +107,15 @@ pub struct StepTime {
 /// The predicted step of `cfg` under `k` on a device with `speed`.
 pub fn step_time(cfg: &GptConfig, k: &Knobs, speed: &DeviceSpeed) -> StepTime {
     let (b, t, c) = (k.micro_batch as f64, k.seq_len as f64, cfg.n_embd as f64);
-    let (l, v, h) = (cfg.n_layer as f64, cfg.vocab as f64, cfg.n_head as f64);
+    let (v, h) = (cfg.vocab as f64, cfg.n_head as f64);
+    let l = (cfg.n_layer as f64 / k.pipeline_parallel.max(1) as f64).ceil();
     // Under tensor parallelism a rank computes 1/tp of each block and holds its share of the
     // weights; ZeRO and the gradients' collective run over the data-parallel ranks.
     let tp = k.tensor_parallel.max(1) as f64;
+    // Pipeline stages: a stage computes its share of the layers (the last also the head, the
+    // slowest stage), GPipe runs grad_accum + stages − 1 micro-steps of it (the bubble), and
+    // each micro-batch crosses every boundary twice (activations, their gradients).
+    let pp = k.pipeline_parallel.max(1) as f64;
     let n = cfg.whole().with_tp(crate::engine::model::TpShard { rank: 0, size: k.tensor_parallel.max(1) }).num_params()
         as f64;
     let world = k.data_parallel() as f64;
@@ -138,7 +143,10 @@ pub fn step_time(cfg: &GptConfig, k: &Knobs, speed: &DeviceSpeed) -> StepTime {
         Checkpointing::Full => l * block_pass(block_matmul + block_attention, block_elementwise),
     };
     let accum = k.grad_accum.max(1) as f64;
-    let share = if speed.ranks_share_compute { world * tp } else { 1.0 };
+    let share = if speed.ranks_share_compute { world * tp * pp } else { 1.0 };
+    // On shared cores the other stages compute during a stage's bubble; on devices of their
+    // own each stage waits through it.
+    let micro_steps = if speed.ranks_share_compute { accum } else { accum + pp - 1.0 };
     // Copies a micro-step overlaps with its compute: offloaded weights (up for the forward and
     // for the backward) and offloaded block inputs (down, then up).
     let weights_local = if k.zero_stage >= 3 { n / world } else { n };
@@ -166,8 +174,8 @@ pub fn step_time(cfg: &GptConfig, k: &Knobs, speed: &DeviceSpeed) -> StepTime {
     // Once per step: the optimizer over the state this rank holds, its copies, the gradients'
     // collective.
     let state_local = if k.zero_stage >= 1 { n / world } else { n };
-    let compute_s = accum * micro_compute;
-    let recompute_s = accum * micro_recompute;
+    let compute_s = micro_steps * micro_compute;
+    let recompute_s = micro_steps * micro_recompute;
     let mut optimizer_s = if k.offload_optimizer {
         32.0 * state_local / speed.host_optimizer_bw
     } else {
@@ -194,7 +202,8 @@ pub fn step_time(cfg: &GptConfig, k: &Knobs, speed: &DeviceSpeed) -> StepTime {
     if world > 1.0 {
         step_transfer += 2.0 * n * e / speed.collective_bw;
     }
-    let transfer_s = accum * (hidden_excess + tp_exposed) + step_transfer;
+    let pp_exposed = if pp > 1.0 { 2.0 * rows * c * e / speed.collective_bw } else { 0.0 };
+    let transfer_s = accum * (hidden_excess + tp_exposed + pp_exposed) + step_transfer;
     let step_s = compute_s + recompute_s + optimizer_s + transfer_s;
     let tokens = accum * rows * world;
     StepTime { compute_s, recompute_s, optimizer_s, transfer_s, step_s, tokens_per_s: tokens / step_s }
@@ -264,6 +273,18 @@ mod tests {
                 Knobs { world_size: 2, grad_accum: 1, ..knobs(16, 32, 64) },
                 Knobs { world_size: 2, tensor_parallel: 2, grad_accum: 2, ..knobs(16, 32, 64) },
                 &cpu,
+            ),
+            (
+                "on GPUs of their own two stages each compute half the layers, less the bubble",
+                Knobs { world_size: 2, pipeline_parallel: 2, grad_accum: 8, ..knobs(4, 32, 64) },
+                knobs(4, 32, 64),
+                &cuda,
+            ),
+            (
+                "and more micro-batches of the same size shrink the bubble (8/9 busy vs 2/3)",
+                Knobs { world_size: 2, pipeline_parallel: 2, ..knobs(4, 32, 64) },
+                Knobs { world_size: 2, pipeline_parallel: 2, ..knobs(4, 8, 64) },
+                &cuda,
             ),
             (
                 "on GPUs of their own a split's ranks each compute half",
