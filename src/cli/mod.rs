@@ -405,9 +405,11 @@ fn estimate(args: EstimateArgs) -> anyhow::Result<()> {
     }
     if spec.memory.world_size > 1 {
         println!(
-            "per rank: world_size {} = {} data-parallel × {} tensor-parallel (each rank has its own device pool)",
+            "per rank: world_size {} = {} data-parallel × {} pipeline stages × {} tensor-parallel (each rank has its \
+             own device pool; with stages, the figures are the highest stage's)",
             spec.memory.world_size,
             spec.data_parallel(),
+            spec.memory.pipeline_parallel,
             spec.memory.tensor_parallel
         );
     }
