@@ -78,21 +78,24 @@ echo "stop exit status: $stop_status (expected 4), resume exit status: $resume_s
 # NCCL (staged through the host when libnccl does not load: the log says which). gpu-check's
 # training parity covers two ranks on one GPU (staged) and, with two GPUs, on NCCL.
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+# `headroom train` of job file $1 into $run/$2 (events in $run/$2.jsonl), described as $3: its
+# key events and exit status printed; returns that status.
+two_gpu_train() {
+    echo "== headroom train on cuda:0 and cuda:1 ($3)"
+    "$BIN" train --config "$1" --fresh --run-dir "$run/$2" > "$run/$2.jsonl"
+    local status=$?
+    grep -E '"event":"(started|eval|finished|oom)"' "$run/$2.jsonl" | cut -c1-400
+    echo "$3: train exit status $status"
+    return $status
+}
 if [ "${gpus:-0}" -ge 2 ]; then
     sed 's/^memory:/memory:\n  world_size: 2\n  zero_stage: 3/; s/micro_batch: 16/micro_batch: 8/' "$job" > "$job.ranks.yaml"
-    echo "== headroom train on cuda:0 and cuda:1 (2 ranks, ZeRO-3)"
-    "$BIN" train --config "$job.ranks.yaml" --fresh --run-dir "$run/ranks" > "$run/ranks.jsonl"
-    ranks_status=$?
-    grep -E '"event":"(started|eval|finished|oom)"' "$run/ranks.jsonl" | cut -c1-400
-    echo "2-rank train exit status: $ranks_status"
-    [ $ranks_status -eq 0 ] || train_status=1
+    two_gpu_train "$job.ranks.yaml" ranks "2 ranks, ZeRO-3" || train_status=1
     # The same job with each rank its own process (memory.ranks: processes): NCCL communicators
     # from a unique id sent at the rendezvous; the losses must be the thread ranks' exactly.
     sed 's/^memory:/memory:\n  ranks: processes/' "$job.ranks.yaml" > "$job.procs.yaml"
-    echo "== headroom train on cuda:0 and cuda:1 (2 rank processes, ZeRO-3)"
-    "$BIN" train --config "$job.procs.yaml" --fresh --run-dir "$run/procs" > "$run/procs.jsonl"
+    two_gpu_train "$job.procs.yaml" procs "2 rank processes, ZeRO-3"
     procs_status=$?
-    grep -E '"event":"(started|eval|finished|oom)"' "$run/procs.jsonl" | cut -c1-400
     losses() { grep -o '"loss":[^,]*' "$1"; }
     if [ $procs_status -eq 0 ] && [ "$(losses "$run/procs.jsonl")" = "$(losses "$run/ranks.jsonl")" ]; then
         echo "2 rank processes: exit 0, losses equal to the thread ranks'"
@@ -101,22 +104,12 @@ if [ "${gpus:-0}" -ge 2 ]; then
         train_status=1
     fi
     # Tensor parallelism across the two GPUs: each rank computes half of every block (its
-    # heads and MLP features), the partial sums staged through the host.
+    # heads and MLP features), the partial sums on NCCL sub-communicators.
     sed 's/^memory:/memory:\n  world_size: 2\n  tensor_parallel: 2/' "$job" > "$job.tp.yaml"
-    echo "== headroom train on cuda:0 and cuda:1 (tensor_parallel 2)"
-    "$BIN" train --config "$job.tp.yaml" --fresh --run-dir "$run/tp" > "$run/tp.jsonl"
-    tp_status=$?
-    grep -E '"event":"(started|eval|finished|oom)"' "$run/tp.jsonl" | cut -c1-400
-    echo "tensor-parallel train exit status: $tp_status"
-    [ $tp_status -eq 0 ] || train_status=1
+    two_gpu_train "$job.tp.yaml" tp "tensor_parallel 2" || train_status=1
     # Two pipeline stages, one per GPU: activations and their gradients cross between them.
     sed 's/^memory:/memory:\n  world_size: 2\n  pipeline_parallel: 2/' "$job" > "$job.pp.yaml"
-    echo "== headroom train on cuda:0 and cuda:1 (pipeline_parallel 2)"
-    "$BIN" train --config "$job.pp.yaml" --fresh --run-dir "$run/pp" > "$run/pp.jsonl"
-    pp_status=$?
-    grep -E '"event":"(started|eval|finished|oom)"' "$run/pp.jsonl" | cut -c1-400
-    echo "pipeline train exit status: $pp_status"
-    [ $pp_status -eq 0 ] || train_status=1
+    two_gpu_train "$job.pp.yaml" pp "pipeline_parallel 2" || train_status=1
 fi
 
 # The seed's headline case at real scale: GPT-2 XL shape (1.48B parameters, bytes vocabulary)

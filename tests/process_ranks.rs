@@ -30,6 +30,22 @@ fn trajectory(events: &[serde_json::Value]) -> Vec<String> {
     steps.chain(evals).collect()
 }
 
+/// `job` stopped after step 5's checkpoint (exit 4, every rank) in `run_dir` and resumed there:
+/// the two attempts' trajectory is `uninterrupted`'s, and no rank outlives either.
+fn stopped_and_resumed_is_uninterrupted(case: &str, job: &Path, run_dir: &Path, uninterrupted: &[serde_json::Value]) {
+    let first = train(job, run_dir, &["--stop-after", "5"]);
+    assert_eq!(first.status.code(), Some(4), "{case}: {}", String::from_utf8_lossy(&first.stderr));
+    let second = ok(&train(job, run_dir, &["--resume"]), case);
+    assert_eq!(of_kind(&second, "started")[0]["resumed_from_step"], 5);
+    let mut joined = trajectory(&events(&first));
+    joined.extend(trajectory(&second));
+    joined.sort();
+    let mut whole = trajectory(uninterrupted);
+    whole.sort();
+    assert_eq!(joined, whole, "{case}: stopped and resumed = uninterrupted");
+    assert!(processes_of(run_dir).is_empty());
+}
+
 /// Live processes whose command line names `run_dir`.
 fn processes_of(run_dir: &Path) -> Vec<common::Process> {
     let dir = run_dir.to_string_lossy().into_owned();
@@ -100,19 +116,7 @@ fn process_ranks_train_bit_for_bit_as_thread_ranks_and_resume_across_a_stop() {
         }
         assert!(processes_of(&run).is_empty(), "{case}: every rank ended with the job");
 
-        // Stopped after a checkpoint (exit 4, every rank) and resumed: the same trajectory.
-        let split = case_dir.join("split");
-        let first = train(&job, &split, &["--stop-after", "5"]);
-        assert_eq!(first.status.code(), Some(4), "{case}: {}", String::from_utf8_lossy(&first.stderr));
-        let second = ok(&train(&job, &split, &["--resume"]), case);
-        assert_eq!(of_kind(&second, "started")[0]["resumed_from_step"], 5);
-        let mut joined = trajectory(&events(&first));
-        joined.extend(trajectory(&second));
-        joined.sort();
-        let mut whole = trajectory(&procs);
-        whole.sort();
-        assert_eq!(joined, whole, "{case}: stopped and resumed = uninterrupted");
-        assert!(processes_of(&split).is_empty());
+        stopped_and_resumed_is_uninterrupted(case, &job, &case_dir.join("split"), &procs);
     }
 }
 
@@ -138,18 +142,7 @@ fn model_parallel_process_ranks_train_as_thread_ranks_and_resume() {
         assert_eq!(trajectory(&procs), trajectory(&threads), "{case}: process ranks train as thread ranks");
         assert_eq!(losses(&procs).len(), 12);
 
-        let split = case_dir.join("split");
-        let first = train(&job, &split, &["--stop-after", "5"]);
-        assert_eq!(first.status.code(), Some(4), "{case}: {}", String::from_utf8_lossy(&first.stderr));
-        let second = ok(&train(&job, &split, &["--resume"]), case);
-        assert_eq!(of_kind(&second, "started")[0]["resumed_from_step"], 5);
-        let mut joined = trajectory(&events(&first));
-        joined.extend(trajectory(&second));
-        joined.sort();
-        let mut whole = trajectory(&procs);
-        whole.sort();
-        assert_eq!(joined, whole, "{case}: stopped and resumed = uninterrupted");
-        assert!(processes_of(&split).is_empty());
+        stopped_and_resumed_is_uninterrupted(case, &job, &case_dir.join("split"), &procs);
     }
 }
 

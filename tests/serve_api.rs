@@ -594,6 +594,32 @@ async fn a_swap_bound_offload_rung_is_backed_off() {
     s.shutdown().await.unwrap();
 }
 
+/// Two ranks (`ranks`: threads or processes) of the 4-layer 128-wide byte model (Ψ ≈ 830k fp32
+/// parameters) on 14 MiB each, under policy `policy` (also the job's name).
+fn two_rank_job(policy: &str, steps: u64, ranks: &str) -> String {
+    format!(
+        "name: {policy}\nmodel: {{ n_layer: 4, n_head: 4, n_embd: 128, block_size: 32, vocab: bytes }}\n\
+         data: {{ path: {} }}\ntrain: {{ steps: {steps}, global_batch: 4, micro_batch: 2, lr: 1.0e-3, checkpoint_every: 4 }}\n\
+         memory: {{ world_size: 2, ranks: {ranks} }}\ndevice: {{ kind: cpu, device_memory: 14MiB }}\npolicy: {policy}\n",
+        common::data_path().display(),
+    )
+}
+
+/// Submit `job` and wait for its end, which must be `finished`: its attempts and its events.
+async fn finished_attempts(s: &RunningServer, job: &str) -> (Value, Value) {
+    let id = submit(s, job).await;
+    let done = wait_terminal(s, id).await;
+    let attempts = get(s, &format!("/api/jobs/{id}/attempts")).await;
+    let events = get(s, &format!("/api/jobs/{id}/events")).await;
+    assert_eq!(done["status"], "finished", "{done}\n{attempts}\n{events}");
+    (attempts, events)
+}
+
+/// Each attempt's (rung, outcome).
+fn rungs_and_outcomes(attempts: &[Value]) -> Vec<(&str, &str)> {
+    attempts.iter().map(|a| (a["rung"].as_str().unwrap(), a["outcome"].as_str().unwrap())).collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_ranks_climb_the_zero_stages_until_the_state_fits() {
     let h = Harness::new();
@@ -610,22 +636,9 @@ async fn two_ranks_climb_the_zero_stages_until_the_state_fits() {
     // activations: still too much for 14 MiB), 10Ψ at ZeRO-2 (fits).
     // As threads of one trainer and as processes (each attempt's ranks start, OOM and end together).
     for ranks in ["threads", "processes"] {
-        let job = format!(
-            "name: zero\nmodel: {{ n_layer: 4, n_head: 4, n_embd: 128, block_size: 32, vocab: bytes }}\n\
-             data: {{ path: {} }}\ntrain: {{ steps: 12, global_batch: 4, micro_batch: 2, lr: 1.0e-3, checkpoint_every: 4 }}\n\
-             memory: {{ world_size: 2, ranks: {ranks} }}\ndevice: {{ kind: cpu, device_memory: 14MiB }}\npolicy: zero\n",
-            common::data_path().display(),
-            ranks = ranks
-        );
-        let id = submit(&s, &job).await;
-        let done = wait_terminal(&s, id).await;
-        let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
-        let events = get(&s, &format!("/api/jobs/{id}/events")).await;
-        assert_eq!(done["status"], "finished", "{done}\n{attempts}\n{events}");
+        let (attempts, events) = finished_attempts(&s, &two_rank_job("zero", 12, ranks)).await;
         let a = attempts.as_array().unwrap();
-        let summary: Vec<(&str, &str)> =
-            a.iter().map(|a| (a["rung"].as_str().unwrap(), a["outcome"].as_str().unwrap())).collect();
-        assert_eq!(summary, [("base", "oom"), ("zero-1", "oom"), ("zero-2", "finished")], "{attempts}");
+        assert_eq!(rungs_and_outcomes(a), [("base", "oom"), ("zero-1", "oom"), ("zero-2", "finished")], "{attempts}");
         let cfg = |i: usize| -> Value { serde_json::from_str(a[i]["config_json"].as_str().unwrap()).unwrap() };
         assert_eq!([0, 1, 2].map(|i| cfg(i)["memory"]["zero_stage"].as_i64().unwrap()), [0, 1, 2]);
         assert!((0..3).all(|i| cfg(i)["memory"]["world_size"] == 2 && cfg(i)["train"]["global_batch"] == 4));
@@ -640,7 +653,7 @@ async fn two_ranks_climb_the_zero_stages_until_the_state_fits() {
         assert!(close(peak(2, "peak_grads") * 2.0, peak(1, "peak_grads")), "{attempts}");
         assert!(close(peak(2, "peak_optimizer"), peak(1, "peak_optimizer")), "{attempts}");
         assert!(a[2]["peak_reserved"].as_i64().unwrap() <= 14 << 20);
-        let text = get(&s, &format!("/api/jobs/{id}/events")).await.to_string();
+        let text = events.to_string();
         assert!(text.contains("zero_stage 0 → 1") && text.contains("zero_stage 1 → 2"), "{text}");
         assert!(text.contains("did not fit in 14.00 MiB"), "an OOM before `started` still names the capacity: {text}");
     }
@@ -662,21 +675,9 @@ async fn a_tensor_parallel_rung_rescues_a_job_that_ooms_replicated() {
     .unwrap();
     let s = h.start(None).await;
     for ranks in ["threads", "processes"] {
-        let job = format!(
-            "name: split\nmodel: {{ n_layer: 4, n_head: 4, n_embd: 128, block_size: 32, vocab: bytes }}\n\
-             data: {{ path: {} }}\ntrain: {{ steps: 8, global_batch: 4, micro_batch: 2, lr: 1.0e-3, checkpoint_every: 4 }}\n\
-             memory: {{ world_size: 2, ranks: {ranks} }}\ndevice: {{ kind: cpu, device_memory: 14MiB }}\npolicy: split\n",
-            common::data_path().display(),
-        );
-        let id = submit(&s, &job).await;
-        let done = wait_terminal(&s, id).await;
-        let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
-        let events = get(&s, &format!("/api/jobs/{id}/events")).await;
-        assert_eq!(done["status"], "finished", "{done}\n{attempts}\n{events}");
+        let (attempts, events) = finished_attempts(&s, &two_rank_job("split", 8, ranks)).await;
         let a = attempts.as_array().unwrap();
-        let summary: Vec<(&str, &str)> =
-            a.iter().map(|a| (a["rung"].as_str().unwrap(), a["outcome"].as_str().unwrap())).collect();
-        assert_eq!(summary, [("base", "oom"), ("tp-2", "finished")], "{attempts}");
+        assert_eq!(rungs_and_outcomes(a), [("base", "oom"), ("tp-2", "finished")], "{attempts}");
         let cfg = |i: usize| -> Value { serde_json::from_str(a[i]["config_json"].as_str().unwrap()).unwrap() };
         assert_eq!(cfg(1)["memory"]["tensor_parallel"], 2, "{attempts}");
         assert_eq!(cfg(1)["train"]["global_batch"], 4);

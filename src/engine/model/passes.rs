@@ -345,29 +345,7 @@ pub fn forward<E: Elem, B: Backend>(
     offload: OffloadTarget,
     tp: &TensorGroup,
 ) -> BackendResult<Activations> {
-    forward_pass(be, cfg, params, inputs, targets, b, t, mode, offload, tp, None, false)
-}
-
-/// `forward` of a pipeline stage (`cfg.pp`): from `input`, the previous stage's output (B,T,C)
-/// in a pool buffer (`None` on the first stage: the embedding of `inputs`), through the
-/// stage's blocks; the last stage goes on to the head and the losses (of `targets`).
-/// `release_outputs`: keep nothing for backward (evaluation).
-#[allow(clippy::too_many_arguments)]
-pub fn forward_stage<E: Elem, B: Backend>(
-    be: &B,
-    cfg: &GptConfig,
-    params: &dyn ParamSource<E>,
-    inputs: &[u32],
-    targets: &[u32],
-    b: usize,
-    t: usize,
-    mode: Checkpointing,
-    offload: OffloadTarget,
-    tp: &TensorGroup,
-    input: Option<Buffer>,
-    release_outputs: bool,
-) -> BackendResult<Activations> {
-    forward_pass(be, cfg, params, inputs, targets, b, t, mode, offload, tp, input, release_outputs)
+    forward_stage(be, cfg, params, inputs, targets, b, t, mode, offload, tp, None, false)
 }
 
 /// Mean loss of a forward pass that keeps nothing for backward (evaluation): each block's
@@ -383,8 +361,20 @@ pub fn forward_loss<E: Elem, B: Backend>(
     t: usize,
     tp: &TensorGroup,
 ) -> BackendResult<f32> {
-    let acts =
-        forward_pass(be, cfg, params, inputs, targets, b, t, Checkpointing::Full, OffloadTarget::None, tp, None, true)?;
+    let acts = forward_stage(
+        be,
+        cfg,
+        params,
+        inputs,
+        targets,
+        b,
+        t,
+        Checkpointing::Full,
+        OffloadTarget::None,
+        tp,
+        None,
+        true,
+    )?;
     Ok(acts.mean_loss())
 }
 
@@ -418,8 +408,12 @@ pub fn mean_loss<E: Elem, B: Backend>(
     Ok(total / count as f64)
 }
 
+/// `forward` of a pipeline stage (`cfg.pp`): from `stage_input`, the previous stage's output (B,T,C)
+/// in a pool buffer (`None` on the first stage: the embedding of `inputs`), through the
+/// stage's blocks; the last stage goes on to the head and the losses (of `targets`).
+/// `release_outputs`: keep nothing for backward (evaluation).
 #[allow(clippy::too_many_arguments)]
-fn forward_pass<E: Elem, B: Backend>(
+pub fn forward_stage<E: Elem, B: Backend>(
     be: &B,
     cfg: &GptConfig,
     params: &dyn ParamSource<E>,
