@@ -116,8 +116,13 @@ pub fn step_time(cfg: &GptConfig, k: &Knobs, speed: &DeviceSpeed) -> StepTime {
     // slowest stage), GPipe runs grad_accum + stages − 1 micro-steps of it (the bubble), and
     // each micro-batch crosses every boundary twice (activations, their gradients).
     let pp = k.pipeline_parallel.max(1) as f64;
-    let n = cfg.whole().with_tp(crate::engine::model::TpShard { rank: 0, size: k.tensor_parallel.max(1) }).num_params()
-        as f64;
+    // The parameters a rank holds: its tensor-parallel share of the largest stage.
+    let shard = cfg.whole().with_tp(crate::engine::model::TpShard { rank: 0, size: k.tensor_parallel.max(1) });
+    let stages = k.pipeline_parallel.max(1);
+    let n = (0..stages)
+        .map(|stage| shard.with_pp(crate::engine::model::PpStage { stage, stages }).num_params())
+        .max()
+        .unwrap_or(0) as f64;
     let world = k.data_parallel() as f64;
     let e = match k.precision {
         Precision::Fp32 => 4.0,
@@ -322,6 +327,16 @@ mod tests {
             step_time(&XL, &k, &cuda).tokens_per_s
         };
         assert!(on_device(8) / on_device(1) > 1.2, "{} vs {}", on_device(8), on_device(1));
+    }
+
+    /// A pipeline stage updates only the parameters it holds: about half of XL's at 2 stages.
+    #[test]
+    fn a_stage_optimizes_only_its_share() {
+        let cuda = DeviceSpeed::default_for(DeviceKind::Cuda);
+        let one = step_time(&XL, &knobs(4, 32, 64), &cuda).optimizer_s;
+        let staged = Knobs { world_size: 2, pipeline_parallel: 2, ..knobs(4, 32, 64) };
+        let two = step_time(&XL, &staged, &cuda).optimizer_s;
+        assert!((0.45..0.55).contains(&(two / one)), "optimizer time at 2 stages / 1: {}", two / one);
     }
 
     #[test]
