@@ -832,7 +832,8 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                 if let Some(Some(first)) = parts.first_mut() {
                     let t = Instant::now();
                     download(&ranges[0], first.0)?;
-                    (copies, exposed) = (t.elapsed(), t.elapsed());
+                    let waited = t.elapsed();
+                    (copies, exposed) = (waited, waited);
                 }
                 // The pipeline: chunk i is updated on a worker (all cores, inside) while the
                 // main thread brings chunk i+1 down and sends chunk i-1 up; the step waits only
@@ -849,14 +850,21 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                             (io, t.elapsed())
                         });
                         let t = Instant::now();
+                        let mut copied = false;
                         let mut moved = match parts.get_mut(i + 1) {
-                            Some(Some(next)) => download(&ranges[i + 1], next.0),
+                            Some(Some(next)) => {
+                                copied = true;
+                                download(&ranges[i + 1], next.0)
+                            }
                             _ => Ok(()),
                         };
                         if let (Ok(()), Some((j, done))) = (&moved, prev.take()) {
+                            copied = true;
                             moved = upload(&ranges[j], done).map(|b| bytes_to_device += b);
                         }
-                        let copy = t.elapsed();
+                        // Only a copy that ran beside the update counts: an iteration with
+                        // nothing to move (one chunk: the synchronous step) hides nothing.
+                        let copy = if copied { t.elapsed() } else { Duration::ZERO };
                         let (io, update) = worker.join().expect("the host update does not panic");
                         moved?;
                         copies += copy;
@@ -866,8 +874,9 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                     if let Some((j, done)) = prev.take() {
                         let t = Instant::now();
                         bytes_to_device += upload(&ranges[j], done)?;
-                        copies += t.elapsed();
-                        exposed += t.elapsed();
+                        let waited = t.elapsed();
+                        copies += waited;
+                        exposed += waited;
                     }
                     Ok(())
                 })?;
