@@ -462,6 +462,51 @@ async fn a_sigkilled_trainer_is_retried_and_resumes_from_its_checkpoint() {
     s.shutdown().await.unwrap();
 }
 
+/// A trainer that stops answering (here: SIGSTOP, as a hung collective would look) is killed
+/// once the policy's stall limit passes, recorded as `stalled` and retried from its newest
+/// checkpoint; a hung trainer that is cancelled is killed the same way and ends cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_trainer_is_killed_and_retried_and_a_stalled_cancel_ends() {
+    let h = Harness::new();
+    let default = std::fs::read_to_string(h.policies.join("default.yaml")).unwrap();
+    let watchful = default.replace("name: default", "name: watchful") + "stall: { after_s: 5, steps: 5 }\n";
+    std::fs::write(h.policies.join("watchful.yaml"), watchful).unwrap();
+    let s = h.start(None).await;
+    let id = submit(&s, &squeezed_job("stalled", 100_000, 4, "watchful", 5)).await;
+    wait_until("a checkpoint", Duration::from_secs(120), || async { max_step(&s, id).await >= 7 }).await;
+    let stop = |pid: i64| {
+        let status = std::process::Command::new("kill").args(["-STOP", &pid.to_string()]).status().unwrap();
+        assert!(status.success());
+    };
+    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    stop(attempts[0]["pid"].as_i64().unwrap());
+    let stopped = Instant::now();
+    wait_until("a second attempt with steps", Duration::from_secs(120), || async {
+        let a = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+        a.as_array().unwrap().len() >= 2 && a[1]["pid"].is_number() && max_step(&s, id).await > 10
+    })
+    .await;
+    assert!(stopped.elapsed() >= Duration::from_secs(5), "not killed before the stall limit");
+    // The second attempt hangs too, and is cancelled while it does.
+    let attempts = get(&s, &format!("/api/jobs/{id}/attempts")).await;
+    stop(attempts[1]["pid"].as_i64().unwrap());
+    let attempts = cancel_and_wait(&s, id).await;
+    let a = attempts.as_array().unwrap();
+    assert_eq!(a.len(), 2, "{attempts}");
+    assert_eq!(a[0]["outcome"], "stalled");
+    assert!(a[0]["exit_code"].is_null(), "killed by a signal");
+    let why = a[0]["message"].as_str().unwrap();
+    assert!(why.starts_with("nothing heard from the trainer for ") && why.contains("stall.after_s 5 s"), "{why}");
+    assert_eq!(a[1]["rung"], a[0]["rung"], "retried on the same rung");
+    let resumed = a[1]["resumed_from_step"].as_i64().expect("second attempt resumed");
+    assert!(resumed >= 5 && resumed % 5 == 0, "resumed from a checkpoint: {resumed}");
+    assert_eq!(a[1]["outcome"], "cancelled");
+    let k = kinds(&get(&s, &format!("/api/jobs/{id}/events")).await);
+    assert_eq!(k.iter().filter(|k| *k == "stalled").count(), 2, "{k:?}");
+    assert!(k.contains(&"retry".to_string()), "{k:?}");
+    s.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarting_the_daemon_resumes_a_running_job() {
     let h = Harness::new();

@@ -123,7 +123,8 @@ pub fn decide(policy: &Policy, state: &LadderState, outcome: &Outcome) -> Action
         Outcome::Suspended => Action::Requeue,
         Outcome::Cancelled => Action::Cancel,
         Outcome::Invalid { message } => fail(format!("trainer rejected the configuration: {message}")),
-        Outcome::Crashed { message } => {
+        // A hang counts as a crash: the same retries from the newest checkpoint, the same limit.
+        Outcome::Crashed { message } | Outcome::Stalled { reason: message } => {
             let crashes = state.crashes + 1;
             if crashes > policy.retries.crash {
                 return fail(format!("crashed {crashes} times on rung {rung}: {message}"));
@@ -374,6 +375,7 @@ mod tests {
         let preempt = Outcome::Preempted { reason: "device memory at 97%".into() };
         let swap = Outcome::SwapBound { reason: "transfers took 80%".into() };
         let invalid = Outcome::Invalid { message: "invalid job: train.lr".into() };
+        let stalled = Outcome::Stalled { reason: "nothing heard for 600 s".into() };
         // (case, swap_bound, rungs applied, crashes so far, outcome, expected)
         let cases: Vec<(&str, &str, usize, u32, Outcome, Want)> = vec![
             ("finished", "", 0, 0, Outcome::Finished, Want::Finish),
@@ -396,6 +398,15 @@ mod tests {
                 Want::Fail("no rung of policy p is left to apply (last rung: offload-optimizer)"),
             ),
             ("first crash retries", "", 1, 0, crash.clone(), Want::Retry(1)),
+            ("a stall retries as a crash", "", 1, 0, stalled.clone(), Want::Retry(1)),
+            (
+                "a stall after two crashes fails",
+                "",
+                1,
+                2,
+                stalled,
+                Want::Fail("crashed 3 times on rung bf16: nothing heard for 600 s"),
+            ),
             ("second crash retries", "", 1, 1, crash.clone(), Want::Retry(2)),
             (
                 "third crash fails",

@@ -8,7 +8,7 @@ use crate::protocol::{Event, Line};
 
 use super::db::{now, AttemptEnd, SampleRow, OTHERS_MARK};
 use super::outcome::{Notice, Outcome, StopReason};
-use super::policy::Policy;
+use super::policy::{Policy, Stall};
 
 /// One attempt's view: samples not yet written, peaks, OOM details, and the threshold state.
 #[derive(Debug)]
@@ -59,6 +59,11 @@ pub struct Monitor {
     /// runner: `planner::slow_floor`), the predicted figure, and the reason once sustained.
     slow_floor: Option<(f64, f64)>,
     slow_reason: Option<String>,
+    /// The policy's stall limit, the slowest step so far (seconds), and the reason once the
+    /// trainer was found stalled.
+    stall: Stall,
+    slowest_step_s: f64,
+    stall_reason: Option<String>,
 }
 
 /// Steps the slowness check looks at (their median), after the attempt's first two.
@@ -102,7 +107,40 @@ impl Monitor {
             step_up_reason: None,
             slow_floor: None,
             slow_reason: None,
+            stall: policy.stall.clone(),
+            slowest_step_s: 0.0,
+            stall_reason: None,
         }
+    }
+
+    /// How long the trainer may stay quiet (no protocol line) before it counts as stalled:
+    /// the policy's `stall` limit for its slowest step so far.
+    pub fn stall_limit(&self) -> std::time::Duration {
+        self.stall.limit(self.slowest_step_s)
+    }
+
+    /// The trainer has been quiet for `quiet`: once that reaches the stall limit, the attempt
+    /// is stalled — the notice to record (once), after which the runner kills it.
+    pub fn stalled(&mut self, quiet: std::time::Duration) -> Option<Notice> {
+        let limit = self.stall_limit();
+        if self.stall_reason.is_some() || quiet < limit {
+            return None;
+        }
+        let after = match self.last_step {
+            Some(step) => format!("after step {step}"),
+            None => "before its first step".to_string(),
+        };
+        let reason = format!(
+            "nothing heard from the trainer for {:.0} s {after} (stall limit {:.0} s: the longer of stall.after_s {} s \
+             and {} × its slowest step, {:.1} s); killed",
+            quiet.as_secs_f64(),
+            limit.as_secs_f64(),
+            self.stall.after_s,
+            self.stall.steps,
+            self.slowest_step_s
+        );
+        self.stall_reason = Some(reason.clone());
+        Some(("stalled", format!("{reason}; retrying from the newest checkpoint as a crash")))
     }
 
     /// Stop the attempt if its median tokens/s over [`SLOW_WINDOW`] steps stays under `floor`
@@ -166,6 +204,9 @@ impl Monitor {
 
     /// Why the monitor preempted the attempt (None: it did not ask).
     pub fn stop_reason(&self) -> Option<StopReason> {
+        if let Some(r) = &self.stall_reason {
+            return Some(StopReason::Stalled(r.clone()));
+        }
         if !self.preempt_sent {
             return None;
         }
@@ -225,6 +266,9 @@ impl Monitor {
                 let step = ev.step as i64;
                 self.first_step.get_or_insert(step);
                 self.last_step = Some(step);
+                if ev.step_ms.is_finite() {
+                    self.slowest_step_s = self.slowest_step_s.max(ev.step_ms / 1e3);
+                }
                 let mem = &ev.mem;
                 self.bump_peaks(mem.peak_columns());
                 let finite = |x: f64| x.is_finite().then_some(x);
@@ -414,7 +458,9 @@ impl Monitor {
         });
         let message = match outcome {
             Outcome::Oom { .. } => self.oom_message.clone(),
-            Outcome::Preempted { reason } | Outcome::SwapBound { reason } => Some(reason.clone()),
+            Outcome::Preempted { reason } | Outcome::SwapBound { reason } | Outcome::Stalled { reason } => {
+                Some(reason.clone())
+            }
             Outcome::Invalid { message } | Outcome::Crashed { message } => Some(message.clone()),
             Outcome::Suspended => Some("supervisor shutting down".into()),
             _ => None,
@@ -529,6 +575,46 @@ mod tests {
             notices[0].1
         );
         assert!(!m.wants_preempt() && !m.wants_release_cache());
+    }
+
+    /// The stall limit is the longer of `stall.after_s` and `stall.steps` × the slowest step
+    /// so far; a trainer quiet that long is stalled once (a `stalled` notice, the stop reason
+    /// that classifies the kill), and not a moment before.
+    #[test]
+    fn a_trainer_quiet_past_the_stall_limit_is_stalled_once() {
+        let secs = std::time::Duration::from_secs_f64;
+        // (case, stall yaml, step times in ms, quiet s, stalled)
+        let cases: &[(&str, &str, &[f64], f64, bool)] = &[
+            ("defaults, before any step, 599 s", "", &[], 599.0, false),
+            ("defaults, before any step, 600 s", "", &[], 600.0, true),
+            ("defaults, fast steps: the floor rules", "", &[500.0, 900.0], 601.0, true),
+            ("defaults, 40 s steps: 20 of them", "", &[40_000.0, 10_000.0], 700.0, false),
+            ("defaults, 40 s steps: 800 s", "", &[40_000.0, 10_000.0], 800.0, true),
+            ("a short floor", "stall: { after_s: 2 }\n", &[100.0], 2.5, true),
+            ("a short floor, slow steps", "stall: { after_s: 2, steps: 5 }\n", &[1000.0], 4.0, false),
+            ("a short floor, slow steps, past", "stall: { after_s: 2, steps: 5 }\n", &[1000.0], 5.0, true),
+        ];
+        for &(case, yaml, step_ms, quiet, stalled) in cases {
+            let policy =
+                Policy::parse(&format!("name: p\nrungs: [{{ name: bf16, set: {{ precision: bf16 }} }}]\n{yaml}"))
+                    .unwrap();
+            let mut m = Monitor::new(&policy, 1);
+            for (i, &ms) in step_ms.iter().enumerate() {
+                let mut line = step(i as u64 + 1, 10, None);
+                let Event::Step(s) = &mut line.event else { unreachable!() };
+                s.step_ms = ms;
+                m.observe(&line);
+            }
+            assert_eq!(m.stop_reason(), None, "{case}");
+            let notice = m.stalled(secs(quiet));
+            assert_eq!(notice.is_some(), stalled, "{case}: limit {:?}", m.stall_limit());
+            if let Some((kind, message)) = notice {
+                assert_eq!(kind, "stalled", "{case}");
+                assert!(message.starts_with(&format!("nothing heard from the trainer for {quiet:.0} s")), "{message}");
+                assert!(matches!(m.stop_reason(), Some(StopReason::Stalled(_))), "{case}");
+                assert_eq!(m.stalled(secs(quiet * 2.0)), None, "{case}: once");
+            }
+        }
     }
 
     /// warn, preempt, sustain, reserved per step, notice kinds per step, wants preempt after.

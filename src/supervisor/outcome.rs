@@ -18,6 +18,8 @@ pub enum StopReason {
     StepUp(String),
     /// Throughput far below the plan's prediction for `sustain` steps.
     Slow(String),
+    /// Nothing heard from the trainer for the policy's `stall` limit: killed.
+    Stalled(String),
 }
 
 /// How one child process ended.
@@ -55,6 +57,11 @@ pub enum Outcome {
     Crashed {
         message: String,
     },
+    /// Killed by the supervisor: nothing heard from it for the policy's `stall` limit (a hang).
+    /// Retried from the newest checkpoint as a crash is.
+    Stalled {
+        reason: String,
+    },
 }
 
 impl Outcome {
@@ -69,6 +76,7 @@ impl Outcome {
             Outcome::Slow { .. } => "slow",
             Outcome::Cancelled => "cancelled",
             Outcome::Invalid { .. } | Outcome::Crashed { .. } => "crashed",
+            Outcome::Stalled { .. } => "stalled",
         }
     }
 }
@@ -98,6 +106,14 @@ pub struct Exit {
 /// The outcome of an exited attempt.
 pub fn classify(exit: &Exit) -> Outcome {
     let code = exit.code.map(|c| ExitCode::from_code(c).ok_or(c));
+    // Killed for stalling (unless it finished on its own first): what was asked of it decides.
+    if let (Some(StopReason::Stalled(reason)), false) = (&exit.stopped_by_monitor, exit.code == Some(0)) {
+        return match exit.requested {
+            Some(Request::Cancel) => Outcome::Cancelled,
+            Some(Request::Shutdown) => Outcome::Suspended,
+            None => Outcome::Stalled { reason: reason.clone() },
+        };
+    }
     match (code, exit.requested) {
         (Some(Ok(ExitCode::Finished)), _) => Outcome::Finished,
         (Some(Ok(ExitCode::OutOfMemory)), _) => Outcome::Oom { category: exit.oom.0.clone(), requested: exit.oom.1 },
@@ -108,6 +124,7 @@ pub fn classify(exit: &Exit) -> Outcome {
             Some(StopReason::Pressure(reason)) => Outcome::Preempted { reason: reason.clone() },
             Some(StopReason::StepUp(reason)) => Outcome::SteppedUp { reason: reason.clone() },
             Some(StopReason::Slow(reason)) => Outcome::Slow { reason: reason.clone() },
+            Some(StopReason::Stalled(_)) => unreachable!("classified above"),
             None => Outcome::Preempted { reason: "trainer stopped itself after a checkpoint".into() },
         },
         (Some(Ok(ExitCode::Invalid)), _) => Outcome::Invalid { message: exit.last_log_line.clone() },
@@ -135,6 +152,7 @@ mod tests {
         };
         let pressure = Some(StopReason::Pressure("at 97%".into()));
         let swap = Some(StopReason::SwapBound("80%".into()));
+        let stalled = Some(StopReason::Stalled("quiet 600 s".into()));
         let cases = [
             (exit(Some(0), None, None), Outcome::Finished),
             (exit(Some(3), None, None), Outcome::Oom { category: "optimizer".into(), requested: 4096 }),
@@ -158,6 +176,11 @@ mod tests {
             (exit(Some(1), None, None), Outcome::Crashed { message: "exit code 1: error: boom".into() }),
             (exit(Some(101), None, None), Outcome::Crashed { message: "exit code 101: error: boom".into() }),
             (exit(None, None, None), Outcome::Crashed { message: "killed by a signal (signal: 9 (SIGKILL))".into() }),
+            (exit(None, None, stalled.clone()), Outcome::Stalled { reason: "quiet 600 s".into() }),
+            (exit(Some(1), None, stalled.clone()), Outcome::Stalled { reason: "quiet 600 s".into() }),
+            (exit(None, Some(Request::Cancel), stalled.clone()), Outcome::Cancelled),
+            (exit(None, Some(Request::Shutdown), stalled.clone()), Outcome::Suspended),
+            (exit(Some(0), None, stalled), Outcome::Finished),
         ];
         for (exit, want) in cases {
             assert_eq!(classify(&exit), want, "{exit:?}");

@@ -58,6 +58,8 @@ pub struct Policy {
     pub swap_bound: Option<SwapBound>,
     #[serde(default)]
     pub retries: Retries,
+    #[serde(default)]
+    pub stall: Stall,
 }
 
 /// How the supervisor moves along the ladder.
@@ -197,6 +199,45 @@ impl Default for Retries {
     }
 }
 
+/// When an attempt counts as stalled (a hung collective, a deadlock, a stopped process): nothing
+/// heard from its trainer — no protocol line — for the longer of `after_s` seconds and `steps`
+/// times its slowest step so far. The supervisor kills it and retries it from the newest
+/// checkpoint as it does a crash (the same `retries.crash`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Stall {
+    #[serde(default = "Stall::default_after_s")]
+    pub after_s: f64,
+    #[serde(default = "Stall::default_steps")]
+    pub steps: f64,
+}
+
+impl Stall {
+    fn default_after_s() -> f64 {
+        600.0
+    }
+
+    fn default_steps() -> f64 {
+        20.0
+    }
+
+    /// How long a quiet trainer is given, its slowest step so far having taken `slowest_step_s`.
+    pub fn limit(&self, slowest_step_s: f64) -> std::time::Duration {
+        let s = self.after_s.max(self.steps * slowest_step_s.max(0.0));
+        std::time::Duration::from_secs_f64(s.min(MAX_STALL_S))
+    }
+}
+
+impl Default for Stall {
+    fn default() -> Self {
+        Stall { after_s: Stall::default_after_s(), steps: Stall::default_steps() }
+    }
+}
+
+/// The longest wait `stall` may set (a week): anything longer is a typo, and a deadline far
+/// beyond it would overflow the clock.
+const MAX_STALL_S: f64 = 7.0 * 24.0 * 3600.0;
+
 /// A policy name is a file stem: no slashes, no dots, nothing to climb out of policies/ with.
 pub fn valid_name(name: &str) -> bool {
     !name.is_empty() && name.len() <= 64 && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
@@ -282,6 +323,15 @@ impl Policy {
         }
         if self.retries.crash > 100 {
             bad("retries.crash".to_string(), format!("{} must be in [0, 100]", self.retries.crash));
+        }
+        if !(self.stall.after_s >= 1.0 && self.stall.after_s <= MAX_STALL_S) {
+            bad("stall.after_s".to_string(), format!("{} must be in [1, {MAX_STALL_S}] seconds", self.stall.after_s));
+        }
+        if !(self.stall.steps >= 1.0 && self.stall.steps <= 1e6) {
+            bad(
+                "stall.steps".to_string(),
+                format!("{} must be in [1, 1000000] (times the slowest step)", self.stall.steps),
+            );
         }
         let mut all = problems.into_iter();
         match all.next() {
@@ -503,6 +553,21 @@ pub(crate) mod tests {
         let e = Policy::parse("name: x\nrungs: []").unwrap_err();
         assert!(e.to_string().starts_with("rungs: must list at least one rung"), "{e}");
         assert!(matches!(load(Path::new("policies"), "../etc"), Err(PolicyError::Invalid { .. })));
+        let rung = "rungs: [{ name: a, set: { precision: bf16 } }]";
+        for (stall, field) in [
+            ("{ after_s: 0.5 }", "stall.after_s: 0.5 must be in [1, 604800] seconds"),
+            ("{ after_s: .nan }", "stall.after_s: NaN must be in"),
+            ("{ after_s: 1e9 }", "stall.after_s: 1000000000 must be in"),
+            ("{ steps: 0 }", "stall.steps: 0 must be in [1, 1000000]"),
+            ("{ steps: -3, after_s: 60 }", "stall.steps: -3 must be in"),
+        ] {
+            let e = Policy::parse(&format!("name: x\n{rung}\nstall: {stall}")).unwrap_err();
+            assert!(e.to_string().starts_with(field), "{stall}: {e}");
+        }
+        let e = Policy::parse(&format!("name: x\n{rung}\nstall: {{ after: 60 }}")).unwrap_err();
+        assert!(e.to_string().contains("after"), "an unknown stall field is named: {e}");
+        let p = Policy::parse(&format!("name: x\n{rung}\nstall: {{ steps: 50 }}")).unwrap();
+        assert_eq!((p.stall.after_s, p.stall.steps), (600.0, 50.0), "an absent field keeps its default");
         // Every problem at once, in file order.
         let e = Policy::parse("name: x\nthresholds: { warn: 0.9, preempt: 0.5, sustain: 0 }\nrungs: []").unwrap_err();
         assert_eq!(

@@ -38,6 +38,10 @@ pub struct RunnerConfig {
     pub trainer_env: Vec<(String, String)>,
 }
 
+/// How long the output of a trainer killed for stalling is still read before the runner stops
+/// waiting for it to close.
+const KILLED_OUTPUT_GRACE: Duration = Duration::from_secs(30);
+
 /// What one attempt came to: its outcome; the configuration to step up to when the runner
 /// stopped it for that; what other processes held when they caused its preemption.
 struct AttemptResult {
@@ -505,10 +509,19 @@ impl Runner {
         let mut step_up_to = None;
         let mut requested: Option<Request> = None;
         let mut last_flush = Instant::now();
+        // The stall watchdog: the last time the trainer was heard from, and once it was killed
+        // for its silence, when that was (its output should end soon after).
+        let mut last_heard = tokio::time::Instant::now();
+        let mut killed_at: Option<tokio::time::Instant> = None;
         loop {
+            let deadline = match killed_at {
+                None => last_heard + monitor.stall_limit(),
+                Some(at) => at + KILLED_OUTPUT_GRACE,
+            };
             tokio::select! {
                 line = lines.next_line() => {
                     let Some(line) = line? else { break };
+                    last_heard = tokio::time::Instant::now();
                     let Some(ev) = Line::parse(&line) else {
                         tracing::warn!(job, "trainer wrote a line that is not a protocol event: {line}");
                         continue;
@@ -546,6 +559,21 @@ impl Runner {
                         send_control(&mut stdin, cmd).await;
                     }
                 }
+                () = tokio::time::sleep_until(deadline) => {
+                    if killed_at.is_some() {
+                        // Killed, yet its output stays open (a descendant holding it): stop reading.
+                        tracing::warn!(job, "the killed trainer's output is still open; no longer reading it");
+                        break;
+                    }
+                    if let Some((kind, message)) = monitor.stalled(last_heard.elapsed()) {
+                        tracing::warn!(job, attempt, "{message}");
+                        self.db.event(job, Some(attempt), kind, &message).await?;
+                        if let Err(e) = child.start_kill() {
+                            tracing::warn!(job, "could not kill the stalled trainer: {e}");
+                        }
+                        killed_at = Some(tokio::time::Instant::now());
+                    }
+                }
             }
         }
         let status = child.wait().await?;
@@ -572,6 +600,7 @@ impl Runner {
             Outcome::SwapBound { reason } => format!("attempt {number} swap-bound: {reason}"),
             Outcome::SteppedUp { .. } => format!("attempt {number} checkpointed and stopped to step back up"),
             Outcome::Slow { reason } => format!("attempt {number} checkpointed and stopped: {reason}"),
+            Outcome::Stalled { .. } => format!("attempt {number} stalled and was killed"),
             other => format!("attempt {number} ended: {}", other.db_name()),
         };
         let kind = match outcome {
