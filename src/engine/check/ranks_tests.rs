@@ -692,6 +692,34 @@ fn an_oom_on_one_stage_fails_the_step_on_every_stage_without_a_hang() {
     }
 }
 
+/// The same on a device whose stage boundaries go through native collectives (simulated
+/// NCCL): the failed stage's stand-ins take that path too, so its neighbours' transfers
+/// complete instead of waiting for a host exchange that never comes.
+#[test]
+fn an_oom_on_one_stage_with_native_transfers_fails_every_stage_without_a_hang() {
+    use crate::engine::check::device_sim::{DeviceSim, SimCollectives};
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let setup = stages(4, 1, 4, 0);
+        let group = SimCollectives::group(4);
+        let results = on_backends::<f32, _, _>(
+            setup,
+            2,
+            |rank| DeviceSim::new(if rank == 3 { 2 << 20 } else { BIG }).with_collectives(group[rank].clone()),
+            |mut trainer, _| trainer.train_step(&mut batch(CFG)).map(|s| s.loss),
+        );
+        let _ = tx.send((results, group[0].calls()));
+    });
+    let (results, calls) = rx.recv_timeout(std::time::Duration::from_secs(60)).expect("every stage returns: no hang");
+    assert!(calls > 0, "the boundaries went through the native collectives");
+    for (rank, r) in results.into_iter().enumerate() {
+        match r.expect("the state fits on every stage") {
+            Err(BackendError::Oom(_)) => {}
+            other => panic!("rank {rank}: the step is an OOM on every stage, not {other:?}"),
+        }
+    }
+}
+
 /// A checkpoint written by pipeline stages holds the whole model: it resumes on one rank, on
 /// another grid of stages, and on tensor-parallel ranks, each continuing the one-rank run.
 #[test]

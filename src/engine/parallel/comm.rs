@@ -1,17 +1,19 @@
 //! Collectives between data-parallel ranks behind the `Comm` trait. `Group` is the
 //! in-process shared-memory implementation (one thread per rank); its `*_on` forms take pool
 //! views of any backend and stage device memory through the host. Reductions sum in rank
-//! order, so results are bitwise repeatable run to run and the same on every backend.
+//! order, so results are bitwise repeatable run to run and the same on every backend. A rank
+//! that fails outside the collectives abandons its thread group (`Group::abandon`): the
+//! others leave the collective they wait to enter instead of waiting for it forever.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Barrier, Mutex};
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::engine::backend::collectives::{DeviceCollectives, Dtype};
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::{Backend, BackendResult, View, ViewMut};
-use crate::engine::parallel::tcp::{RendezvousError, TcpLink};
+use crate::engine::parallel::tcp::{RankFailure, RendezvousError, TcpLink};
 use crate::engine::parallel::SwapStats;
 
 /// What the training loop needs from a rank group.
@@ -55,9 +57,71 @@ struct Published {
     word: u64,
 }
 
+/// A thread group's ranks unwind out of a collective they are waiting in with this payload
+/// once the group is abandoned ([`Group::abandon`]: a rank failed outside the collectives and
+/// will never arrive). [`catch_abandoned`] turns it back into a value, as salsa's
+/// `Cancelled` does; it never reaches the panic hook.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Abandoned;
+
+/// Run `f`, and if it was unwound by [`Abandoned`] return that instead (any other panic goes on).
+pub fn catch_abandoned<T>(f: impl FnOnce() -> T) -> Result<T, Abandoned> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(v) => Ok(v),
+        Err(payload) if payload.is::<Abandoned>() => Err(Abandoned),
+        Err(payload) => std::panic::resume_unwind(payload),
+    }
+}
+
+/// How often a rank waiting to enter a collective looks whether its group was abandoned.
+const ABANDON_POLL: Duration = Duration::from_millis(20);
+
+/// The barrier of a thread group. A wait at a collective's entry — where no rank has yet
+/// shared a buffer of this collective — gives up once the group is abandoned; a wait that
+/// closes a collective does not (every rank that entered it reaches its end: the collectives
+/// themselves do not fail midway, see the staged `*_on` forms), so no rank leaves while
+/// another may still touch its buffers.
+struct RankBarrier {
+    world: usize,
+    /// (ranks arrived, generation).
+    state: Mutex<(usize, u64)>,
+    cv: Condvar,
+}
+
+impl RankBarrier {
+    fn new(world: usize) -> RankBarrier {
+        RankBarrier { world, state: Mutex::new((0, 0)), cv: Condvar::new() }
+    }
+
+    fn wait(&self, abandoned: Option<&AtomicBool>) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = state.1;
+        state.0 += 1;
+        if state.0 == self.world {
+            *state = (0, generation + 1);
+            self.cv.notify_all();
+            return;
+        }
+        while state.1 == generation {
+            // Never a second unwind while one is under way (a wait from a destructor).
+            if abandoned.is_some_and(|a| a.load(Ordering::SeqCst)) && !std::thread::panicking() {
+                state.0 -= 1;
+                drop(state);
+                std::panic::resume_unwind(Box::new(Abandoned));
+            }
+            state = match abandoned {
+                Some(_) => self.cv.wait_timeout(state, ABANDON_POLL).unwrap_or_else(|e| e.into_inner()).0,
+                None => self.cv.wait(state).unwrap_or_else(|e| e.into_inner()),
+            };
+        }
+    }
+}
+
 struct Shared {
     world: usize,
-    barrier: Barrier,
+    barrier: RankBarrier,
+    /// Set once by [`Group::abandon`]; shared with every sub-group split from the group.
+    abandoned: Arc<AtomicBool>,
     /// Each rank's published buffers for the collective in progress.
     slots: Mutex<Vec<Published>>,
     word: AtomicU64,
@@ -67,15 +131,27 @@ struct Shared {
 }
 
 impl Shared {
-    fn new(world: usize) -> Shared {
+    fn new(world: usize, abandoned: Arc<AtomicBool>) -> Shared {
         Shared {
             world,
-            barrier: Barrier::new(world),
+            barrier: RankBarrier::new(world),
+            abandoned,
             slots: Mutex::new(vec![Published::default(); world]),
             word: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             splits: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Wait for every rank at a collective's entry (no buffer of it shared yet); unwinds with
+    /// [`Abandoned`] once the group is abandoned.
+    fn enter(&self) {
+        self.barrier.wait(Some(&self.abandoned));
+    }
+
+    /// Wait for every rank at a point inside or at the end of a collective.
+    fn close(&self) {
+        self.barrier.wait(None);
     }
 }
 
@@ -111,7 +187,7 @@ enum Link {
 impl Group {
     /// Handles for a group of `world` ranks as threads of this process, one per rank.
     pub fn threads(world: usize) -> Vec<Group> {
-        let shared = Arc::new(Shared::new(world));
+        let shared = Arc::new(Shared::new(world, Arc::default()));
         (0..world).map(|rank| Group { rank, link: Link::Threads(shared.clone()), native: Native::World }).collect()
     }
 
@@ -126,7 +202,7 @@ impl Group {
     /// first rank, which listens at an address the others learn through this group (waiting
     /// up to `timeout` for them). Sub-groups run their collectives independently of each other.
     pub fn split(&self, color: u64, timeout: std::time::Duration) -> Result<Group, RendezvousError> {
-        if let Some(link) = self.tcp_link() {
+        if let Link::Tcp(link) = &self.link {
             let sub = link.split(color, timeout)?;
             return Ok(Group { rank: sub.rank(), link: Link::Tcp(Arc::new(sub)), native: Native::Staged });
         }
@@ -142,12 +218,12 @@ impl Group {
         if self.rank == 0 {
             let members = |c: u64| colors.iter().filter(|&&x| x == c).count();
             *self.shared().splits.lock().unwrap_or_else(|e| e.into_inner()) =
-                distinct.iter().map(|&c| Arc::new(Shared::new(members(c)))).collect();
+                distinct.iter().map(|&c| Arc::new(Shared::new(members(c), self.shared().abandoned.clone()))).collect();
         }
-        self.shared().barrier.wait();
+        self.shared().close();
         let index = distinct.iter().position(|&c| c == color).expect("this rank's color");
         let sub = self.shared().splits.lock().unwrap_or_else(|e| e.into_inner())[index].clone();
-        self.shared().barrier.wait();
+        self.shared().close();
         if self.rank == 0 {
             self.shared().splits.lock().unwrap_or_else(|e| e.into_inner()).clear();
         }
@@ -180,6 +256,25 @@ impl Group {
         Ok(sub)
     }
 
+    /// This rank takes part in no more collectives (it failed outside them): every rank of a
+    /// thread group, and of the groups split from it, that waits to enter a collective or
+    /// later tries to unwinds with [`Abandoned`] instead of waiting for it forever. A process
+    /// group needs nothing: a rank that ends closes its connections, which ends its peers'.
+    pub fn abandon(&self) {
+        if let Link::Threads(shared) = &self.link {
+            shared.abandoned.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// This rank failed outside the collectives and is about to end: a process group's rank
+    /// tells rank 0 why (`TcpLink::report_failure`), so the job ends with its failure rather
+    /// than a lost connection. A thread group's ranks settle it in `train::job::thread_ranks`.
+    pub fn report_failure(&self, failure: &RankFailure) {
+        if let Some(link) = self.tcp_link() {
+            link.report_failure(failure);
+        }
+    }
+
     /// The smallest of every rank's `value`, on every rank.
     pub fn min_u64(&self, value: u64) -> u64 {
         if self.world() == 1 {
@@ -189,7 +284,7 @@ impl Group {
             return link.exchange_words(&[value]).iter().map(|w| w[0]).min().unwrap_or(value);
         }
         let slots = self.exchange(Published { word: value, ..Default::default() });
-        self.shared().barrier.wait();
+        self.shared().close();
         slots.iter().map(|p| p.word).min().unwrap_or(value)
     }
 
@@ -216,7 +311,7 @@ impl Group {
             let mut slots = self.shared().slots.lock().unwrap_or_else(|e| e.into_inner());
             slots[self.rank] = mine;
         }
-        self.shared().barrier.wait();
+        self.shared().enter();
         // Every collective ends with a barrier, so nobody publishes the next one before
         // everyone has read this one.
         self.shared().slots.lock().unwrap_or_else(|e| e.into_inner()).clone()
@@ -283,7 +378,7 @@ impl Comm for Group {
                 *o = E::from_f32(*s);
             }
         }
-        self.shared().barrier.wait();
+        self.shared().close();
     }
 
     fn all_gather<E: Elem>(&self, buf: &mut [E], own: std::ops::Range<usize>) {
@@ -305,7 +400,7 @@ impl Comm for Group {
                 std::ptr::copy_nonoverlapping(mine.add(own.start), (addr as *mut E).add(own.start), own.len());
             }
         }
-        self.shared().barrier.wait();
+        self.shared().close();
     }
 
     fn reduce_scatter_add<E: Elem>(&self, bucket: &[E], offset: usize, shard: &mut [E], own: std::ops::Range<usize>) {
@@ -335,7 +430,7 @@ impl Comm for Group {
                 *d = E::from_f32(d.to_f32() + s);
             }
         }
-        self.shared().barrier.wait();
+        self.shared().close();
     }
 
     fn gather_range<E: Elem>(&self, shard: &[E], own: std::ops::Range<usize>, offset: usize, out: &mut [E]) {
@@ -360,7 +455,7 @@ impl Comm for Group {
             let src = unsafe { std::slice::from_raw_parts((p.a.0 as *const E).add(lo - p.own.0), hi - lo) };
             out[lo - offset..hi - offset].copy_from_slice(src);
         }
-        self.shared().barrier.wait();
+        self.shared().close();
     }
 
     fn all_reduce_f64(&self, value: f64) -> f64 {
@@ -372,7 +467,7 @@ impl Comm for Group {
         }
         let slots = self.exchange(Published { word: value.to_bits(), ..Default::default() });
         let sum = slots.iter().map(|p| f64::from_bits(p.word)).sum();
-        self.shared().barrier.wait();
+        self.shared().close();
         sum
     }
 
@@ -386,9 +481,9 @@ impl Comm for Group {
         if self.rank == 0 {
             self.shared().word.store(value, Ordering::SeqCst);
         }
-        self.shared().barrier.wait();
+        self.shared().enter();
         let v = self.shared().word.load(Ordering::SeqCst);
-        self.shared().barrier.wait();
+        self.shared().close();
         v
     }
 
@@ -402,13 +497,13 @@ impl Comm for Group {
         if !ok {
             self.shared().failures.fetch_add(1, Ordering::SeqCst);
         }
-        self.shared().barrier.wait();
+        self.shared().enter();
         let all_ok = self.shared().failures.load(Ordering::SeqCst) == 0;
-        self.shared().barrier.wait();
+        self.shared().close();
         if self.rank == 0 {
             self.shared().failures.store(0, Ordering::SeqCst);
         }
-        self.shared().barrier.wait();
+        self.shared().close();
         all_ok
     }
 }
@@ -606,8 +701,29 @@ impl Group {
     }
 
     /// Take part in a transfer without a buffer of one's own (a rank that failed earlier in
-    /// the step): sends zeros, or receives into a host stand-in that is dropped.
-    pub fn stand_in<E: Elem>(&self, n: usize, sending: bool) {
+    /// the step): sends zeros, or receives into a stand-in that is dropped. The stand-in takes
+    /// the path the other member's buffer does: on a device with native collectives a device
+    /// buffer (the pool's, in `workspace`) through them; where the pool cannot give one, or
+    /// without them, the host's. (A peer on NCCL would wait for a host stand-in forever: that
+    /// attempt ends by the supervisor's stall limit.)
+    pub fn stand_in<E: Elem, B: Backend>(&self, be: &B, n: usize, sending: bool) {
+        if self.native_of(be).is_some() {
+            if let Ok(mut buf) = be.pool().alloc(n * E::BYTES, crate::memory::Category::Workspace) {
+                // Sent whether or not the zeroing worked: the peer waits for the transfer, and
+                // its step fails with this one's after the passes.
+                let moved = match sending {
+                    true => {
+                        let _ = be.zero::<E>(ViewMut::of(&mut buf));
+                        self.send_on::<E, B>(be, View::of(&buf))
+                    }
+                    false => self.recv_on::<E, B>(be, ViewMut::of(&mut buf)),
+                };
+                if let Err(e) = moved {
+                    tracing::warn!("a failed stage's stand-in transfer failed too: {e}");
+                }
+                return;
+            }
+        }
         let mut host = vec![E::default(); n];
         self.all_gather(&mut host, if sending { 0..n } else { n..n });
     }
@@ -630,7 +746,7 @@ impl Group {
             return link.owners(own);
         }
         let slots = self.exchange(Published { own: (own.start, own.end), ..Default::default() });
-        self.shared().barrier.wait();
+        self.shared().close();
         slots.into_iter().map(|p| p.own.0..p.own.1).collect()
     }
 

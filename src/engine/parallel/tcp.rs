@@ -8,11 +8,15 @@
 //! through NCCL. A connection that fails mid-collective ends this rank's process (exit 1, the
 //! peer named on stderr): its peers then see their own connection close and end too, so no
 //! rank waits forever for one that is gone, and the job resumes from its last checkpoint.
+//! A rank that fails on its own (out of memory, say) first sends rank 0 its last words
+//! ([`RankFailure`]: exit code, message, `oom` line); rank 0 ends the process with them —
+//! when it next reads from that rank, or when its own connections close in the cascade — so
+//! the supervisor sees that rank's OOM, not a lost connection.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
@@ -21,7 +25,7 @@ use crate::engine::backend::layers::Elem;
 use crate::protocol::ExitCode;
 
 /// Changes whenever the wire form of the handshake or of a collective changes.
-const WIRE_VERSION: u32 = 1;
+const WIRE_VERSION: u32 = 2;
 /// The largest handshake message accepted (a job spec and a session, in JSON).
 const MAX_HANDSHAKE: u64 = 16 << 20;
 
@@ -75,6 +79,42 @@ pub struct TcpLink {
     rank: usize,
     world: usize,
     peers: Vec<Mutex<TcpStream>>,
+    /// The link this one was split from, at the top (the whole group's): where a failing rank
+    /// reports to rank 0. None: this is it.
+    root: Option<Arc<TcpLink>>,
+    /// How the process ends once the group is broken (tests unwind instead).
+    end: fn(RankFailure) -> !,
+}
+
+/// A rank's last words, relayed to rank 0 before it ends: what rank 0 then ends the job with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankFailure {
+    pub rank: usize,
+    /// The protocol exit code the process ends with.
+    pub code: i32,
+    pub message: String,
+    /// A protocol line for rank 0 to write first (the failed rank's `oom` event).
+    pub line: Option<String>,
+}
+
+/// The length word that announces a failure report instead of a collective's data.
+const FAILURE_FRAME: u64 = u64::MAX;
+/// The largest failure report accepted.
+const MAX_FAILURE: u64 = 1 << 20;
+/// How long rank 0, its connection to a rank lost, looks on each of its peers for a report of
+/// a failure sent before that rank ended.
+const REPORT_WAIT: Duration = Duration::from_millis(200);
+
+/// End this process with `failure`: its protocol line on stdout (for the supervisor), its
+/// message on stderr — printed, not logged: the attempt's last word whatever the log level.
+fn end_process(failure: RankFailure) -> ! {
+    if let Some(line) = &failure.line {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+    }
+    eprintln!("{}", failure.message);
+    std::process::exit(failure.code);
 }
 
 impl TcpLink {
@@ -153,7 +193,13 @@ impl TcpLink {
             stream.set_read_timeout(None).map_err(io)?;
             joined[hello.rank - 1] = Some(stream);
         }
-        Ok(TcpLink { rank: 0, world, peers: joined.into_iter().map(|s| Mutex::new(s.expect("joined"))).collect() })
+        Ok(TcpLink {
+            rank: 0,
+            world,
+            peers: joined.into_iter().map(|s| Mutex::new(s.expect("joined"))).collect(),
+            root: None,
+            end: end_process,
+        })
     }
 
     /// Rank `rank`'s side: connect to rank 0 at `addr` (retrying until it listens, up to
@@ -196,7 +242,7 @@ impl TcpLink {
                     addr: addr.into(),
                     message: format!("rank 0's session: {e}"),
                 })?;
-                Ok((TcpLink { rank, world, peers: vec![Mutex::new(stream)] }, session))
+                Ok((TcpLink { rank, world, peers: vec![Mutex::new(stream)], root: None, end: end_process }, session))
             }
         }
     }
@@ -204,7 +250,14 @@ impl TcpLink {
     /// `Group::split` for a process group: the sub-group of the ranks giving `color`, its
     /// first rank hosting a rendezvous on the interface its own connection uses (so the others
     /// reach it wherever they reach this group), its address sent through this group.
-    pub fn split(&self, color: u64, timeout: Duration) -> Result<TcpLink, RendezvousError> {
+    pub fn split(self: &Arc<Self>, color: u64, timeout: Duration) -> Result<TcpLink, RendezvousError> {
+        let mut sub = self.split_link(color, timeout)?;
+        sub.root = Some(self.root.clone().unwrap_or_else(|| self.clone()));
+        sub.end = self.end;
+        Ok(sub)
+    }
+
+    fn split_link(&self, color: u64, timeout: Duration) -> Result<TcpLink, RendezvousError> {
         let colors: Vec<u64> = self.exchange_words(&[color]).into_iter().map(|w| w[0]).collect();
         let members: Vec<usize> = (0..self.world).filter(|&r| colors[r] == color).collect();
         let (sub_rank, sub_world) = (members.iter().position(|&r| r == self.rank).expect("a member"), members.len());
@@ -223,7 +276,7 @@ impl TcpLink {
         // The same text on every member: the rendezvous checks it like a job spec.
         let job = format!("split of {} ranks, color {color}", self.world);
         if sub_world == 1 {
-            return Ok(TcpLink { rank: 0, world: 1, peers: Vec::new() });
+            return Ok(TcpLink { rank: 0, world: 1, peers: Vec::new(), root: None, end: end_process });
         }
         match listener {
             Some(Ok(listener)) => TcpLink::host(listener, sub_world, &job, &(), timeout, &mut || Ok(())),
@@ -259,16 +312,67 @@ impl TcpLink {
     }
 
     /// A connection failed mid-collective: this rank cannot go on, and must not leave its
-    /// peers waiting, so the process ends (its sockets close, which ends theirs).
+    /// peers waiting, so the process ends (its sockets close, which ends theirs) — with the
+    /// failure a rank reported before it ended, where rank 0 finds one.
     fn lost(&self, i: usize, e: std::io::Error) -> ! {
         let message = format!(
             "rank {}: the connection to rank {} failed ({e}); ending this rank (the job resumes from its last checkpoint)",
             self.rank,
             self.peer_rank(i)
         );
-        // Printed, not logged: it is the attempt's last word whatever the log level.
-        eprintln!("{message}");
-        std::process::exit(ExitCode::Internal.code());
+        let lost = RankFailure { rank: self.rank, code: ExitCode::Internal.code(), message, line: None };
+        (self.end)(self.root().reported_failure().unwrap_or(lost))
+    }
+
+    /// The whole group's link (this one, unless it was split from another).
+    fn root(&self) -> &TcpLink {
+        self.root.as_deref().unwrap_or(self)
+    }
+
+    /// This rank failed outside the collectives and is about to end: tell rank 0 of the whole
+    /// group why ([`RankFailure`]), so the job ends with it. Rank 0 says it itself.
+    pub fn report_failure(&self, failure: &RankFailure) {
+        let root = self.root();
+        if root.rank == 0 || root.peers.is_empty() {
+            return;
+        }
+        let mut s = root.peers[0].lock().unwrap_or_else(|e| e.into_inner());
+        let bytes = serde_json::to_vec(failure).expect("a failure serialises");
+        let sent = s.write_all(&FAILURE_FRAME.to_le_bytes()).and_then(|()| write_frame(&mut s, &bytes));
+        if let Err(e) = sent {
+            tracing::warn!("could not report this rank's failure to rank 0: {e}");
+        }
+    }
+
+    /// On rank 0 of the whole group: a failure some rank reported before its connection
+    /// closed, read from what its peers have sent (data frames of a collective this rank did
+    /// not reach are passed over).
+    fn reported_failure(&self) -> Option<RankFailure> {
+        if self.rank != 0 {
+            return None;
+        }
+        for peer in &self.peers {
+            // A connection in use by a collective on another thread is not this one's to read.
+            let Ok(mut s) = peer.try_lock() else { continue };
+            if s.set_read_timeout(Some(REPORT_WAIT)).is_err() {
+                continue;
+            }
+            let found = loop {
+                match read_len(&mut s) {
+                    Ok(FAILURE_FRAME) => break read_failure(&mut s).ok(),
+                    Ok(len) => match std::io::copy(&mut (&mut *s).take(len), &mut std::io::sink()) {
+                        Ok(n) if n == len => continue,
+                        _ => break None,
+                    },
+                    Err(_) => break None,
+                }
+            };
+            let _ = s.set_read_timeout(None);
+            if found.is_some() {
+                return found;
+            }
+        }
+        None
     }
 
     fn send(&self, i: usize, bytes: &[u8]) {
@@ -279,12 +383,20 @@ impl TcpLink {
         }
     }
 
-    /// Receive a frame of exactly `into.len()` bytes.
+    /// Receive a frame of exactly `into.len()` bytes (or a peer's failure report, which ends
+    /// the process with it).
     fn recv_into(&self, i: usize, into: &mut [u8]) {
         let mut s = self.peers[i].lock().unwrap_or_else(|e| e.into_inner());
-        if let Err(e) = read_frame_into(&mut s, into) {
-            drop(s);
-            self.lost(i, e);
+        match read_frame_into(&mut s, into) {
+            Ok(None) => {}
+            Ok(Some(failure)) => {
+                drop(s);
+                (self.end)(failure)
+            }
+            Err(e) => {
+                drop(s);
+                self.lost(i, e);
+            }
         }
     }
 
@@ -461,16 +573,26 @@ fn read_frame(s: &mut TcpStream, max: u64) -> std::io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// A frame that must be exactly `into.len()` bytes (both sides run the same collective).
-fn read_frame_into(s: &mut TcpStream, into: &mut [u8]) -> std::io::Result<()> {
+/// A frame that must be exactly `into.len()` bytes (both sides run the same collective), or
+/// the peer's failure report in its place.
+fn read_frame_into(s: &mut TcpStream, into: &mut [u8]) -> std::io::Result<Option<RankFailure>> {
     let len = read_len(s)?;
+    if len == FAILURE_FRAME {
+        return read_failure(s).map(Some);
+    }
     if len != into.len() as u64 {
         return Err(std::io::Error::other(format!(
             "a frame of {len} bytes where {} were expected (the ranks are out of step)",
             into.len()
         )));
     }
-    s.read_exact(into)
+    s.read_exact(into)?;
+    Ok(None)
+}
+
+/// The report that follows a [`FAILURE_FRAME`] word.
+fn read_failure(s: &mut TcpStream) -> std::io::Result<RankFailure> {
+    serde_json::from_slice(&read_frame(s, MAX_FAILURE)?).map_err(std::io::Error::other)
 }
 
 /// Words of a socket address's text (up to 64 bytes; an IPv6 address with its port fits).
@@ -547,5 +669,75 @@ pub(crate) mod tests {
             .err()
             .unwrap();
         assert!(err.to_string().ends_with("rank 1 exited"), "{err}");
+    }
+
+    /// Tests end a rank by unwinding with its failure instead of ending the process.
+    fn unwind(failure: RankFailure) -> ! {
+        std::panic::resume_unwind(Box::new(failure))
+    }
+
+    /// What `f` ended the rank with (it must end it).
+    fn ended_with(f: impl FnOnce()) -> RankFailure {
+        let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).expect_err("the rank ended");
+        *payload.downcast::<RankFailure>().expect("ended by the link")
+    }
+
+    /// A rank that fails outside the collectives reports why before it ends; rank 0 ends with
+    /// that report — read in place of the rank's data in a collective of the whole group, or
+    /// found on its connections once a sub-group's connection to that rank closes — and the
+    /// others, their connection to rank 0 gone, end as lost (exit 1).
+    #[test]
+    fn a_failed_rank_s_report_ends_rank_0_with_its_code_and_line() {
+        let report = |rank: usize| RankFailure {
+            rank,
+            code: ExitCode::OutOfMemory.code(),
+            message: format!("rank {rank} failed: out of memory"),
+            line: Some(format!("{{\"t\":1.0,\"event\":\"oom\",\"rank\":{rank}}}")),
+        };
+        // In a collective of the whole group.
+        let links: Vec<Arc<TcpLink>> = loopback(3)
+            .into_iter()
+            .map(|mut l| {
+                l.end = unwind;
+                Arc::new(l)
+            })
+            .collect();
+        let [l0, l1, l2]: [Arc<TcpLink>; 3] = links.try_into().ok().unwrap();
+        let waiting = std::thread::spawn(move || ended_with(|| l2.all_reduce_sum(&mut [1.0f32; 4])));
+        l1.report_failure(&report(1));
+        drop(l1);
+        assert_eq!(ended_with(|| l0.all_reduce_sum(&mut [1.0f32; 4])), report(1));
+        drop(l0);
+        let lost = waiting.join().unwrap();
+        assert_eq!((lost.rank, lost.code), (2, ExitCode::Internal.code()), "{lost:?}");
+        assert!(lost.message.contains("the connection to rank 0 failed"), "{}", lost.message);
+
+        // In a sub-group: rank 0 and rank 2 split off, rank 2 fails, rank 1 waits in the whole group.
+        let links: Vec<Arc<TcpLink>> = loopback(3)
+            .into_iter()
+            .map(|mut l| {
+                l.end = unwind;
+                Arc::new(l)
+            })
+            .collect();
+        let splits: Vec<TcpLink> = std::thread::scope(|scope| {
+            let splits: Vec<_> = links
+                .iter()
+                .map(|l| {
+                    scope.spawn(move || l.split(if l.rank() == 1 { 1 } else { 0 }, Duration::from_secs(20)).unwrap())
+                })
+                .collect();
+            splits.into_iter().map(|j| j.join().unwrap()).collect()
+        });
+        // Each rank's only handles on its links: dropping them closes its connections.
+        let subs: Vec<(Arc<TcpLink>, TcpLink)> = links.into_iter().zip(splits).collect();
+        let [(l0, s0), (l1, s1), (l2, s2)]: [(Arc<TcpLink>, TcpLink); 3] = subs.try_into().ok().unwrap();
+        assert_eq!((s0.rank(), s0.world(), s2.rank(), s1.world()), (0, 2, 1, 1));
+        let waiting = std::thread::spawn(move || ended_with(|| l1.all_reduce_sum(&mut [1.0f32; 4])));
+        s2.report_failure(&report(2));
+        drop((s2, l2));
+        assert_eq!(ended_with(|| s0.all_reduce_sum(&mut [1.0f32; 4])), report(2));
+        drop((s0, l0));
+        assert_eq!(waiting.join().unwrap().code, ExitCode::Internal.code());
     }
 }

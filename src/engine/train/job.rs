@@ -14,7 +14,7 @@ use crate::protocol::{self, Control, Event, ExitCode, Line, MemSnapshot};
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::{Backend, BackendError, CpuBackend};
 use crate::engine::model::GptConfig;
-use crate::engine::parallel::comm::{Comm, Group};
+use crate::engine::parallel::comm::{Abandoned, Comm, Group};
 use crate::engine::parallel::tcp::RendezvousError;
 use crate::engine::train::checkpoint::{self, CheckpointError};
 use crate::engine::train::data::{load_tokens, DataError, Dataset};
@@ -385,38 +385,23 @@ impl Run<'_> {
     }
 
     /// Run every data-parallel rank, rank r on `backends[r]` (each with its own device pool):
-    /// rank 0 here (it speaks the protocol), the others on threads of their own.
+    /// rank 0 here (it speaks the protocol), the others on threads of their own
+    /// ([`thread_ranks`]).
     fn ranks<E: Elem, B: Backend>(self, backends: Vec<B>, events: &mut Events) -> Result<(), TrainError> {
         let world = backends.len();
-        let mut backends = backends.into_iter();
-        let leader_backend = backends.next().expect("world_size >= 1");
         if world == 1 {
-            return self.go::<E, _>(leader_backend, events);
+            return self.go::<E, _>(backends.into_iter().next().expect("world_size >= 1"), events);
         }
-        let mut comms = Group::threads(world).into_iter();
-        let leader_comm = comms.next();
-        std::thread::scope(|scope| {
-            let followers: Vec<_> = comms
-                .zip(backends)
-                .map(|(comm, be)| {
-                    let run = Run { control: None, comm: Some(comm), hyper: self.hyper.clone(), ..self };
-                    scope.spawn(move || run.go::<E, _>(be, &mut Events::new(Box::new(std::io::sink()))))
-                })
-                .collect();
-            let leader = Run { comm: leader_comm, ..self };
-            let result = leader.go::<E, _>(leader_backend, events);
-            for (i, f) in followers.into_iter().enumerate() {
-                match f.join() {
-                    Ok(Ok(())) | Ok(Err(TrainError::Preempted { .. })) => {}
-                    Ok(Err(e)) if result.is_ok() => {
-                        return Err(TrainError::RankFailed { rank: i + 1, message: e.to_string() })
-                    }
-                    Ok(Err(_)) => {}
-                    Err(_) => return Err(TrainError::RankFailed { rank: i + 1, message: "panicked".into() }),
-                }
-            }
-            result
-        })
+        let native = backends.iter().any(|b| b.collectives().is_some());
+        let ranks = Group::threads(world)
+            .into_iter()
+            .zip(backends)
+            .map(|(comm, be)| {
+                let control = if comm.rank() == 0 { self.control.clone() } else { None };
+                (comm.clone(), (Run { control, comm: Some(comm), hyper: self.hyper.clone(), ..self }, be))
+            })
+            .collect();
+        thread_ranks(ranks, events, native, |(run, be), events| run.go::<E, _>(be, events))
     }
 
     /// The training loop of one rank in compute precision `E` on `backend`.
@@ -654,6 +639,201 @@ fn defragment<E: Elem, B: Backend>(
     Ok(())
 }
 
+/// How a rank thread other than rank 0 ended.
+enum FollowerEnd {
+    /// Its run returned, with its last `oom` event if it wrote one.
+    Ran(Box<(Result<(), TrainError>, Option<Event>)>),
+    /// It left a collective because another rank abandoned the group.
+    Abandoned,
+}
+
+/// A run's end that leaves the other ranks without this one: an error other than a
+/// preemption (which every rank reaches together, rank 0 having broadcast it).
+fn leaves_the_group(result: &Result<(), TrainError>) -> bool {
+    matches!(result, Err(e) if !matches!(e, TrainError::Preempted { .. }))
+}
+
+/// How long a failed rank waits for rank 0 to leave its collectives before it ends the
+/// process itself (native collectives: rank 0 may be held in a device collective that no
+/// abandonment reaches).
+const NATIVE_ABANDON_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Run a job's ranks as threads of this process: `ranks[0]` here with `events` (it speaks the
+/// protocol), the others on threads of their own whose events are dropped but for their last
+/// `oom`. Each entry is a rank's group handle and what `go` runs it with. A rank that fails
+/// (or panics) abandons the group, so the others leave the collective they wait in
+/// ([`Abandoned`]) instead of waiting forever for it; the job's error is then rank 0's own,
+/// else the failed rank's — an OOM with its `oom` event written here (exit 3, so the
+/// supervisor steps down as for rank 0's), anything else as `RankFailed` (exit 1). With
+/// `native` collectives, a failed rank that rank 0 does not answer within
+/// [`NATIVE_ABANDON_GRACE`] writes its `oom` event and ends the process with its exit code.
+fn thread_ranks<T: Send>(
+    ranks: Vec<(Group, T)>,
+    events: &mut Events,
+    native: bool,
+    go: impl Fn(T, &mut Events) -> Result<(), TrainError> + Sync,
+) -> Result<(), TrainError> {
+    let mut ranks = ranks.into_iter();
+    let (leader_group, leader) = ranks.next().expect("at least one rank");
+    let leader_back = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let (go, leader_back) = (&go, &leader_back);
+        let followers: Vec<_> = ranks
+            .map(|(group, work)| {
+                scope.spawn(move || {
+                    let oom = LastOom::default();
+                    let mut own = Events::new(Box::new(oom.clone()));
+                    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| go(work, &mut own)));
+                    match ran {
+                        Ok(result) => {
+                            let oom = oom.take();
+                            if leaves_the_group(&result) {
+                                group.abandon();
+                                if native {
+                                    wait_for_rank_0_or_exit(group.rank(), &result, &oom, leader_back);
+                                }
+                            }
+                            FollowerEnd::Ran(Box::new((result, oom)))
+                        }
+                        Err(payload) if payload.is::<Abandoned>() => FollowerEnd::Abandoned,
+                        Err(payload) => {
+                            group.abandon();
+                            std::panic::resume_unwind(payload)
+                        }
+                    }
+                })
+            })
+            .collect();
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| go(leader, events)));
+        leader_back.store(true, Ordering::SeqCst);
+        let mut result = match ran {
+            Ok(result) => {
+                if leaves_the_group(&result) {
+                    leader_group.abandon();
+                }
+                Some(result)
+            }
+            // Another rank failed: its error, found below, is the job's.
+            Err(payload) if payload.is::<Abandoned>() => None,
+            Err(payload) => {
+                leader_group.abandon();
+                std::panic::resume_unwind(payload)
+            }
+        };
+        if let (true, Some(Err(e))) = (native, &result) {
+            wait_for_ranks_or_exit(&followers, e);
+        }
+        for (i, follower) in followers.into_iter().enumerate() {
+            let rank = i + 1;
+            let failed = match follower.join() {
+                Ok(FollowerEnd::Abandoned) => continue,
+                Ok(FollowerEnd::Ran(ran)) => match *ran {
+                    (Ok(()) | Err(TrainError::Preempted { .. }), _) => continue,
+                    (Err(e), oom) => (e, oom),
+                },
+                Err(_) => (TrainError::RankFailed { rank, message: "panicked".into() }, None),
+            };
+            result = match (result, failed) {
+                // Rank 0 left its collectives for this rank's failure: it is the job's.
+                (None, (TrainError::Oom(oom), event)) => {
+                    tracing::error!("rank {rank}: {oom}");
+                    if let Some(event) = event {
+                        let _ = events.emit(event);
+                    }
+                    Some(Err(TrainError::Oom(oom)))
+                }
+                (None | Some(Ok(())), (e @ TrainError::RankFailed { .. }, _)) => Some(Err(e)),
+                (None | Some(Ok(())), (e, _)) => Some(Err(TrainError::RankFailed { rank, message: e.to_string() })),
+                (failed_first, _) => failed_first,
+            };
+        }
+        result.unwrap_or_else(|| {
+            Err(TrainError::RankFailed {
+                rank: 0,
+                message: "left its collectives, but no rank reported a failure".into(),
+            })
+        })
+    })
+}
+
+/// A failed rank of a group with native collectives: rank 0 may be held in a device collective
+/// that abandonment cannot reach. Unless it comes back within [`NATIVE_ABANDON_GRACE`], this
+/// rank speaks for the job — its `oom` event on stdout, its error on stderr — and ends the
+/// process with its exit code.
+fn wait_for_rank_0_or_exit(
+    rank: usize,
+    result: &Result<(), TrainError>,
+    oom: &Option<Event>,
+    leader_back: &std::sync::atomic::AtomicBool,
+) {
+    let deadline = std::time::Instant::now() + NATIVE_ABANDON_GRACE;
+    while std::time::Instant::now() < deadline {
+        if leader_back.load(Ordering::SeqCst) {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let Err(e) = result else { return };
+    if let Some(event) = oom.clone() {
+        let _ = Events::stdout().emit(event);
+    }
+    eprintln!("rank {rank}: {e}; rank 0 did not leave its device collective within {NATIVE_ABANDON_GRACE:?}: ending the process");
+    let code = match e {
+        TrainError::Oom(_) => ExitCode::OutOfMemory,
+        _ => ExitCode::Internal,
+    };
+    std::process::exit(code.code());
+}
+
+/// Rank 0 failed in a group with native collectives: the other ranks may be held in a device
+/// collective that abandonment cannot reach. Unless they all end within
+/// [`NATIVE_ABANDON_GRACE`], rank 0 ends the process with its error (its `oom` event is
+/// already written).
+fn wait_for_ranks_or_exit<T>(followers: &[std::thread::ScopedJoinHandle<'_, T>], e: &TrainError) {
+    if matches!(e, TrainError::Preempted { .. }) {
+        return;
+    }
+    let deadline = std::time::Instant::now() + NATIVE_ABANDON_GRACE;
+    while std::time::Instant::now() < deadline {
+        if followers.iter().all(|f| f.is_finished()) {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    eprintln!("error: {e}");
+    eprintln!("rank 0 failed and the other ranks did not leave their device collectives within {NATIVE_ABANDON_GRACE:?}: ending the process");
+    std::process::exit(e.exit_code().code());
+}
+
+/// An events writer that keeps only the last `oom` event written to it (a rank's other than
+/// rank 0: rank 0 writes it for the job when that rank's failure ends it).
+#[derive(Clone, Default)]
+pub(super) struct LastOom(Arc<Mutex<(Vec<u8>, Option<Event>)>>);
+
+impl LastOom {
+    pub(super) fn take(&self) -> Option<Event> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).1.take()
+    }
+}
+
+impl Write for LastOom {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        kept.0.extend_from_slice(buf);
+        while let Some(end) = kept.0.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = kept.0.drain(..=end).collect();
+            if let Some(Line { event: event @ Event::Oom(_), .. }) = Line::parse(&String::from_utf8_lossy(&line)) {
+                kept.1 = Some(event);
+            }
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// An OOM is reported as the `oom` event; any other backend failure is returned as it is.
 fn report_failure(events: &mut Events, err: BackendError, step: u64) -> TrainError {
     match err {
@@ -709,4 +889,176 @@ fn gpu_readings(spec: &JobSpec, pool: &Pool) -> Option<Box<dyn crate::gpu::GpuRe
         }));
     }
     (spec.device.kind == DeviceKind::Cuda).then(|| Box::new(crate::gpu::GpuMonitor::init()) as Box<_>)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::parallel::comm::Comm;
+    use crate::memory::Category;
+
+    /// An events writer whose lines the test reads back.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// What a rank does in a case: take part in collectives, or fail before them.
+    #[derive(Clone, Copy, Debug)]
+    enum Part {
+        /// Sum over the world, then over its half (a sub-group split by rank parity).
+        Collectives,
+        /// Run out of memory (its `oom` event written), then leave.
+        Oom,
+        /// Fail with another error.
+        Fail,
+        Panic,
+    }
+
+    /// `parts[r]` for rank r as threads through `thread_ranks`, on a watchdog thread (a hang
+    /// fails the case instead of the suite): the result and rank 0's protocol lines.
+    fn run(parts: &[Part]) -> (Result<(), TrainError>, Vec<Line>) {
+        let parts = parts.to_vec();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let out = Captured::default();
+        let lines = out.clone();
+        std::thread::spawn(move || {
+            let ranks = Group::threads(parts.len()).into_iter().map(|g| (g.clone(), g)).collect();
+            let mut events = Events::new(Box::new(out));
+            let result = thread_ranks(ranks, &mut events, false, |group: Group, events: &mut Events| {
+                match parts[group.rank()] {
+                    Part::Collectives => {
+                        let half = group.split(group.rank() as u64 % 2, std::time::Duration::from_secs(5)).unwrap();
+                        for _ in 0..3 {
+                            group.all_reduce_f64(1.0);
+                            half.all_reduce_f64(1.0);
+                        }
+                        Ok(())
+                    }
+                    Part::Oom => {
+                        let pool = Pool::new("cpu", 1 << 20);
+                        let oom = pool.alloc(8 << 20, Category::Activations).unwrap_err();
+                        Err(report_oom(events, oom, 7))
+                    }
+                    Part::Fail => Err(TrainError::Events(std::io::Error::other("a failure outside the collectives"))),
+                    Part::Panic => panic!("a bug on rank {}", group.rank()),
+                }
+            });
+            let _ = tx.send(result);
+        });
+        let result = rx.recv_timeout(std::time::Duration::from_secs(60)).expect("the ranks ended (no hang)");
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        (result, text.lines().filter_map(Line::parse).collect())
+    }
+
+    /// A rank that fails outside the collectives releases the others from the collective they
+    /// wait in (in the world group or a sub-group split from it); the job's error is rank 0's
+    /// own, else the failed rank's: an OOM keeps exit 3 and its `oom` event reaches rank 0's
+    /// protocol lines, anything else is `rank R failed` (exit 1).
+    #[test]
+    fn a_rank_that_fails_outside_the_collectives_ends_every_rank_with_its_error() {
+        use Part::*;
+        // (parts, exit code, oom events on rank 0's stdout, message contains)
+        let cases: &[(&[Part], Option<ExitCode>, usize, &str)] = &[
+            (&[Collectives, Collectives, Collectives], None, 0, ""),
+            (&[Collectives, Oom, Collectives], Some(ExitCode::OutOfMemory), 1, "out of"),
+            (&[Collectives, Collectives, Collectives, Oom], Some(ExitCode::OutOfMemory), 1, "out of"),
+            (&[Oom, Collectives, Collectives], Some(ExitCode::OutOfMemory), 1, "out of"),
+            (&[Collectives, Fail, Collectives], Some(ExitCode::Internal), 0, "rank 1 failed: "),
+            (&[Fail, Collectives, Collectives, Collectives], Some(ExitCode::Internal), 0, "a failure outside"),
+            (&[Collectives, Collectives, Panic], Some(ExitCode::Internal), 0, "rank 2 failed: panicked"),
+        ];
+        for &(parts, code, ooms, message) in cases {
+            let (result, lines) = run(parts);
+            assert_eq!(result.as_ref().err().map(TrainError::exit_code), code, "{parts:?}: {result:?}");
+            let oom_lines = lines.iter().filter(|l| matches!(l.event, Event::Oom(_))).count();
+            assert_eq!(oom_lines, ooms, "{parts:?}: {lines:?}");
+            if let Err(e) = result {
+                assert!(e.to_string().contains(message), "{parts:?}: {e}");
+            }
+        }
+    }
+
+    /// Two data-parallel ranks where only rank 1's pool is too small for the step (another
+    /// process took memory on its GPU, say): rank 1 runs out of memory in its forward pass
+    /// while rank 0 goes on to the gradient all-reduce. Rank 0 leaves it, and the job ends
+    /// with rank 1's OOM (exit 3, its `oom` event on rank 0's stdout) instead of hanging.
+    #[test]
+    fn one_data_parallel_rank_out_of_memory_ends_the_job_with_its_oom() {
+        use crate::engine::estimate::estimate_step;
+        use crate::engine::model::{PpStage, TpShard};
+        use crate::engine::train::trainer::StepStats;
+        let cfg = GptConfig {
+            n_layer: 8,
+            n_head: 4,
+            n_embd: 192,
+            block_size: 32,
+            vocab: 512,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
+        let knobs = crate::config::Knobs { world_size: 2, ..crate::config::Knobs::plain(2, 32, 2) };
+        let hyper = Hyper {
+            knobs,
+            steps: 3,
+            global_batch: 8,
+            lr: 1e-3,
+            warmup_steps: 1,
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+            seed: 5,
+        };
+        let need = estimate_step(&cfg, &knobs);
+        // The smallest pool (MiB steps) that holds the model's state: too small for its step.
+        let state = need.params + need.grads + need.optimizer;
+        let tight = (state..need.peak_allocated)
+            .step_by(1 << 20)
+            .find(|&c| {
+                Trainer::<f32>::on_backend(cfg, hyper.clone(), CpuBackend::new(Pool::new("cpu", c)), None).is_ok()
+            })
+            .expect("a pool between the state and the step's peak");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let out = Captured::default();
+        let lines = out.clone();
+        std::thread::spawn(move || {
+            let ranks = Group::threads(2).into_iter().map(|g| (g.clone(), g)).collect();
+            let mut events = Events::new(Box::new(out));
+            let steps = Mutex::new(Vec::new());
+            let result = thread_ranks(ranks, &mut events, false, |group: Group, events: &mut Events| {
+                let rank = group.rank();
+                let capacity = if rank == 1 { tight } else { 1 << 30 };
+                let backend = CpuBackend::new(Pool::new(&format!("cpu:{rank}"), capacity));
+                let mut trainer = Trainer::<f32>::on_backend(cfg, hyper.clone(), backend, Some(group))
+                    .map_err(|e| report_failure(events, e, 0))?;
+                for step in 0..3 {
+                    let mut batch = |_: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
+                        inp.extend((0..32).map(|p| ((i + p) % 512) as u32));
+                        tgt.extend((0..32).map(|p| ((i + p + 1) % 512) as u32));
+                    };
+                    let done: StepStats =
+                        trainer.train_step(&mut batch).map_err(|e| report_failure(events, e, step))?;
+                    steps.lock().unwrap().push((rank, done.loss));
+                }
+                Ok(())
+            });
+            let _ = tx.send((result, steps.into_inner().unwrap()));
+        });
+        let (result, steps) = rx.recv_timeout(std::time::Duration::from_secs(120)).expect("the ranks ended (no hang)");
+        assert!(matches!(&result, Err(TrainError::Oom(_))), "{result:?}");
+        assert_eq!(result.unwrap_err().exit_code(), ExitCode::OutOfMemory);
+        assert!(steps.is_empty(), "no step completed: {steps:?}");
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        let ooms: Vec<_> = text.lines().filter_map(Line::parse).filter(|l| matches!(l.event, Event::Oom(_))).collect();
+        assert_eq!(ooms.len(), 1, "{text}");
+        let Event::Oom(oom) = &ooms[0].event else { unreachable!() };
+        assert_eq!(oom.mem.capacity, tight, "rank 1's pool: {oom:?}");
+    }
 }

@@ -7,7 +7,8 @@
 //! The attempt is one unit: rank 0 ends every rank it started however it ends itself (the
 //! children die with it by `PR_SET_PDEATHSIG`; a collective whose peer is gone ends its
 //! process), so the supervisor, which sees only rank 0, stops, OOMs and resumes all of them
-//! together.
+//! together. A rank that fails on its own reports its failure to rank 0 before it ends
+//! (`TcpLink::report_failure`): rank 0 ends with that rank's exit code and `oom` event.
 
 use std::net::TcpListener;
 use std::path::Path;
@@ -17,11 +18,11 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{ConfigError, DeviceKind, JobSpec};
-use crate::protocol::{ExitCode, RunIdentity, LAUNCHER_VARIABLES};
+use crate::protocol::{ExitCode, Line, RunIdentity, LAUNCHER_VARIABLES};
 
 use crate::engine::parallel::comm::{Comm, Group};
-use crate::engine::parallel::tcp::{RendezvousError, TcpLink};
-use crate::engine::train::job::{self, DataLoad, Events, ResumeMode, Run, TrainError, TrainOptions};
+use crate::engine::parallel::tcp::{RankFailure, RendezvousError, TcpLink};
+use crate::engine::train::job::{self, DataLoad, Events, LastOom, ResumeMode, Run, TrainError, TrainOptions};
 use crate::engine::train::run_dir::RunDir;
 use crate::engine::train::trainer::{gpt_config, Hyper};
 
@@ -60,8 +61,19 @@ pub(super) fn train(spec: &JobSpec, opts: &TrainOptions, events: &mut Events) ->
             listen_stdin: false,
             ..opts.clone()
         };
-        let mut silent = Events::new(Box::new(std::io::sink()));
-        return run_rank(spec, &opts, &run_dir, Group::tcp(link), &session, &mut silent);
+        // Its events are dropped but for its last `oom`, which rank 0 writes if it fails.
+        let oom = LastOom::default();
+        let mut silent = Events::new(Box::new(oom.clone()));
+        let group = Group::tcp(link);
+        let result = run_rank(spec, &opts, &run_dir, group.clone(), &session, &mut silent);
+        if let Err(e) = &result {
+            if !matches!(e, TrainError::Preempted { .. }) {
+                let line = oom.take().map(|event| Line::now(event).to_json());
+                let message = format!("rank {rank} failed: {e}");
+                group.report_failure(&RankFailure { rank, code: e.exit_code().code(), message, line });
+            }
+        }
+        return result;
     }
 
     let cfg = gpt_config(spec);

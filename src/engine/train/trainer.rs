@@ -1263,7 +1263,7 @@ fn receive<E: Elem, B: Backend>(
             Err(e) => run.failure = Some(e.into()),
         }
     }
-    pair.stand_in::<E>(n, false);
+    pair.stand_in::<E, B>(be, n, false);
     None
 }
 
@@ -1274,7 +1274,7 @@ fn send<E: Elem, B: Backend>(be: &B, pair: &Group, view: Option<View<E>>, n: usi
             Ok(moved) => run.swap.add(moved),
             Err(e) => run.failure = Some(e),
         },
-        _ => pair.stand_in::<E>(n, true),
+        _ => pair.stand_in::<E, B>(be, n, true),
     }
 }
 
