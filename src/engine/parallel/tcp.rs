@@ -676,6 +676,17 @@ pub(crate) mod tests {
         std::panic::resume_unwind(Box::new(failure))
     }
 
+    /// `loopback(world)`, each link ending its rank by unwinding.
+    fn unwinding_loopback(world: usize) -> Vec<Arc<TcpLink>> {
+        loopback(world)
+            .into_iter()
+            .map(|mut l| {
+                l.end = unwind;
+                Arc::new(l)
+            })
+            .collect()
+    }
+
     /// What `f` ended the rank with (it must end it).
     fn ended_with(f: impl FnOnce()) -> RankFailure {
         let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).expect_err("the rank ended");
@@ -695,13 +706,7 @@ pub(crate) mod tests {
             line: Some(format!("{{\"t\":1.0,\"event\":\"oom\",\"rank\":{rank}}}")),
         };
         // In a collective of the whole group.
-        let links: Vec<Arc<TcpLink>> = loopback(3)
-            .into_iter()
-            .map(|mut l| {
-                l.end = unwind;
-                Arc::new(l)
-            })
-            .collect();
+        let links = unwinding_loopback(3);
         let [l0, l1, l2]: [Arc<TcpLink>; 3] = links.try_into().ok().unwrap();
         let waiting = std::thread::spawn(move || ended_with(|| l2.all_reduce_sum(&mut [1.0f32; 4])));
         l1.report_failure(&report(1));
@@ -713,13 +718,7 @@ pub(crate) mod tests {
         assert!(lost.message.contains("the connection to rank 0 failed"), "{}", lost.message);
 
         // In a sub-group: rank 0 and rank 2 split off, rank 2 fails, rank 1 waits in the whole group.
-        let links: Vec<Arc<TcpLink>> = loopback(3)
-            .into_iter()
-            .map(|mut l| {
-                l.end = unwind;
-                Arc::new(l)
-            })
-            .collect();
+        let links = unwinding_loopback(3);
         let splits: Vec<TcpLink> = std::thread::scope(|scope| {
             let splits: Vec<_> = links
                 .iter()
