@@ -88,6 +88,8 @@ pub(crate) struct DeviceSim {
     downloaded: AtomicUsize,
     /// Of `uploaded`, the bytes that went through `upload_ahead`.
     ahead: AtomicUsize,
+    /// Scalars read back by `sum_squares`.
+    scalar_reads: AtomicUsize,
     collectives: Option<SimCollectives>,
     /// A simulated host link: copies take `bytes / link` seconds (asleep, so the host's cores
     /// stay free for what overlaps them). None: as fast as memcpy.
@@ -142,6 +144,7 @@ impl DeviceSim {
             uploaded: AtomicUsize::new(0),
             downloaded: AtomicUsize::new(0),
             ahead: AtomicUsize::new(0),
+            scalar_reads: AtomicUsize::new(0),
             collectives: None,
             link_bytes_per_s: None,
             link_free: Mutex::new([None; 2]),
@@ -157,6 +160,11 @@ impl DeviceSim {
     /// Bytes uploaded through `upload_ahead` so far.
     pub(crate) fn copied_ahead(&self) -> usize {
         self.ahead.load(Ordering::Relaxed)
+    }
+
+    /// Scalars read back to the host so far (`sum_squares`: the gradient norm's).
+    pub(crate) fn scalar_reads(&self) -> usize {
+        self.scalar_reads.load(Ordering::Relaxed)
     }
 
     /// Bytes copied host→device and device→host so far.
@@ -336,11 +344,16 @@ impl Backend for DeviceSim {
         fence.land();
         Ok(())
     }
+    fn sum_squares<E: Elem>(&self, x: View<E>) -> BackendResult<f64> {
+        // A scalar read back to the host: on a GPU, a wait for the stream.
+        self.scalar_reads.fetch_add(1, Ordering::Relaxed);
+        self.cpu.sum_squares(Expose::exposed(x))
+    }
     delegate_ops!(cpu, Expose::exposed;
         encoder_forward, encoder_backward, layernorm_forward, layernorm_recompute, layernorm_backward,
         matmul_forward, matmul_backward, attention_forward, attention_backward, gelu_forward,
         gelu_backward_inplace, residual_forward_inplace, crossentropy_forward, crossentropy_backward_inplace,
-        adamw, sum_squares, narrow, widen, pack_int8, unpack_int8, unpack_int4, attention_cached);
+        adamw, narrow, widen, pack_int8, unpack_int8, unpack_int4, attention_cached);
 }
 
 #[cfg(test)]

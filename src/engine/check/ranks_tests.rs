@@ -720,6 +720,33 @@ fn an_oom_on_one_stage_with_native_transfers_fails_every_stage_without_a_hang() 
     }
 }
 
+/// The gradient norm of a pipeline stage or a tensor-parallel rank is read back once per run
+/// of adjacent tensors of one kind (split or replicated), not once per tensor — each read a
+/// wait for the stream on a GPU: a stage reads one scalar a step, a tensor-parallel rank about
+/// a third as many as its tensors.
+#[test]
+fn the_gradient_norm_reads_back_a_scalar_per_run_not_per_tensor() {
+    use crate::engine::check::device_sim::DeviceSim;
+    let tensors = CFG.tensors().len();
+    for (setup, most) in [(stages(2, 1, 2, 0), 1), (grid(2, 2, 0), tensors / 3)] {
+        let reads = on_backends::<f32, _, _>(
+            setup,
+            1,
+            |_| DeviceSim::new(BIG),
+            |mut trainer, _| {
+                let before = trainer.backend().scalar_reads();
+                trainer.train_step(&mut batch(CFG)).unwrap();
+                trainer.backend().scalar_reads() - before
+            },
+        );
+        for (rank, r) in reads.into_iter().enumerate() {
+            let r = r.unwrap();
+            println!("{setup:?} rank {rank}: {r} reads for {tensors} tensors");
+            assert!((1..=most).contains(&r), "{setup:?} rank {rank}: {r} reads (at most {most})");
+        }
+    }
+}
+
 /// A checkpoint written by pipeline stages holds the whole model: it resumes on one rank, on
 /// another grid of stages, and on tensor-parallel ranks, each continuing the one-rank run.
 #[test]

@@ -664,14 +664,26 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                     all_tensors = self.cfg.tensors();
                     &all_tensors
                 };
-                let (mut split, mut replicated) = (0.0f64, 0.0f64);
+                // Adjacent tensors of one kind (split over the tensor-parallel group or not;
+                // without one, all alike) summed as one run: one read back per run, not per
+                // tensor (a stage without tensor parallelism reads once or twice).
                 let tied_copy = !self.cfg.pp.is_first();
+                let mut runs: Vec<(Range<usize>, bool)> = Vec::new();
                 for ti in tensors {
                     if tied_copy && ti.name == "wte" {
                         continue;
                     }
-                    let sq = be.sum_squares::<E>(View::range(&self.grads, ti.offset..ti.offset + ti.len))?;
-                    match tp_split(short_name(&ti.name)) {
+                    let is_split = tp.is_some() && tp_split(short_name(&ti.name));
+                    let range = ti.offset..ti.offset + ti.len;
+                    match runs.last_mut() {
+                        Some((run, kind)) if *kind == is_split && run.end == range.start => run.end = range.end,
+                        _ => runs.push((range, is_split)),
+                    }
+                }
+                let (mut split, mut replicated) = (0.0f64, 0.0f64);
+                for (run, is_split) in runs {
+                    let sq = be.sum_squares::<E>(View::range(&self.grads, run))?;
+                    match is_split {
                         true => split += sq,
                         false => replicated += sq,
                     }
