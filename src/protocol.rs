@@ -87,8 +87,12 @@ pub struct Step {
     pub tokens_per_s: f64,
     #[serde(deserialize_with = "nan_if_null")]
     pub step_ms: f64,
-    /// This step's high-water marks (see [`MemSnapshot::window`]).
+    /// This step's high-water marks (see [`MemSnapshot::window`]): with several ranks, those
+    /// of the fullest (the highest `allocated / capacity`), named by `mem_rank`.
     pub mem: MemSnapshot,
+    /// Whose memory `mem` is, with several ranks (absent with one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem_rank: Option<usize>,
     /// The storage type of weights and activations ("fp32", "bf16", "fp16").
     pub precision: String,
     /// fp16's dynamic loss scale (present for fp16 or once a step was skipped).
@@ -230,6 +234,9 @@ pub struct MemSnapshot {
     pub at_peak: Option<Composition>,
 }
 
+/// Words of [`MemSnapshot::to_words`].
+pub const MEM_WORDS: usize = 22;
+
 /// Bytes per category at one moment, and what the pool reserved then.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(default)]
@@ -287,6 +294,66 @@ impl MemSnapshot {
             host_activations: s.host_window_peak[3],
             largest_free_block: s.largest_free_block,
             at_peak: Some(Composition::at_window_peak(s)),
+        }
+    }
+
+    /// The snapshot as words, in field order (`at_peak`: a presence word, then its six), for
+    /// ranks to exchange; [`MemSnapshot::from_words`] reads them back.
+    pub fn to_words(&self) -> [u64; MEM_WORDS] {
+        let c = self.at_peak.unwrap_or_default();
+        [
+            self.params,
+            self.grads,
+            self.optimizer,
+            self.activations,
+            self.workspace,
+            self.allocated,
+            self.reserved,
+            self.fragmentation,
+            self.capacity,
+            self.peak_allocated,
+            self.peak_reserved,
+            self.host_params,
+            self.host_optimizer,
+            self.host_activations,
+            self.largest_free_block,
+            self.at_peak.is_some() as usize,
+            c.params,
+            c.grads,
+            c.optimizer,
+            c.activations,
+            c.workspace,
+            c.reserved,
+        ]
+        .map(|v| v as u64)
+    }
+
+    pub fn from_words(w: &[u64]) -> MemSnapshot {
+        let v = |i: usize| w.get(i).copied().unwrap_or(0) as usize;
+        MemSnapshot {
+            params: v(0),
+            grads: v(1),
+            optimizer: v(2),
+            activations: v(3),
+            workspace: v(4),
+            allocated: v(5),
+            reserved: v(6),
+            fragmentation: v(7),
+            capacity: v(8),
+            peak_allocated: v(9),
+            peak_reserved: v(10),
+            host_params: v(11),
+            host_optimizer: v(12),
+            host_activations: v(13),
+            largest_free_block: v(14),
+            at_peak: (v(15) == 1).then(|| Composition {
+                params: v(16),
+                grads: v(17),
+                optimizer: v(18),
+                activations: v(19),
+                workspace: v(20),
+                reserved: v(21),
+            }),
         }
     }
 
@@ -494,6 +561,7 @@ mod tests {
                 tokens_per_s: 1000.0,
                 step_ms: 12.5,
                 mem: mem(100),
+                mem_rank: Some(1),
                 precision: "bf16".into(),
                 loss_scale: Some(65536.0),
                 skipped: true,

@@ -66,6 +66,11 @@ pub struct Monitor {
     stall_reason: Option<String>,
 }
 
+/// " on rank R" where a step's memory is one of several ranks' (the fullest), else nothing.
+fn on_rank(rank: Option<usize>) -> String {
+    rank.map_or(String::new(), |r| format!(" on rank {r}"))
+}
+
 /// Steps the slowness check looks at (their median), after the attempt's first two.
 const SLOW_WINDOW: usize = 5;
 
@@ -337,7 +342,8 @@ impl Monitor {
                     out.push((
                         "warn",
                         format!(
-                            "step {step}: live device memory at {:.1}% of capacity (warn threshold {:.0}%)",
+                            "step {step}: live device memory{} at {:.1}% of capacity (warn threshold {:.0}%)",
+                            on_rank(ev.mem_rank),
                             fraction * 100.0,
                             self.warn * 100.0
                         ),
@@ -380,7 +386,8 @@ impl Monitor {
                 }
                 if self.above >= self.sustain && self.preempt_reason.is_none() && self.swap_reason.is_none() {
                     let reason = format!(
-                        "live device memory at {:.1}% of capacity for {} steps in a row (preempt threshold {:.0}%, sustain {})",
+                        "live device memory{} at {:.1}% of capacity for {} steps in a row (preempt threshold {:.0}%, sustain {})",
+                        on_rank(ev.mem_rank),
                         fraction * 100.0,
                         self.above,
                         self.preempt * 100.0,
@@ -520,6 +527,7 @@ mod tests {
                 skipped: false,
                 skipped_steps: 0,
                 pipeline: None,
+                mem_rank: None,
                 nvml: None,
                 swap: swap.map(|fraction| Swap {
                     bytes_to_host: 1,
@@ -615,6 +623,19 @@ mod tests {
                 assert_eq!(m.stalled(secs(quiet * 2.0)), None, "{case}: once");
             }
         }
+    }
+
+    /// A step whose memory is one of several ranks' (the fullest) names that rank in the
+    /// warning and the preemption.
+    #[test]
+    fn thresholds_name_the_rank_whose_memory_crossed_them() {
+        let mut m = Monitor::new(&policy(0.85, 0.95, 1, None), 1);
+        let mut line = step(1, 97, None);
+        let Event::Step(s) = &mut line.event else { unreachable!() };
+        s.mem_rank = Some(3);
+        let notices = m.observe(&line);
+        assert_eq!(notices.iter().map(|n| n.0).collect::<Vec<_>>(), ["warn", "preempt"], "{notices:?}");
+        assert!(notices.iter().all(|n| n.1.contains("live device memory on rank 3 at 97.0%")), "{notices:?}");
     }
 
     /// warn, preempt, sustain, reserved per step, notice kinds per step, wants preempt after.

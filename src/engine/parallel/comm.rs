@@ -275,6 +275,24 @@ impl Group {
         }
     }
 
+    /// Every rank's `words` (the same count on every rank), in rank order, on every rank.
+    pub fn gather_words(&self, words: &[u64]) -> Vec<Vec<u64>> {
+        if self.world() == 1 {
+            return vec![words.to_vec()];
+        }
+        if let Some(link) = self.tcp_link() {
+            return link.exchange_words(words);
+        }
+        let slots = self.publish_equal(words.as_ptr() as usize, words.len());
+        // SAFETY: every rank's words stay alive, and are only read, until the barrier below.
+        let all = slots
+            .iter()
+            .map(|&(addr, len)| unsafe { std::slice::from_raw_parts(addr as *const u64, len) }.to_vec())
+            .collect();
+        self.shared().close();
+        all
+    }
+
     /// The smallest of every rank's `value`, on every rank.
     pub fn min_u64(&self, value: u64) -> u64 {
         if self.world() == 1 {

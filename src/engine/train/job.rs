@@ -531,6 +531,7 @@ impl Run<'_> {
             last_loss = step.loss;
             tokens_done += step.tokens_per_s * step.step_ms / 1e3;
             secs_done += step.step_ms / 1e3;
+            let (mem, mem_rank) = fullest_rank(comm.as_ref(), MemSnapshot::window(&pool.stats()));
             events.emit(Event::Step(protocol::Step {
                 step: step.step,
                 loss: step.loss,
@@ -538,16 +539,22 @@ impl Run<'_> {
                 grad_norm: step.grad_norm,
                 tokens_per_s: step.tokens_per_s,
                 step_ms: step.step_ms,
-                mem: MemSnapshot::window(&pool.stats()),
+                mem,
+                mem_rank,
                 precision: E::NAME.into(),
                 loss_scale: (trainer.skipped_steps > 0 || E::NAME == "fp16").then_some(step.loss_scale),
                 skipped: step.skipped,
                 skipped_steps: trainer.skipped_steps,
-                nvml: nvml.as_ref().and_then(|m| m.reading(spec.device.index)).map(|r| protocol::NvmlReading {
-                    used_bytes: r.used_bytes,
-                    total_bytes: r.total_bytes,
-                    process_bytes: r.processes.iter().find(|p| p.0 == std::process::id()).map(|p| p.1),
-                }),
+                // The GPU's view is this process's first device's: it goes with rank 0's memory.
+                nvml: nvml
+                    .as_ref()
+                    .filter(|_| mem_rank.unwrap_or(0) == 0)
+                    .and_then(|m| m.reading(spec.device.index))
+                    .map(|r| protocol::NvmlReading {
+                        used_bytes: r.used_bytes,
+                        total_bytes: r.total_bytes,
+                        process_bytes: r.processes.iter().find(|p| p.0 == std::process::id()).map(|p| p.1),
+                    }),
                 swap: step.swap.map(|w| protocol::Swap {
                     bytes_to_host: w.bytes_to_host,
                     bytes_to_device: w.bytes_to_device,
@@ -637,6 +644,24 @@ fn defragment<E: Elem, B: Backend>(
         after: d.after,
     }))?;
     Ok(())
+}
+
+/// A step's memory as its event reports it: with several ranks, the fullest rank's (the
+/// highest `allocated / capacity`; the lowest rank among equals) and which rank that is — a
+/// collective of the group, every rank gets the same — so the supervisor's thresholds watch
+/// the rank nearest its OOM (a pipeline's last stage, say), not rank 0's.
+fn fullest_rank(comm: Option<&Group>, mine: MemSnapshot) -> (MemSnapshot, Option<usize>) {
+    let Some(group) = comm.filter(|g| g.world() > 1) else { return (mine, None) };
+    let all: Vec<MemSnapshot> =
+        group.gather_words(&mine.to_words()).iter().map(|w| MemSnapshot::from_words(w)).collect();
+    let fill = |m: &MemSnapshot| m.allocated as f64 / m.capacity.max(1) as f64;
+    let mut fullest = 0;
+    for (rank, m) in all.iter().enumerate() {
+        if fill(m) > fill(&all[fullest]) {
+            fullest = rank;
+        }
+    }
+    (all[fullest], Some(fullest))
 }
 
 /// How a rank thread other than rank 0 ended.
@@ -1060,5 +1085,42 @@ mod tests {
         assert_eq!(ooms.len(), 1, "{text}");
         let Event::Oom(oom) = &ooms[0].event else { unreachable!() };
         assert_eq!(oom.mem.capacity, tight, "rank 1's pool: {oom:?}");
+    }
+
+    /// With several ranks a step reports the fullest rank's memory (highest allocated /
+    /// capacity, the lowest rank among equals), the same snapshot on every rank, exactly as
+    /// that rank took it.
+    #[test]
+    fn a_step_reports_the_fullest_rank_s_memory() {
+        let snapshot = |allocated: usize, capacity: usize| MemSnapshot {
+            allocated,
+            capacity,
+            reserved: allocated + 3,
+            activations: allocated / 2,
+            at_peak: Some(protocol::Composition { params: 1, activations: allocated - 1, ..Default::default() }),
+            ..Default::default()
+        };
+        for (mine, want) in [
+            (vec![(10, 100), (50, 100), (50, 200)], 1),
+            (vec![(10, 100), (20, 200), (5, 10)], 2),
+            (vec![(30, 100), (30, 100)], 0),
+        ] {
+            let got: Vec<_> = std::thread::scope(|scope| {
+                let joins: Vec<_> = Group::threads(mine.len())
+                    .into_iter()
+                    .map(|g| {
+                        let (a, c) = mine[g.rank()];
+                        scope.spawn(move || fullest_rank(Some(&g), snapshot(a, c)))
+                    })
+                    .collect();
+                joins.into_iter().map(|j| j.join().unwrap()).collect()
+            });
+            let (a, c) = mine[want];
+            for (rank, (mem, mem_rank)) in got.into_iter().enumerate() {
+                assert_eq!(mem_rank, Some(want), "{mine:?} rank {rank}");
+                assert_eq!(mem, snapshot(a, c), "{mine:?} rank {rank}");
+            }
+        }
+        assert_eq!(fullest_rank(None, snapshot(1, 2)), (snapshot(1, 2), None), "one rank: its own, unnamed");
     }
 }
