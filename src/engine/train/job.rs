@@ -759,8 +759,9 @@ fn thread_ranks<T: Send>(
                 Err(_) => (TrainError::RankFailed { rank, message: "panicked".into() }, None),
             };
             result = match (result, failed) {
-                // Rank 0 left its collectives for this rank's failure: it is the job's.
-                (None, (TrainError::Oom(oom), event)) => {
+                // Rank 0 left its collectives for this rank's failure, or failed only because
+                // another rank did (its state did not fit there): this rank's OOM is the job's.
+                (None | Some(Err(TrainError::RankFailed { .. })), (TrainError::Oom(oom), event)) => {
                     tracing::error!("rank {rank}: {oom}");
                     if let Some(event) = event {
                         let _ = events.emit(event);
@@ -946,6 +947,8 @@ mod tests {
         /// Fail with another error.
         Fail,
         Panic,
+        /// Fail because another rank did (as a rank whose peer could not allocate its state).
+        Follow,
     }
 
     /// `parts[r]` for rank r as threads through `thread_ranks`, on a watchdog thread (a hang
@@ -975,6 +978,10 @@ mod tests {
                     }
                     Part::Fail => Err(TrainError::Events(std::io::Error::other("a failure outside the collectives"))),
                     Part::Panic => panic!("a bug on rank {}", group.rank()),
+                    Part::Follow => Err(TrainError::RankFailed {
+                        rank: group.rank(),
+                        message: "another rank could not allocate its state".into(),
+                    }),
                 }
             });
             let _ = tx.send(result);
@@ -1000,6 +1007,8 @@ mod tests {
             (&[Collectives, Fail, Collectives], Some(ExitCode::Internal), 0, "rank 1 failed: "),
             (&[Fail, Collectives, Collectives, Collectives], Some(ExitCode::Internal), 0, "a failure outside"),
             (&[Collectives, Collectives, Panic], Some(ExitCode::Internal), 0, "rank 2 failed: panicked"),
+            (&[Follow, Oom], Some(ExitCode::OutOfMemory), 1, "out of"),
+            (&[Oom, Follow], Some(ExitCode::OutOfMemory), 1, "out of"),
         ];
         for &(parts, code, ooms, message) in cases {
             let (result, lines) = run(parts);
