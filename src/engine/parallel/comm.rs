@@ -59,19 +59,11 @@ struct Published {
 
 /// A thread group's ranks unwind out of a collective they are waiting in with this payload
 /// once the group is abandoned ([`Group::abandon`]: a rank failed outside the collectives and
-/// will never arrive). [`catch_abandoned`] turns it back into a value, as salsa's
-/// `Cancelled` does; it never reaches the panic hook.
+/// will never arrive); the rank's root (`train::job::thread_ranks`) catches it and turns it
+/// back into a value, as salsa's `Cancelled` is. `resume_unwind`: it never reaches the panic
+/// hook.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Abandoned;
-
-/// Run `f`, and if it was unwound by [`Abandoned`] return that instead (any other panic goes on).
-pub fn catch_abandoned<T>(f: impl FnOnce() -> T) -> Result<T, Abandoned> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
-        Ok(v) => Ok(v),
-        Err(payload) if payload.is::<Abandoned>() => Err(Abandoned),
-        Err(payload) => std::panic::resume_unwind(payload),
-    }
-}
 
 /// How often a rank waiting to enter a collective looks whether its group was abandoned.
 const ABANDON_POLL: Duration = Duration::from_millis(20);
