@@ -59,9 +59,11 @@ pub struct Monitor {
     /// runner: `planner::slow_floor`), the predicted figure, and the reason once sustained.
     slow_floor: Option<(f64, f64)>,
     slow_reason: Option<String>,
-    /// The policy's stall limit, the slowest step so far (seconds), and the reason once the
-    /// trainer was found stalled.
+    /// The policy's stall limit, whether the trainer has said `started` (the limit is armed
+    /// from then on), the slowest step so far (seconds), and the reason once the trainer was
+    /// found stalled.
     stall: Stall,
+    started: bool,
     slowest_step_s: f64,
     stall_reason: Option<String>,
 }
@@ -113,21 +115,25 @@ impl Monitor {
             slow_floor: None,
             slow_reason: None,
             stall: policy.stall.clone(),
+            started: false,
             slowest_step_s: 0.0,
             stall_reason: None,
         }
     }
 
     /// How long the trainer may stay quiet (no protocol line) before it counts as stalled:
-    /// the policy's `stall` limit for its slowest step so far.
-    pub fn stall_limit(&self) -> std::time::Duration {
-        self.stall.limit(self.slowest_step_s)
+    /// the policy's `stall` limit for its slowest step so far — once it has said `started`.
+    /// Before that (the device opened, the state allocated, the data tokenised — a large corpus
+    /// can take many minutes on a first run — the newest checkpoint read) there is none: a
+    /// rendezvous has its own timeout, and the rest makes progress or fails.
+    pub fn stall_limit(&self) -> Option<std::time::Duration> {
+        self.started.then(|| self.stall.limit(self.slowest_step_s))
     }
 
     /// The trainer has been quiet for `quiet`: once that reaches the stall limit, the attempt
     /// is stalled — the notice to record (once), after which the runner kills it.
     pub fn stalled(&mut self, quiet: std::time::Duration) -> Option<Notice> {
-        let limit = self.stall_limit();
+        let limit = self.stall_limit()?;
         if self.stall_reason.is_some() || quiet < limit {
             return None;
         }
@@ -264,6 +270,7 @@ impl Monitor {
         let t = if line.t > 0.0 { line.t } else { now() };
         match &line.event {
             Event::Started(s) => {
+                self.started = true;
                 self.resumed_from = s.resumed_from_step.map(|s| s as i64);
                 self.capacity = Some(s.capacity as i64);
             }
@@ -504,6 +511,23 @@ mod tests {
         .unwrap()
     }
 
+    /// The trainer's `started` line.
+    fn started() -> Line {
+        Line {
+            t: 1.0,
+            event: Event::Started(protocol::Started {
+                config: serde_json::json!({ "name": "j" }),
+                world_size: 1,
+                device: "cpu:0".into(),
+                capacity: 100,
+                resumed_from_step: None,
+                num_params: 10,
+                grad_accum: 1,
+                unigram_entropy: 3.0,
+            }),
+        }
+    }
+
     /// A step event at `reserved` bytes of a 100-byte device, with a transfer `fraction`.
     fn step(n: u64, reserved: usize, swap: Option<f64>) -> Line {
         Line {
@@ -593,6 +617,7 @@ mod tests {
         let secs = std::time::Duration::from_secs_f64;
         // (case, stall yaml, step times in ms, quiet s, stalled)
         let cases: &[(&str, &str, &[f64], f64, bool)] = &[
+            ("not started: no limit", "", &[], 1e6, false),
             ("defaults, before any step, 599 s", "", &[], 599.0, false),
             ("defaults, before any step, 600 s", "", &[], 600.0, true),
             ("defaults, fast steps: the floor rules", "", &[500.0, 900.0], 601.0, true),
@@ -607,6 +632,9 @@ mod tests {
                 Policy::parse(&format!("name: p\nrungs: [{{ name: bf16, set: {{ precision: bf16 }} }}]\n{yaml}"))
                     .unwrap();
             let mut m = Monitor::new(&policy, 1);
+            if !case.starts_with("not started") {
+                m.observe(&started());
+            }
             for (i, &ms) in step_ms.iter().enumerate() {
                 let mut line = step(i as u64 + 1, 10, None);
                 let Event::Step(s) = &mut line.event else { unreachable!() };

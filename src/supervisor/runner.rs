@@ -42,6 +42,14 @@ pub struct RunnerConfig {
 /// waiting for it to close.
 const KILLED_OUTPUT_GRACE: Duration = Duration::from_secs(30);
 
+/// Sleep until `deadline`; with none, never wake.
+async fn sleep_until_or_never(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// What one attempt came to: its outcome; the configuration to step up to when the runner
 /// stopped it for that; what other processes held when they caused its preemption.
 struct AttemptResult {
@@ -514,9 +522,10 @@ impl Runner {
         let mut last_heard = tokio::time::Instant::now();
         let mut killed_at: Option<tokio::time::Instant> = None;
         loop {
-            let deadline = match killed_at {
-                None => last_heard + monitor.stall_limit(),
-                Some(at) => at + KILLED_OUTPUT_GRACE,
+            // Not armed before the trainer has said `started` (the limit is None until then).
+            let deadline = match (killed_at, monitor.stall_limit()) {
+                (Some(at), _) => Some(at + KILLED_OUTPUT_GRACE),
+                (None, limit) => limit.map(|limit| last_heard + limit),
             };
             tokio::select! {
                 line = lines.next_line() => {
@@ -559,7 +568,7 @@ impl Runner {
                         send_control(&mut stdin, cmd).await;
                     }
                 }
-                () = tokio::time::sleep_until(deadline) => {
+                () = sleep_until_or_never(deadline) => {
                     if killed_at.is_some() {
                         // Killed, yet its output stays open (a descendant holding it): stop reading.
                         tracing::warn!(job, "the killed trainer's output is still open; no longer reading it");
