@@ -287,15 +287,7 @@ impl Group {
 
     /// The smallest of every rank's `value`, on every rank.
     pub fn min_u64(&self, value: u64) -> u64 {
-        if self.world() == 1 {
-            return value;
-        }
-        if let Some(link) = self.tcp_link() {
-            return link.exchange_words(&[value]).iter().map(|w| w[0]).min().unwrap_or(value);
-        }
-        let slots = self.exchange(Published { word: value, ..Default::default() });
-        self.shared().close();
-        slots.iter().map(|p| p.word).min().unwrap_or(value)
+        self.gather_words(&[value]).iter().map(|w| w[0]).min().unwrap_or(value)
     }
 
     /// The shared memory of a thread group (the thread forms of the collectives).
@@ -472,13 +464,8 @@ impl Comm for Group {
         if self.world() == 1 {
             return value;
         }
-        if let Some(link) = self.tcp_link() {
-            return link.exchange_words(&[value.to_bits()]).iter().map(|w| f64::from_bits(w[0])).sum();
-        }
-        let slots = self.exchange(Published { word: value.to_bits(), ..Default::default() });
-        let sum = slots.iter().map(|p| f64::from_bits(p.word)).sum();
-        self.shared().close();
-        sum
+        // Added in rank order: the same bits on every rank.
+        self.gather_words(&[value.to_bits()]).iter().map(|w| f64::from_bits(w[0])).sum()
     }
 
     fn broadcast(&self, value: u64) -> u64 {
@@ -752,12 +739,8 @@ impl Group {
 
     /// Every rank's shard, in rank order (a host exchange: ranks publish only their own).
     fn owned_ranges(&self, own: &Range<usize>) -> Vec<Range<usize>> {
-        if let Some(link) = self.tcp_link() {
-            return link.owners(own);
-        }
-        let slots = self.exchange(Published { own: (own.start, own.end), ..Default::default() });
-        self.shared().close();
-        slots.into_iter().map(|p| p.own.0..p.own.1).collect()
+        let words = self.gather_words(&[own.start as u64, own.end as u64]);
+        words.into_iter().map(|w| w[0] as usize..w[1] as usize).collect()
     }
 
     /// `reduce_scatter_add_on` natively: for each owner, the part of the bucket in its shard

@@ -792,12 +792,8 @@ fn wait_for_rank_0_or_exit(
     oom: &Option<Event>,
     leader_back: &std::sync::atomic::AtomicBool,
 ) {
-    let deadline = std::time::Instant::now() + NATIVE_ABANDON_GRACE;
-    while std::time::Instant::now() < deadline {
-        if leader_back.load(Ordering::SeqCst) {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
+    if followed_within_grace(|| leader_back.load(Ordering::SeqCst)) {
+        return;
     }
     let Err(e) = result else { return };
     if let Some(event) = oom.clone() {
@@ -811,6 +807,18 @@ fn wait_for_rank_0_or_exit(
     std::process::exit(code.code());
 }
 
+/// Whether `followed` holds within [`NATIVE_ABANDON_GRACE`] (looked at every 20 ms).
+fn followed_within_grace(followed: impl Fn() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + NATIVE_ABANDON_GRACE;
+    while std::time::Instant::now() < deadline {
+        if followed() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    followed()
+}
+
 /// Rank 0 failed in a group with native collectives: the other ranks may be held in a device
 /// collective that abandonment cannot reach. Unless they all end within
 /// [`NATIVE_ABANDON_GRACE`], rank 0 ends the process with its error (its `oom` event is
@@ -819,12 +827,8 @@ fn wait_for_ranks_or_exit<T>(followers: &[std::thread::ScopedJoinHandle<'_, T>],
     if matches!(e, TrainError::Preempted { .. }) {
         return;
     }
-    let deadline = std::time::Instant::now() + NATIVE_ABANDON_GRACE;
-    while std::time::Instant::now() < deadline {
-        if followers.iter().all(|f| f.is_finished()) {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
+    if followed_within_grace(|| followers.iter().all(|f| f.is_finished())) {
+        return;
     }
     eprintln!("error: {e}");
     eprintln!("rank 0 failed and the other ranks did not leave their device collectives within {NATIVE_ABANDON_GRACE:?}: ending the process");
