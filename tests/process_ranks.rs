@@ -60,6 +60,17 @@ fn rank_pid(run_dir: &Path, rank: usize) -> Option<u32> {
         .map(|p| p.pid)
 }
 
+/// `kill -9` the rank process `pid`, and wait (30 s at most) for rank 0 to end: its exit code.
+fn kill_and_await_rank_0(pid: u32, rank0: &mut std::process::Child) -> Option<i32> {
+    Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
+    let mut status = None;
+    wait_until(&format!("rank 0 ends after the rank process {pid} died"), Duration::from_secs(30), || {
+        status = rank0.try_wait().unwrap();
+        status.is_some()
+    });
+    status.unwrap().code()
+}
+
 fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     let start = Instant::now();
     while !done() {
@@ -155,13 +166,8 @@ fn a_rank_that_dies_ends_the_attempt_promptly_and_the_job_resumes_from_its_check
     let (mut rank0, stderr, checkpointed) = start_until_checkpoint(&job, &run);
     let rank1 = rank_pid(&run, 1).expect("rank 1 runs as its own process");
     assert_ne!(rank1, rank0.id());
-    Command::new("kill").args(["-9", &rank1.to_string()]).status().unwrap();
-    let mut status = None;
-    wait_until("rank 0 ends after rank 1 died", Duration::from_secs(30), || {
-        status = rank0.try_wait().unwrap();
-        status.is_some()
-    });
-    assert_eq!(status.unwrap().code(), Some(1), "a lost rank is a crash of the attempt (exit 1)");
+    let code = kill_and_await_rank_0(rank1, &mut rank0);
+    assert_eq!(code, Some(1), "a lost rank is a crash of the attempt (exit 1)");
     let stderr = stderr.join().unwrap();
     assert!(stderr.contains("the connection to rank 1 failed"), "{stderr}");
     assert!(processes_of(&run).is_empty(), "no rank outlives the attempt");
@@ -196,13 +202,8 @@ fn a_rank_lost_from_a_model_parallel_grid_ends_every_rank_and_the_job_resumes() 
         let run = dir.path().join("run");
         let (mut rank0, stderr, checkpointed) = start_until_checkpoint(&job, &run);
         let rank3 = rank_pid(&run, 3).expect("rank 3 runs as its own process");
-        Command::new("kill").args(["-9", &rank3.to_string()]).status().unwrap();
-        let mut status = None;
-        wait_until("rank 0 ends after rank 3 died", Duration::from_secs(30), || {
-            status = rank0.try_wait().unwrap();
-            status.is_some()
-        });
-        assert_eq!(status.unwrap().code(), Some(1), "{case}: a lost rank is a crash of the attempt (exit 1)");
+        let code = kill_and_await_rank_0(rank3, &mut rank0);
+        assert_eq!(code, Some(1), "{case}: a lost rank is a crash of the attempt (exit 1)");
         let stderr = stderr.join().unwrap();
         assert!(stderr.contains("the connection to rank"), "{case}: {stderr}");
         wait_until("no rank outlives the attempt", Duration::from_secs(10), || processes_of(&run).is_empty());
