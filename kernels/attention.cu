@@ -1,6 +1,8 @@
 // Causal self-attention around cuBLAS: head split/merge permutes, and the causal softmax over
-// the scores (the Q·Kᵀ and att·V products are strided-batched GEMMs on the host side).
-// Layouts: qkv (B,T,3,NH,HS); q, k, v, y (B,NH,T,HS); scores and att (B,NH,T,T).
+// the scores (the Q·Kᵀ and att·V products are strided-batched GEMMs on the host side, a chunk
+// of sequences at a time). Layouts: qkv (B,T,3,NH,HS); q, k, v, y (B,NH,T,HS); a chunk's
+// scores and att (chunk·NH,T,T); lse (B,NH,T), the only per-(head, query) state kept for
+// backward, which recomputes att from it.
 #include "common.cuh"
 
 // qkv (B,T,3C) -> q, k, v (B,NH,T,HS)
@@ -39,9 +41,11 @@ __device__ void heads_permute(T* out, const T* in, int B, int T_, int NH, int HS
     if (merge) out[btc] = in[idx]; else out[idx] = in[btc];
 }
 
-// att[row] = softmax(scale · scores[row, 0..=t]), zero above the diagonal. One warp per row.
+// One warp per row of a chunk's (T,T) matrices; row = (head, query t), keys 0..=t causal.
+// att[row] = exp(scale · scores[row] − lse[row]) rounded to T, zero above the diagonal, with
+// lse[row] = log Σ exp(scale · scores[row]) (the maximum subtracted first), kept for backward.
 template <typename T>
-__device__ void softmax_causal_forward(T* att, const float* preatt, float scale, int rows, int T_) {
+__device__ void softmax_causal_forward(T* att, float* lse, const float* preatt, float scale, int rows, int T_) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= rows) return;
@@ -52,14 +56,29 @@ __device__ void softmax_causal_forward(T* att, const float* preatt, float scale,
     mx = warp_max(mx);
     float s = 0.f;
     for (int i = lane; i <= t; i += 32) s += expf(preatt[base + i] * scale - mx);
-    float inv = 1.f / warp_sum(s);
+    float l = mx + logf(warp_sum(s));
+    if (lane == 0) lse[row] = l;
     for (int i = lane; i < T_; i += 32)
-        store_f32(att, base + i, i <= t ? expf(preatt[base + i] * scale - mx) * inv : 0.f);
+        store_f32(att, base + i, i <= t ? expf(preatt[base + i] * scale - l) : 0.f);
 }
 
-// dpreatt[i] = att[i] * (datt[i] - Σ att·datt) * scale
+// Backward's recompute: att[row] as forward made it, from the same scores and the saved lse.
 template <typename T>
-__device__ void softmax_causal_backward(float* dpreatt, const float* datt, const T* att, float scale, int rows, int T_) {
+__device__ void softmax_causal_probs(T* att, const float* preatt, const float* lse, float scale, int rows, int T_) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    int t = row % T_;
+    const long base = (long)row * T_;
+    float l = lse[row];
+    for (int i = lane; i < T_; i += 32)
+        store_f32(att, base + i, i <= t ? expf(preatt[base + i] * scale - l) : 0.f);
+}
+
+// dpreatt[i] = att[i] * (datt[i] - Σ att·datt) * scale, rounded to T. dpreatt may be att itself:
+// each lane reads its elements of the row before it writes them.
+template <typename T>
+__device__ void softmax_causal_backward(T* dpreatt, const float* datt, const T* att, float scale, int rows, int T_) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= rows) return;
@@ -68,8 +87,10 @@ __device__ void softmax_causal_backward(float* dpreatt, const float* datt, const
     float s = 0.f;
     for (int i = lane; i <= t; i += 32) s += load_f32(att, base + i) * datt[base + i];
     s = warp_sum(s);
-    for (int i = lane; i < T_; i += 32)
-        dpreatt[base + i] = i <= t ? load_f32(att, base + i) * (datt[base + i] - s) * scale : 0.f;
+    for (int i = lane; i < T_; i += 32) {
+        float d = i <= t ? load_f32(att, base + i) * (datt[base + i] - s) * scale : 0.f;
+        store_f32(dpreatt, base + i, d);
+    }
 }
 
 extern "C" __global__ void permute_qkv_f32(float* q, float* k, float* v, const float* x, int B, int T, int NH, int HS) { permute_qkv(q, k, v, x, B, T, NH, HS); }
@@ -81,12 +102,15 @@ extern "C" __global__ void permute_qkv_backward_f16(f16_t* d, const float* dq, c
 extern "C" __global__ void heads_permute_f32(float* o, const float* x, int B, int T, int NH, int HS, int merge) { heads_permute(o, x, B, T, NH, HS, merge); }
 extern "C" __global__ void heads_permute_bf16(bf16_t* o, const bf16_t* x, int B, int T, int NH, int HS, int merge) { heads_permute(o, x, B, T, NH, HS, merge); }
 extern "C" __global__ void heads_permute_f16(f16_t* o, const f16_t* x, int B, int T, int NH, int HS, int merge) { heads_permute(o, x, B, T, NH, HS, merge); }
-extern "C" __global__ void softmax_causal_forward_f32(float* a, const float* p, float s, int rows, int T) { softmax_causal_forward(a, p, s, rows, T); }
-extern "C" __global__ void softmax_causal_forward_bf16(bf16_t* a, const float* p, float s, int rows, int T) { softmax_causal_forward(a, p, s, rows, T); }
-extern "C" __global__ void softmax_causal_forward_f16(f16_t* a, const float* p, float s, int rows, int T) { softmax_causal_forward(a, p, s, rows, T); }
+extern "C" __global__ void softmax_causal_forward_f32(float* a, float* l, const float* p, float s, int rows, int T) { softmax_causal_forward(a, l, p, s, rows, T); }
+extern "C" __global__ void softmax_causal_forward_bf16(bf16_t* a, float* l, const float* p, float s, int rows, int T) { softmax_causal_forward(a, l, p, s, rows, T); }
+extern "C" __global__ void softmax_causal_forward_f16(f16_t* a, float* l, const float* p, float s, int rows, int T) { softmax_causal_forward(a, l, p, s, rows, T); }
+extern "C" __global__ void softmax_causal_probs_f32(float* a, const float* p, const float* l, float s, int rows, int T) { softmax_causal_probs(a, p, l, s, rows, T); }
+extern "C" __global__ void softmax_causal_probs_bf16(bf16_t* a, const float* p, const float* l, float s, int rows, int T) { softmax_causal_probs(a, p, l, s, rows, T); }
+extern "C" __global__ void softmax_causal_probs_f16(f16_t* a, const float* p, const float* l, float s, int rows, int T) { softmax_causal_probs(a, p, l, s, rows, T); }
 extern "C" __global__ void softmax_causal_backward_f32(float* dp, const float* da, const float* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }
-extern "C" __global__ void softmax_causal_backward_bf16(float* dp, const float* da, const bf16_t* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }
-extern "C" __global__ void softmax_causal_backward_f16(float* dp, const float* da, const f16_t* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }
+extern "C" __global__ void softmax_causal_backward_bf16(bf16_t* dp, const float* da, const bf16_t* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }
+extern "C" __global__ void softmax_causal_backward_f16(f16_t* dp, const float* da, const f16_t* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }
 
 // Incremental decoding. cache (2,B,context,C): keys then values. kv_append writes the keys and
 // values of the Tn new tokens of qkv (B,Tn,3C) at positions start..start+Tn.
@@ -133,13 +157,9 @@ __device__ void attention_cached(T* out, float* scores, const T* cache, const T*
     }
     mx = warp_max(mx);
     float sum = 0.f;
-    for (int t = lane; t <= last; t += 32) {
-        float e = expf(s[t] - mx);
-        s[t] = e;
-        sum += e;
-    }
-    float inv = 1.f / warp_sum(sum);
-    for (int t = lane; t <= last; t += 32) s[t] = rounded<T>(s[t] * inv);
+    for (int t = lane; t <= last; t += 32) sum += expf(s[t] - mx);
+    float l = mx + logf(warp_sum(sum));
+    for (int t = lane; t <= last; t += 32) s[t] = rounded<T>(expf(s[t] - l));
     __syncwarp();
     for (int k = lane; k < HS; k += 32) {
         float acc = 0.f;

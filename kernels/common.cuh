@@ -57,6 +57,22 @@ __device__ __forceinline__ void atomic_add_16(H* p, long i, float v) {
 __device__ __forceinline__ void atomic_add(bf16_t* p, long i, float v) { atomic_add_16(p, i, v); }
 __device__ __forceinline__ void atomic_add(f16_t* p, long i, float v) { atomic_add_16(p, i, v); }
 
+// Column sums in two stages, so every SM works on a tall (rows, C) tensor: stage one's blocks
+// (32 columns × a band of rows each, grid (⌈C/32⌉, bands)) write f32 partial sums, one row of
+// `partial` (bands, C) per band; stage two adds each column's partials, in band order, to the
+// stored value, rounding once.
+template <typename T>
+__device__ void column_partials_add(T* dst, const float* partial, int bands, int C) {
+    int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= C) return;
+    float sum = 0.f;
+    for (int r = 0; r < bands; r++) sum += partial[(long)r * C + col];
+    store_f32(dst, col, load_f32(dst, col) + sum);
+}
+
+// The rows of band blockIdx.y of `band` rows each, within `rows`.
+__device__ __forceinline__ int band_end(int rows, int band) { return min(rows, (blockIdx.y + 1) * band); }
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

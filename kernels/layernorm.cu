@@ -1,5 +1,6 @@
 // LayerNorm over rows of C: one warp per row. Statistics (mean, rstd) are always f32. Parameter
-// gradients are column sums in f32, added to the stored gradient once (as the CPU reference).
+// gradients are column sums in f32 (in row bands, then the bands' partials by
+// `column_partials_add`), added to the stored gradient once (as the CPU reference).
 #include "common.cuh"
 
 template <typename T>
@@ -51,17 +52,19 @@ __device__ void layernorm_backward(T* dinp, const T* dout, const T* inp, const T
     }
 }
 
-// dweight (C) += Σ_rows norm·dout, dbias (C) += Σ_rows dout. Block (32, 16): 32 columns, 16 row
-// strides, reduced in shared memory.
+// dweight (C) += Σ_rows norm·dout, dbias (C) += Σ_rows dout, stage one: pw, pb (bands, C) f32,
+// each band's column sums (`column_partials_add` adds them). Block (32, 16): 32 columns, 16 row
+// strides through the band, reduced in shared memory.
 template <typename T>
-__device__ void layernorm_param_backward(T* dw, T* db, const T* dout, const T* inp, const float* mean,
-                                         const float* rstd, int N, int C) {
+__device__ void layernorm_param_backward_partial(float* pw, float* pb, const T* dout, const T* inp, const float* mean,
+                                                 const float* rstd, int N, int C, int band) {
     __shared__ float sw[16][33];
     __shared__ float sb[16][33];
     int col = blockIdx.x * 32 + threadIdx.x;
+    int end = band_end(N, band);
     float aw = 0.f, ab = 0.f;
     if (col < C)
-        for (int row = threadIdx.y; row < N; row += blockDim.y) {
+        for (int row = blockIdx.y * band + threadIdx.y; row < end; row += blockDim.y) {
             long i = (long)row * C + col;
             float d = load_f32(dout, i);
             ab += d;
@@ -73,8 +76,8 @@ __device__ void layernorm_param_backward(T* dw, T* db, const T* dout, const T* i
     if (threadIdx.y == 0 && col < C) {
         float w = 0.f, b = 0.f;
         for (int y = 0; y < blockDim.y; y++) { w += sw[y][threadIdx.x]; b += sb[y][threadIdx.x]; }
-        store_f32(dw, col, load_f32(dw, col) + w);
-        store_f32(db, col, load_f32(db, col) + b);
+        pw[(long)blockIdx.y * C + col] = w;
+        pb[(long)blockIdx.y * C + col] = b;
     }
 }
 
@@ -87,6 +90,6 @@ extern "C" __global__ void layernorm_recompute_f16(f16_t* o, const f16_t* x, con
 extern "C" __global__ void layernorm_backward_f32(float* dx, const float* d, const float* x, const float* w, const float* m, const float* r, int N, int C) { layernorm_backward(dx, d, x, w, m, r, N, C); }
 extern "C" __global__ void layernorm_backward_bf16(bf16_t* dx, const bf16_t* d, const bf16_t* x, const bf16_t* w, const float* m, const float* r, int N, int C) { layernorm_backward(dx, d, x, w, m, r, N, C); }
 extern "C" __global__ void layernorm_backward_f16(f16_t* dx, const f16_t* d, const f16_t* x, const f16_t* w, const float* m, const float* r, int N, int C) { layernorm_backward(dx, d, x, w, m, r, N, C); }
-extern "C" __global__ void layernorm_param_backward_f32(float* dw, float* db, const float* d, const float* x, const float* m, const float* r, int N, int C) { layernorm_param_backward(dw, db, d, x, m, r, N, C); }
-extern "C" __global__ void layernorm_param_backward_bf16(bf16_t* dw, bf16_t* db, const bf16_t* d, const bf16_t* x, const float* m, const float* r, int N, int C) { layernorm_param_backward(dw, db, d, x, m, r, N, C); }
-extern "C" __global__ void layernorm_param_backward_f16(f16_t* dw, f16_t* db, const f16_t* d, const f16_t* x, const float* m, const float* r, int N, int C) { layernorm_param_backward(dw, db, d, x, m, r, N, C); }
+extern "C" __global__ void layernorm_param_backward_partial_f32(float* pw, float* pb, const float* d, const float* x, const float* m, const float* r, int N, int C, int band) { layernorm_param_backward_partial(pw, pb, d, x, m, r, N, C, band); }
+extern "C" __global__ void layernorm_param_backward_partial_bf16(float* pw, float* pb, const bf16_t* d, const bf16_t* x, const float* m, const float* r, int N, int C, int band) { layernorm_param_backward_partial(pw, pb, d, x, m, r, N, C, band); }
+extern "C" __global__ void layernorm_param_backward_partial_f16(float* pw, float* pb, const f16_t* d, const f16_t* x, const float* m, const float* r, int N, int C, int band) { layernorm_param_backward_partial(pw, pb, d, x, m, r, N, C, band); }

@@ -694,18 +694,19 @@ fn a_listing_into_a_closed_pipe_ends_quietly() {
 
 #[test]
 fn expandable_segments_train_where_fixed_segments_strand_free_memory() {
-    // 2 layers, n_embd 256, T 128, micro-batch 8 on 80 MiB: the allocated peak is ~77 MiB, but
+    // 2 layers, n_embd 256, T 128, micro-batch 8 on 76 MiB: the allocated peak is ~70 MiB, but
     // with fixed segments the free bytes are split between segments that still hold live blocks,
-    // so a 3 MiB workspace request fails with reserved at capacity; one expandable address range
-    // has no seams between segments and the same job trains.
+    // so a workspace request fails with reserved at capacity; one expandable address range has
+    // no seams between segments and the same job trains. (Measured: fixed segments need 80 MiB,
+    // expandable ones 72.)
     let dir = tempfile::tempdir().unwrap();
     let yaml = |expandable: bool| {
-        job_yaml("frag", 2, 8, 8, "80MiB")
+        job_yaml("frag", 2, 8, 8, "76MiB")
             .replace(
                 "n_layer: 2, n_head: 4, n_embd: 64, block_size: 64",
                 "n_layer: 2, n_head: 4, n_embd: 256, block_size: 128",
             )
-            .replace("device_memory: 80MiB }", &format!("device_memory: 80MiB, expandable_segments: {expandable} }}"))
+            .replace("device_memory: 76MiB }", &format!("device_memory: 76MiB, expandable_segments: {expandable} }}"))
     };
     let fixed = train(&write_job(dir.path(), &yaml(false)), &dir.path().join("fixed"), &[]);
     assert_eq!(fixed.status.code(), Some(3), "{}", String::from_utf8_lossy(&fixed.stderr));
@@ -713,7 +714,7 @@ fn expandable_segments_train_where_fixed_segments_strand_free_memory() {
     let mem = &oom["mem"];
     let (allocated, reserved) = (mem["allocated"].as_u64().unwrap(), mem["reserved"].as_u64().unwrap());
     assert!(
-        allocated + oom["requested_bytes"].as_u64().unwrap() <= 80 << 20,
+        allocated + oom["requested_bytes"].as_u64().unwrap() <= 76 << 20,
         "the request fitted in the free bytes: {oom}"
     );
     assert!(reserved > allocated, "{oom}");
@@ -721,7 +722,7 @@ fn expandable_segments_train_where_fixed_segments_strand_free_memory() {
     let expandable = train(&write_job(dir.path(), &yaml(true)), &dir.path().join("expandable"), &[]);
     assert_eq!(expandable.status.code(), Some(0), "{}", String::from_utf8_lossy(&expandable.stderr));
     let finished = of_kind(&events(&expandable), "finished")[0].clone();
-    assert!(finished["peak_reserved"].as_u64().unwrap() <= 80 << 20, "{finished}");
+    assert!(finished["peak_reserved"].as_u64().unwrap() <= 76 << 20, "{finished}");
 }
 
 /// Train a small model on the corpus, then `headroom eval` every storage scheme and `headroom

@@ -64,7 +64,7 @@ try {
   })));
   check(oomBars.length === 2 && oomBars.every((b) => b.drawn.includes('request') && b.drawn.includes('activations') && b.drawn.includes('params')),
     `an OOM bar per attempt with its categories and the request: ${JSON.stringify(oomBars)}`);
-  check(oomBars.every((b) => /allocated \+ [\d.]+ (KiB|MiB) activations requested > 12\.00 MiB capacity/.test(b.label)), `OOM bar labels: ${oomBars.map((b) => b.label)}`);
+  check(oomBars.every((b) => /allocated \+ [\d.]+ (KiB|MiB) (activations|workspace) requested > 12\.00 MiB capacity/.test(b.label)), `OOM bar labels: ${oomBars.map((b) => b.label)}`);
   const diff = await page.$$eval('#attempts tr.attempt', (trs) => trs.map((tr) => tr.children[9].textContent));
   check(diff[1].includes('memory.precision: "fp32" → "bf16"') && !diff[1].includes('micro_batch'), `config diff shows only what changed: ${diff[1]}`);
   check(diff[2].includes('train.micro_batch: 32 → 16'), `config diff of the next step-down: ${diff[2]}`);

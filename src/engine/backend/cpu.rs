@@ -262,16 +262,16 @@ impl Backend for CpuBackend {
     fn attention_forward<E: Elem>(
         &self,
         mut out: ViewMut<E>,
-        mut att: ViewMut<E>,
+        mut lse: ViewMut<f32>,
         qkv: View<E>,
         b: usize,
         t: usize,
         c: usize,
         nh: usize,
     ) -> BackendResult {
-        shapes::attention_forward(out.len(), att.len(), qkv.len(), b, t, c, nh)?;
+        shapes::attention_forward(out.len(), lse.len(), qkv.len(), b, t, c, nh)?;
         let mut scratch = self.scratch(layers::attention_forward_scratch(b, t, nh))?;
-        layers::attention_forward(out.host_mut(), att.host_mut(), qkv.host(), scratch.as_mut_slice(), b, t, c, nh);
+        layers::attention_forward(out.host_mut(), lse.host_mut(), qkv.host(), scratch.as_mut_slice(), b, t, c, nh);
         Ok(())
     }
 
@@ -293,20 +293,20 @@ impl Backend for CpuBackend {
         mut dqkv: ViewMut<E>,
         dout: View<E>,
         qkv: View<E>,
-        att: View<E>,
+        lse: View<f32>,
         b: usize,
         t: usize,
         c: usize,
         nh: usize,
     ) -> BackendResult {
-        shapes::attention_backward(dqkv.len(), dout.len(), qkv.len(), att.len(), b, t, c, nh)?;
+        shapes::attention_backward(dqkv.len(), dout.len(), qkv.len(), lse.len(), b, t, c, nh)?;
         let mut scratch = self.scratch(layers::attention_backward_scratch::<E>(b, t, c, nh))?;
         layers::attention_backward(
             dqkv.host_mut(),
             scratch.as_mut_slice(),
             dout.host(),
             qkv.host(),
-            att.host(),
+            lse.host(),
             b,
             t,
             c,

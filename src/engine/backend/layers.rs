@@ -459,12 +459,15 @@ pub fn attention_forward_scratch(b: usize, t: usize, nh: usize) -> usize {
     b * nh * t
 }
 
-/// out: (B,T,C); att: (B,NH,T,T) softmax probabilities (zero above the diagonal), kept for
-/// backward; qkv: (B,T,3C) with q, k, v side by side; scratch: (B,NH,T) f32.
+/// out: (B,T,C); lse: (B,NH,T) f32, each row's log-sum-exp of its scaled scores, kept for
+/// backward instead of the (B,NH,T,T) probabilities (which backward recomputes from it);
+/// qkv: (B,T,3C) with q, k, v side by side; scratch: (B,NH,T) f32.
+///
+/// For query t and key t2 ≤ t: s = q·k / √HS, p = exp(s − lse) rounded to `E`, out = Σ p · v.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward<E: Elem>(
     out: &mut [E],
-    att: &mut [E],
+    lse: &mut [f32],
     qkv: &[E],
     scratch: &mut [f32],
     b: usize,
@@ -474,49 +477,41 @@ pub fn attention_forward<E: Elem>(
 ) {
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
-    assert_eq!(att.len(), b * nh * t * t, "att: (B,NH,T,T)");
+    assert_eq!(lse.len(), b * nh * t, "lse: (B,NH,T)");
     assert_eq!(out.len(), b * t * c, "out: (B,T,C)");
     assert!(scratch.len() >= b * nh * t, "scratch: (B,NH,T)");
     let out_ptr = SendPtr(out.as_mut_ptr());
-    att.par_chunks_mut(t * t).zip(scratch.par_chunks_mut(t)).enumerate().for_each(|(bh, (att_bh, row))| {
+    lse.par_chunks_mut(t).zip(scratch.par_chunks_mut(t)).enumerate().for_each(|(bh, (lse_bh, row))| {
         let (bi, h) = (bh / nh, bh % nh);
         for ti in 0..t {
             let q = &qkv[(bi * t + ti) * 3 * c + h * hs..][..hs];
-            softmax_scores(row, q, ti, scale, |t2| &qkv[(bi * t + t2) * 3 * c + c + h * hs..][..hs]);
-            let att_row = &mut att_bh[ti * t..][..t];
-            for t2 in 0..=ti {
-                att_row[t2] = E::from_f32(row[t2]);
-            }
-            att_row[ti + 1..].fill(E::default());
+            lse_bh[ti] = softmax_scores(row, q, ti, scale, |t2| &qkv[(bi * t + t2) * 3 * c + c + h * hs..][..hs]);
             // SAFETY: task (bi,h) alone writes out[bi, ti, h*hs .. (h+1)*hs].
             let o = unsafe { out_ptr.slice((bi * t + ti) * c + h * hs, hs) };
-            // Backward uses the stored probabilities: use the same rounded values here.
-            let att_row = &att_bh[ti * t..][..t];
-            weighted_values(
-                o,
-                ti,
-                |t2| att_row[t2].to_f32(),
-                |t2| &qkv[(bi * t + t2) * 3 * c + 2 * c + h * hs..][..hs],
-            );
+            weighted_values(o, ti, |t2| row[t2], |t2| &qkv[(bi * t + t2) * 3 * c + 2 * c + h * hs..][..hs]);
         }
     });
 }
 
-/// f32 scratch elements attention_backward needs: a softmax row per (batch, head), plus, for
-/// 16-bit storage, an f32 accumulator for the qkv gradient.
+/// f32 scratch elements attention_backward needs: a probability row and a gradient row per
+/// (batch, head), plus, for 16-bit storage, an f32 accumulator for the qkv gradient.
 pub fn attention_backward_scratch<E: Elem>(b: usize, t: usize, c: usize, nh: usize) -> usize {
-    b * nh * t + if E::is_f32() { 0 } else { b * t * 3 * c }
+    2 * b * nh * t + if E::is_f32() { 0 } else { b * t * 3 * c }
 }
 
 /// dqkv: (B,T,3C) [overwritten]; scratch: see [`attention_backward_scratch`]; dout: (B,T,C);
-/// qkv, att as saved.
+/// qkv, lse as saved by forward.
+///
+/// The probabilities are recomputed from q, k and lse exactly as forward made them (rounded to
+/// `E`); datt = dout·v; the scores' gradient ds = p · (datt − Σ p·datt) / √HS is rounded to `E`
+/// before it weights k and q (as a 16-bit device multiplies it), the sums are in f32.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<E: Elem>(
     dqkv: &mut [E],
     scratch: &mut [f32],
     dout: &[E],
     qkv: &[E],
-    att: &[E],
+    lse: &[f32],
     b: usize,
     t: usize,
     c: usize,
@@ -525,53 +520,53 @@ pub fn attention_backward<E: Elem>(
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     assert_eq!(dqkv.len(), b * t * 3 * c, "dqkv: (B,T,3C)");
+    assert_eq!(lse.len(), b * nh * t, "lse: (B,NH,T)");
     assert!(scratch.len() >= attention_backward_scratch::<E>(b, t, c, nh), "attention_backward scratch");
-    let (rows, acc) = scratch.split_at_mut(b * nh * t);
+    let (rows, acc) = scratch.split_at_mut(2 * b * nh * t);
     let acc: &mut [f32] = match E::as_f32_mut(dqkv) {
         Some(d) => d,
         None => &mut acc[..b * t * 3 * c],
     };
     acc.fill(0.0);
     let acc_ptr = SendPtr(acc.as_mut_ptr());
-    rows.par_chunks_mut(t).enumerate().for_each(|(bh, datt)| {
+    rows.par_chunks_mut(2 * t).enumerate().for_each(|(bh, rows)| {
         let (bi, h) = (bh / nh, bh % nh);
-        let att_bh = &att[bh * t * t..][..t * t];
+        let (p, datt) = rows.split_at_mut(t);
         for ti in 0..t {
-            let row = &att_bh[ti * t..][..t];
+            let q_base = (bi * t + ti) * 3 * c + h * hs;
+            let q = &qkv[q_base..][..hs];
+            probabilities(p, q, ti, scale, lse[bh * t + ti], |t2| &qkv[(bi * t + t2) * 3 * c + c + h * hs..][..hs]);
             let d = &dout[(bi * t + ti) * c + h * hs..][..hs];
-            // datt[t2] = d · v[t2];  dv[t2] += att[t2] * d
+            // datt[t2] = d · v[t2];  dv[t2] += p[t2] * d
             for t2 in 0..=ti {
                 let base = (bi * t + t2) * 3 * c + 2 * c + h * hs;
                 datt[t2] = dot(d, &qkv[base..][..hs]);
                 // SAFETY: task (bi,h) alone writes the v-columns of head h in batch bi.
                 let dv = unsafe { acc_ptr.slice(base, hs) };
-                let a = row[t2].to_f32();
                 for i in 0..hs {
-                    dv[i] += a * d[i].to_f32();
+                    dv[i] += p[t2] * d[i].to_f32();
                 }
             }
-            // softmax backward: dpre[t2] = att[t2] * (datt[t2] - Σ att·datt)
-            let s: f32 = (0..=ti).map(|t2| row[t2].to_f32() * datt[t2]).sum();
-            let q_base = (bi * t + ti) * 3 * c + h * hs;
+            // softmax backward: ds[t2] = p[t2] * (datt[t2] - Σ p·datt) * scale, rounded to E
+            let s: f32 = (0..=ti).map(|t2| p[t2] * datt[t2]).sum();
             for t2 in 0..=ti {
-                let dpre = row[t2].to_f32() * (datt[t2] - s) * scale;
+                let ds = E::from_f32(p[t2] * (datt[t2] - s) * scale).to_f32();
                 let k_base = (bi * t + t2) * 3 * c + c + h * hs;
                 // SAFETY: as above, for the q- and k-columns of head h in batch bi.
                 let dq = unsafe { acc_ptr.slice(q_base, hs) };
                 let k = &qkv[k_base..][..hs];
                 for i in 0..hs {
-                    dq[i] += dpre * k[i].to_f32();
+                    dq[i] += ds * k[i].to_f32();
                 }
                 let dk = unsafe { acc_ptr.slice(k_base, hs) };
-                let q = &qkv[q_base..][..hs];
                 for i in 0..hs {
-                    dk[i] += dpre * q[i].to_f32();
+                    dk[i] += ds * q[i].to_f32();
                 }
             }
         }
     });
     if !E::is_f32() {
-        narrow(dqkv, &scratch[b * nh * t..][..b * t * 3 * c]);
+        narrow(dqkv, &scratch[2 * b * nh * t..][..b * t * 3 * c]);
     }
 }
 
@@ -620,9 +615,6 @@ pub fn attention_cached<E: Elem>(out: &mut [E], cache: &mut [E], qkv: &[E], scra
             let q = &qkv[(bi * tn + i) * 3 * c + h * hs..][..hs];
             let last = start + i;
             softmax_scores(row, q, last, scale, |t2| &keys[(bi * context + t2) * c + h * hs..][..hs]);
-            for v in row[..=last].iter_mut() {
-                *v = E::from_f32(*v).to_f32();
-            }
             // SAFETY: task (bi,h) alone writes out[bi, i, h*hs .. (h+1)*hs].
             let o = unsafe { out_ptr.slice((bi * tn + i) * c + h * hs, hs) };
             weighted_values(o, last, |t2| row[t2], |t2| &values[(bi * context + t2) * c + h * hs..][..hs]);
@@ -630,23 +622,104 @@ pub fn attention_cached<E: Elem>(out: &mut [E], cache: &mut [E], qkv: &[E], scra
     });
 }
 
-/// row[..=last] = softmax over t of scale · q·key(t), t = 0..=last, in f32 (the maximum
-/// subtracted first): one causal attention row, shared by the full and the cached pass.
+/// One causal attention row: row[..=last] = p(t) = exp(s(t) − lse) rounded to `E` (and read
+/// back as f32), s(t) = scale · q·key(t), t = 0..=last; returns lse = log Σ exp s(t) (the
+/// maximum subtracted first). Shared by the full pass, the cached one and backward's
+/// recompute (`probabilities`), so all three weigh the values with the same numbers.
 #[inline]
-fn softmax_scores<'k, E: Elem + 'k>(row: &mut [f32], q: &[E], last: usize, scale: f32, key: impl Fn(usize) -> &'k [E]) {
-    let mut maxval = f32::NEG_INFINITY;
-    for (t2, r) in row[..=last].iter_mut().enumerate() {
+fn softmax_scores<'k, E: Elem + 'k>(
+    row: &mut [f32],
+    q: &[E],
+    last: usize,
+    scale: f32,
+    key: impl Fn(usize) -> &'k [E],
+) -> f32 {
+    let row = &mut row[..=last];
+    scores(row, q, scale, key);
+    let maxval = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    // Eight partial sums, so the exponentials vectorise (as `dot`).
+    let mut acc = [0.0f32; 8];
+    let mut chunks = row.chunks_exact(8);
+    for c in &mut chunks {
+        for l in 0..8 {
+            acc[l] += exp(c[l] - maxval);
+        }
+    }
+    let sum = acc.iter().sum::<f32>() + chunks.remainder().iter().map(|&s| exp(s - maxval)).sum::<f32>();
+    let lse = maxval + sum.ln();
+    rounded_probabilities::<E>(row, lse);
+    lse
+}
+
+/// row[..=last] = the probabilities `softmax_scores` made for this query, from its saved `lse`.
+#[inline]
+fn probabilities<'k, E: Elem + 'k>(
+    row: &mut [f32],
+    q: &[E],
+    last: usize,
+    scale: f32,
+    lse: f32,
+    key: impl Fn(usize) -> &'k [E],
+) {
+    let row = &mut row[..=last];
+    scores(row, q, scale, key);
+    rounded_probabilities::<E>(row, lse);
+}
+
+/// row[t] = scale · q·key(t).
+#[inline]
+fn scores<'k, E: Elem + 'k>(row: &mut [f32], q: &[E], scale: f32, key: impl Fn(usize) -> &'k [E]) {
+    for (t2, r) in row.iter_mut().enumerate() {
         *r = dot(q, key(t2)) * scale;
-        maxval = maxval.max(*r);
     }
-    let mut sum = 0.0f32;
-    for v in row[..=last].iter_mut() {
-        *v = (*v - maxval).exp();
-        sum += *v;
+}
+
+/// Scores to probabilities in place: exp(s − lse), rounded to `E`.
+#[inline]
+fn rounded_probabilities<E: Elem>(row: &mut [f32], lse: f32) {
+    for v in row.iter_mut() {
+        *v = E::from_f32(exp(*v - lse)).to_f32();
     }
-    let inv = 1.0 / sum;
-    for v in row[..=last].iter_mut() {
-        *v *= inv;
+}
+
+/// e^x in f32 within 1 ulp of the true value (0.68 measured) (0 below −87.3, where e^x is no longer a normal
+/// f32; +∞ above 88.7; NaN stays NaN): Cephes' `expf` — x = n·ln 2 + r with |r| ≤ ½ ln 2,
+/// e^r by a degree-7 polynomial, 2^n put into the exponent — branch-free, so loops of it
+/// vectorise where libm's `expf` is a call per element (attention's rows are exp-bound on the
+/// cpu). The same bits on every machine.
+#[inline]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 in two parts: n·LN2_HI is exact for the n that occur.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Adding and subtracting 1.5·2^23 rounds to the nearest integer (|x·log2 e| < 2^22).
+    const ROUND: f32 = 12_582_912.0;
+    const MIN: f32 = -87.336_55; // ln 2^-126
+    const MAX: f32 = 88.722_83; // ln f32::MAX
+    let clamped = x.clamp(MIN, MAX);
+    let n = (clamped * LOG2E + ROUND) - ROUND;
+    let r = clamped - n * LN2_HI - n * LN2_LO;
+    let p = 1.987_569_1e-4;
+    let p = p * r + 1.398_199_9e-3;
+    let p = p * r + 8.333_452e-3;
+    let p = p * r + 4.166_579_6e-2;
+    let p = p * r + 1.666_666_5e-1;
+    let p = p * r + 0.5;
+    let er = p * r * r + r + 1.0;
+    // 2^n as 2 · 2^(n−1) for n ≥ 1, so n = 128 (x near MAX) stays a normal exponent.
+    let n = n as i32;
+    let high = n > 0;
+    let power = f32::from_bits(((n - high as i32 + 127) as u32) << 23);
+    let scaled = er * if high { 2.0 } else { 1.0 } * power;
+    if x < MIN {
+        0.0
+    } else if x > MAX {
+        f32::INFINITY
+    } else if x.is_nan() {
+        x
+    } else {
+        scaled
     }
 }
 
@@ -798,5 +871,31 @@ pub fn unpack_int8<E: Elem>(x: &mut [E], q: &[i8], scales: &[f32], c: usize) {
         for (v, &qi) in row.iter_mut().zip(qrow) {
             *v = E::from_f32(qi as f32 * scale);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `exp` against f64's over its whole range, the ends included.
+    #[test]
+    fn exp_is_within_one_ulp_of_the_true_exponential() {
+        let (mut worst, mut at) = (0.0f64, 0.0f32);
+        let mut x = -87.3f32;
+        while x < 88.7 {
+            let (got, want) = (exp(x) as f64, (x as f64).exp());
+            let ulp = f32::EPSILON as f64 * want.abs();
+            if (got - want).abs() / ulp > worst {
+                (worst, at) = ((got - want).abs() / ulp, x);
+            }
+            x += 0.000_97;
+        }
+        assert!(worst <= 1.0, "worst error {worst} ulp at {at}");
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(-100.0), 0.0);
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp(100.0), f32::INFINITY);
+        assert!(exp(f32::NAN).is_nan());
     }
 }

@@ -222,24 +222,26 @@ pub trait Backend: Send {
         oc: usize,
     ) -> BackendResult;
 
-    /// out: (B,T,C); att: (B,NH,T,T) causal softmax probabilities; qkv: (B,T,3C).
+    /// out: (B,T,C); lse: (B,NH,T) f32, each query's log-sum-exp of its scaled causal scores
+    /// (what backward keeps instead of the (B,NH,T,T) probabilities); qkv: (B,T,3C).
     fn attention_forward<E: Elem>(
         &self,
         out: ViewMut<E>,
-        att: ViewMut<E>,
+        lse: ViewMut<f32>,
         qkv: View<E>,
         b: usize,
         t: usize,
         c: usize,
         nh: usize,
     ) -> BackendResult;
-    /// dqkv: (B,T,3C) [overwritten]; dout: (B,T,C); qkv, att as saved by forward.
+    /// dqkv: (B,T,3C) [overwritten]; dout: (B,T,C); qkv, lse as saved by forward (the
+    /// probabilities are recomputed from them).
     fn attention_backward<E: Elem>(
         &self,
         dqkv: ViewMut<E>,
         dout: View<E>,
         qkv: View<E>,
-        att: View<E>,
+        lse: View<f32>,
         b: usize,
         t: usize,
         c: usize,

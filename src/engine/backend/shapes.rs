@@ -153,15 +153,15 @@ pub fn matmul_backward(
     same(OP, "dweight (OC,C)", dweight, oc * c)
 }
 
-fn attention(op: &'static str, qkv: usize, att: usize, b: usize, t: usize, c: usize, nh: usize) -> BackendResult {
+fn attention(op: &'static str, qkv: usize, lse: usize, b: usize, t: usize, c: usize, nh: usize) -> BackendResult {
     check_shape(op, nh > 0 && c.is_multiple_of(nh), || format!("C={c} is not a multiple of NH={nh}"))?;
     same(op, "qkv (B,T,3C)", qkv, b * t * 3 * c)?;
-    same(op, "att (B,NH,T,T)", att, b * nh * t * t)
+    same(op, "lse (B,NH,T)", lse, b * nh * t)
 }
 
-pub fn attention_forward(out: usize, att: usize, qkv: usize, b: usize, t: usize, c: usize, nh: usize) -> BackendResult {
+pub fn attention_forward(out: usize, lse: usize, qkv: usize, b: usize, t: usize, c: usize, nh: usize) -> BackendResult {
     const OP: &str = "attention_forward";
-    attention(OP, qkv, att, b, t, c, nh)?;
+    attention(OP, qkv, lse, b, t, c, nh)?;
     same(OP, "out (B,T,C)", out, b * t * c)
 }
 
@@ -183,14 +183,14 @@ pub fn attention_backward(
     dqkv: usize,
     dout: usize,
     qkv: usize,
-    att: usize,
+    lse: usize,
     b: usize,
     t: usize,
     c: usize,
     nh: usize,
 ) -> BackendResult {
     const OP: &str = "attention_backward";
-    attention(OP, qkv, att, b, t, c, nh)?;
+    attention(OP, qkv, lse, b, t, c, nh)?;
     same(OP, "dqkv (B,T,3C)", dqkv, b * t * 3 * c)?;
     same(OP, "dout (B,T,C)", dout, b * t * c)
 }

@@ -6,7 +6,6 @@
 use serde::Serialize;
 
 use crate::config::DeviceKind;
-use crate::memory::blocks_bytes;
 
 use super::layers::{self, Elem};
 
@@ -41,11 +40,22 @@ impl WorkspaceModel {
         }
     }
 
-    /// Buffers live at the peak of `matmul_backward`.
-    pub fn matmul_backward<E: Elem>(self, n: usize, c: usize, oc: usize) -> Vec<usize> {
+    /// Buffers live at the peak of `matmul_backward` (with a bias gradient or without): on
+    /// cuda the bias gradient's partial column sums.
+    pub fn matmul_backward<E: Elem>(self, n: usize, c: usize, oc: usize, bias: bool) -> Vec<usize> {
         match self {
             WorkspaceModel::Cpu => vec![layers::matmul_backward_scratch::<E>(n, c, oc) * 4],
+            WorkspaceModel::Cuda if bias => vec![cuda_column_bands(n) * oc * 4],
             WorkspaceModel::Cuda => vec![],
+        }
+    }
+
+    /// Buffers live at the peak of `layernorm_backward` over (N,C): on cuda the partial column
+    /// sums of the weight and bias gradients; the cpu's accumulators are not pool memory.
+    pub fn layernorm_backward(self, n: usize, c: usize) -> Vec<usize> {
+        match self {
+            WorkspaceModel::Cpu => vec![],
+            WorkspaceModel::Cuda => vec![cuda_column_bands(n) * c * 4; 2],
         }
     }
 
@@ -89,41 +99,69 @@ pub const CUDA_THREADS: usize = 256;
 /// The most blocks a cuda reduction (`sum_squares`) launches; each writes one partial sum.
 pub const CUDA_NORM_BLOCKS: usize = 1024;
 
+/// Rows per band of a cuda column sum (bias and LayerNorm parameter gradients), and the most
+/// bands: a (rows, C) tensor is summed by ⌈C/32⌉ × bands blocks, so a tall one fills the device
+/// (GPT-2 124M at B 16, T 1024: 64 bands of 256 rows) instead of ⌈C/32⌉ blocks walking every row.
+pub const CUDA_COLUMN_BAND_ROWS: usize = 256;
+pub const CUDA_COLUMN_BANDS: usize = 128;
+
+/// Bands of a cuda column sum over `rows` rows; each band's sums are a row of f32 partials.
+pub fn cuda_column_bands(rows: usize) -> usize {
+    rows.div_ceil(CUDA_COLUMN_BAND_ROWS).clamp(1, CUDA_COLUMN_BANDS)
+}
+
 /// Blocks of the cuda `sum_squares` launch over `n` elements.
 pub fn cuda_norm_blocks(n: usize) -> usize {
     n.div_ceil(CUDA_THREADS).clamp(1, CUDA_NORM_BLOCKS)
 }
 
+/// The most bytes one chunk of the CUDA attention's (T,T) matrices (f32 scores and `E`
+/// probabilities of every head of `chunk` sequences) may hold, unless one sequence needs more.
+/// Bounds the attention's workspace whatever the batch, and keeps each batched product large
+/// enough to fill the device (GPT-2 124M at T 1024: 3 sequences, 36 heads, per chunk).
+pub const CUDA_ATTENTION_CHUNK_BYTES: usize = 256 << 20;
+
 /// The CUDA attention's scratch buffers (bytes), which `cuda::backend` allocates by these
-/// names and in the order the phases below describe.
+/// names and in the order `forward_peak` / `backward_peak` list them. The (T,T) matrices
+/// exist for one chunk of sequences at a time; nothing of (B,NH,T,T) is kept between passes
+/// (backward recomputes the probabilities from the saved log-sum-exp).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CudaAttention {
-    /// One (B·NH, T, HS) head-major copy in `E`: q, k, v, dy.
+    /// One (B·NH, T, HS) head-major copy in `E`: q, k, v (forward's y reuses q), dy.
     pub heads: usize,
-    /// (B·NH, T, T) scores or their gradient, f32.
-    pub scores: usize,
-    /// One (B·NH, T, HS) head-major tensor in f32: dv, q32, k32, dq, dk.
+    /// One (B·NH, T, HS) head-major tensor in f32: dq, dk, dv.
     pub heads_f32: usize,
+    /// Sequences per chunk.
+    pub chunk: usize,
+    /// (chunk·NH, T, T) f32: a chunk's scores, then (backward) the probabilities' gradient.
+    pub scores: usize,
+    /// (chunk·NH, T, T) in `E`: a chunk's probabilities, then (backward) the scores' gradient.
+    pub probs: usize,
 }
 
 impl CudaAttention {
     pub fn of<E: Elem>(b: usize, t: usize, c: usize, nh: usize) -> CudaAttention {
         let elems = b * t * c;
-        CudaAttention { heads: elems * E::BYTES, scores: b * nh * t * t * 4, heads_f32: elems * 4 }
+        let per_sequence = nh * t * t * (4 + E::BYTES);
+        let chunk = (CUDA_ATTENTION_CHUNK_BYTES / per_sequence.max(1)).clamp(1, b.max(1));
+        CudaAttention {
+            heads: elems * E::BYTES,
+            heads_f32: elems * 4,
+            chunk,
+            scores: chunk * nh * t * t * 4,
+            probs: chunk * nh * t * t * E::BYTES,
+        }
     }
 
-    /// Forward: q, k, v and the scores are live together (then the scores go, y reuses q).
+    /// Forward: q, k, v, then a chunk's scores and probabilities.
     pub fn forward_peak(&self) -> Vec<usize> {
-        vec![self.heads, self.heads, self.heads, self.scores]
+        vec![self.heads, self.heads, self.heads, self.scores, self.probs]
     }
 
-    /// Backward in three phases: (q, k, v, dy, datt, dv); v and dy freed, (q, k, datt, dv, q32,
-    /// k32); q and k freed, (datt, dv, q32, k32, dq, dk). The largest phase is the peak.
+    /// Backward: q, k, v, dy, dq, dk, dv, then a chunk's scores and probabilities.
     pub fn backward_peak(&self) -> Vec<usize> {
-        let h = self.heads;
-        let (s, f) = (self.scores, self.heads_f32);
-        let phases = [vec![h, h, h, h, s, f], vec![h, h, s, f, f, f], vec![s, f, f, f, f, f]];
-        phases.into_iter().max_by_key(|p| blocks_bytes(p)).expect("three phases")
+        let (h, f) = (self.heads, self.heads_f32);
+        vec![h, h, h, h, f, f, f, self.scores, self.probs]
     }
 }
 
@@ -132,15 +170,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn cuda_attention_backward_peaks_in_the_phase_with_the_most_bytes() {
-        // bf16: heads 2 bytes/elem, f32 heads 4: the last phase (5 f32 heads) is largest.
-        let a = CudaAttention::of::<half::bf16>(4, 64, 64, 4);
-        assert_eq!(a.backward_peak(), vec![a.scores, a.heads_f32, a.heads_f32, a.heads_f32, a.heads_f32, a.heads_f32]);
+    fn cuda_attention_works_in_chunks_of_sequences_within_the_budget() {
+        // GPT-2 124M, B 16, T 1024, 12 heads, bf16: 75.5 MB of (T,T) matrices per sequence,
+        // so 3 sequences per chunk — 226 MB where the whole batch's f32 scores alone were 805 MB.
+        let a = CudaAttention::of::<half::bf16>(16, 1024, 768, 12);
+        assert_eq!(a.chunk, 3);
+        assert_eq!(a.scores, 3 * 12 * 1024 * 1024 * 4);
+        assert_eq!(a.probs, 3 * 12 * 1024 * 1024 * 2);
+        assert!(a.scores + a.probs <= CUDA_ATTENTION_CHUNK_BYTES);
+        assert_eq!(a.backward_peak().len(), 9);
+        // A small batch fits one chunk; a sequence over the budget is a chunk of its own.
+        assert_eq!(CudaAttention::of::<f32>(4, 64, 64, 4).chunk, 4);
+        let long = CudaAttention::of::<half::bf16>(2, 8192, 1024, 16);
+        assert_eq!(long.chunk, 1);
+        assert_eq!(long.scores, 16 * 8192 * 8192 * 4);
         // The CPU declarations are its layer functions' scratch.
         assert_eq!(
             WorkspaceModel::Cpu.attention_forward::<f32>(4, 64, 64, 4),
             vec![layers::attention_forward_scratch(4, 64, 4) * 4]
         );
+        assert_eq!(
+            WorkspaceModel::Cpu.attention_backward::<half::bf16>(4, 64, 64, 4),
+            vec![layers::attention_backward_scratch::<half::bf16>(4, 64, 64, 4) * 4]
+        );
         assert!(WorkspaceModel::Cuda.matmul_forward::<half::bf16>(256, 64, 192).is_empty(), "cuBLAS, not the pool");
+        // Column sums: 64 bands of 256 rows at B 16, T 1024; capped at 128; one for a short tensor.
+        assert_eq!(WorkspaceModel::Cuda.matmul_backward::<half::bf16>(16 * 1024, 768, 2304, true), vec![64 * 2304 * 4]);
+        assert!(WorkspaceModel::Cuda.matmul_backward::<half::bf16>(16 * 1024, 768, 50257, false).is_empty());
+        assert_eq!(WorkspaceModel::Cuda.layernorm_backward(1 << 20, 1600), vec![128 * 1600 * 4; 2]);
+        assert_eq!(cuda_column_bands(10), 1);
+        assert!(WorkspaceModel::Cpu.layernorm_backward(1 << 20, 1600).is_empty());
     }
 }

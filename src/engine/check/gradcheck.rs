@@ -138,17 +138,21 @@ fn attention_backward_matches_finite_differences() {
     let mut rng = Rng::new(3);
     let (qkv, r) = (randn(&mut rng, b * t * 3 * c, 1.0), randn(&mut rng, b * t * c, 1.0));
     let f = |qkv: &[f32]| {
-        let (mut out, mut att) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
-        attention_forward(&mut out, &mut att, qkv, &mut vec![0.0; b * nh * t], b, t, c, nh);
+        let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
+        attention_forward(&mut out, &mut lse, qkv, &mut vec![0.0; b * nh * t], b, t, c, nh);
         dot64(&out, &r)
     };
-    let (mut out, mut att) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
-    attention_forward(&mut out, &mut att, &qkv, &mut vec![0.0; b * nh * t], b, t, c, nh);
-    // Causality: row 0 attends only to itself.
-    assert_eq!(att[0], 1.0);
-    assert!(att[1..t].iter().all(|&a| a == 0.0));
-    let (mut dqkv, mut scratch) = (vec![0.0; b * t * 3 * c], vec![0.0; b * nh * t]);
-    attention_backward(&mut dqkv, &mut scratch, &r, &qkv, &att, b, t, c, nh);
+    let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
+    attention_forward(&mut out, &mut lse, &qkv, &mut vec![0.0; b * nh * t], b, t, c, nh);
+    // Causality: query 0 attends only to itself, so its output is its own value and its
+    // log-sum-exp its own scaled score.
+    let hs = c / nh;
+    assert_eq!(out[..hs], qkv[2 * c..2 * c + hs]);
+    let s00: f32 = (0..hs).map(|i| qkv[i] * qkv[c + i]).sum::<f32>() / (hs as f32).sqrt();
+    assert!((lse[0] - s00).abs() < 1e-6, "lse {} vs score {s00}", lse[0]);
+    let mut dqkv = vec![0.0; b * t * 3 * c];
+    let mut scratch = vec![0.0; attention_backward_scratch::<f32>(b, t, c, nh)];
+    attention_backward(&mut dqkv, &mut scratch, &r, &qkv, &lse, b, t, c, nh);
     check("attention.dqkv", &qkv, &dqkv, &f);
 }
 
@@ -287,11 +291,11 @@ fn sixteen_bit_layers_match_the_fp32_reference() {
     }
 
     let qkv = randn(&mut rng, n * 3 * c, 1.0);
-    let (mut o, mut att) = (vec![0.0f32; n * c], vec![0.0f32; b * nh * t * t]);
-    attention_forward(&mut o, &mut att, &qkv, &mut vec![0.0; b * nh * t], b, t, c, nh);
-    let (mut o16, mut att16) = (vec![half::bf16::ZERO; n * c], vec![half::bf16::ZERO; b * nh * t * t]);
-    attention_forward(&mut o16, &mut att16, &to(&qkv), &mut vec![0.0; b * nh * t], b, t, c, nh);
-    assert!(rel_err(&o16, &o) < 2e-2 && rel_err(&att16, &att) < 1e-2);
+    let (mut o, mut lse) = (vec![0.0f32; n * c], vec![0.0f32; b * nh * t]);
+    attention_forward(&mut o, &mut lse, &qkv, &mut vec![0.0; b * nh * t], b, t, c, nh);
+    let (mut o16, mut lse16) = (vec![half::bf16::ZERO; n * c], vec![0.0f32; b * nh * t]);
+    attention_forward(&mut o16, &mut lse16, &to(&qkv), &mut vec![0.0; b * nh * t], b, t, c, nh);
+    assert!(rel_err(&o16, &o) < 2e-2 && rel_err(&lse16, &lse) < 1e-2);
     let d = randn(&mut rng, n * c, 1.0);
     let mut dqkv = vec![0.0f32; n * 3 * c];
     attention_backward(
@@ -299,7 +303,7 @@ fn sixteen_bit_layers_match_the_fp32_reference() {
         &mut vec![0.0; attention_backward_scratch::<f32>(b, t, c, nh)],
         &d,
         &qkv,
-        &att,
+        &lse,
         b,
         t,
         c,
@@ -307,7 +311,7 @@ fn sixteen_bit_layers_match_the_fp32_reference() {
     );
     let mut dqkv16 = vec![half::bf16::ZERO; n * 3 * c];
     let mut scratch = vec![0.0; attention_backward_scratch::<half::bf16>(b, t, c, nh)];
-    attention_backward(&mut dqkv16, &mut scratch, &to(&d), &to(&qkv), &att16, b, t, c, nh);
+    attention_backward(&mut dqkv16, &mut scratch, &to(&d), &to(&qkv), &lse16, b, t, c, nh);
     assert!(rel_err(&dqkv16, &dqkv) < 3e-2, "bf16 attention backward: {}", rel_err(&dqkv16, &dqkv));
 }
 

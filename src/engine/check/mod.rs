@@ -48,13 +48,13 @@ macro_rules! delegate_ops {
         }
     };
     (@op $to:tt, $m:path, $wrap:ident, attention_forward) => {
-        fn attention_forward<E: Elem>(&self, out: ViewMut<E>, att: ViewMut<E>, qkv: View<E>, b: usize, t: usize, c: usize, nh: usize) -> BackendResult {
-            $wrap!(self, "attention_forward", [out, att, qkv], self.$to.attention_forward($m(out), $m(att), $m(qkv), b, t, c, nh))
+        fn attention_forward<E: Elem>(&self, out: ViewMut<E>, lse: ViewMut<f32>, qkv: View<E>, b: usize, t: usize, c: usize, nh: usize) -> BackendResult {
+            $wrap!(self, "attention_forward", [out, lse, qkv], self.$to.attention_forward($m(out), $m(lse), $m(qkv), b, t, c, nh))
         }
     };
     (@op $to:tt, $m:path, $wrap:ident, attention_backward) => {
-        fn attention_backward<E: Elem>(&self, dqkv: ViewMut<E>, dout: View<E>, qkv: View<E>, att: View<E>, b: usize, t: usize, c: usize, nh: usize) -> BackendResult {
-            $wrap!(self, "attention_backward", [dqkv, dout, qkv, att], self.$to.attention_backward($m(dqkv), $m(dout), $m(qkv), $m(att), b, t, c, nh))
+        fn attention_backward<E: Elem>(&self, dqkv: ViewMut<E>, dout: View<E>, qkv: View<E>, lse: View<f32>, b: usize, t: usize, c: usize, nh: usize) -> BackendResult {
+            $wrap!(self, "attention_backward", [dqkv, dout, qkv, lse], self.$to.attention_backward($m(dqkv), $m(dout), $m(qkv), $m(lse), b, t, c, nh))
         }
     };
     (@op $to:tt, $m:path, $wrap:ident, attention_cached) => {

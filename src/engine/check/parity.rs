@@ -342,18 +342,18 @@ fn ops<E: Elem, R: Backend, C: Backend>(h: &mut Harness<'_, R, C>, s: ParityShap
         Ok(vec![("dinp", h.err::<E>(&dinp)?), ("dweight", h.err::<E>(&dw)?), ("dbias", h.err::<E>(&db)?)])
     });
     h.record::<E>("attention_forward", |h| {
-        let (qkv, mut out, mut att) =
-            (h.input::<E>(n * 3 * c, 1.0)?, h.poisoned::<E>(n * c)?, h.poisoned::<E>(b * nh * t * t)?);
-        both!(h, attention_forward::<E>(&mut out, &mut att, &qkv, b, t, c, nh));
-        Ok(vec![("out", h.err::<E>(&out)?), ("att", h.err::<E>(&att)?)])
+        let (qkv, mut out, mut lse) =
+            (h.input::<E>(n * 3 * c, 1.0)?, h.poisoned::<E>(n * c)?, h.poisoned::<f32>(b * nh * t)?);
+        both!(h, attention_forward::<E>(&mut out, &mut lse, &qkv, b, t, c, nh));
+        Ok(vec![("out", h.err::<E>(&out)?), ("lse", h.err::<f32>(&lse)?)])
     });
     h.record::<E>("attention_backward", |h| {
         let (qkv, dout) = (h.input::<E>(n * 3 * c, 1.0)?, h.input::<E>(n * c, 1.0)?);
-        let (mut out, mut att) = (h.poisoned::<E>(n * c)?, h.poisoned::<E>(b * nh * t * t)?);
-        h.r.attention_forward::<E>(ViewMut::of(&mut out.r), ViewMut::of(&mut att.r), View::of(&qkv.r), b, t, c, nh)?;
-        let att = h.shared::<E>(&att)?;
+        let (mut out, mut lse) = (h.poisoned::<E>(n * c)?, h.poisoned::<f32>(b * nh * t)?);
+        h.r.attention_forward::<E>(ViewMut::of(&mut out.r), ViewMut::of(&mut lse.r), View::of(&qkv.r), b, t, c, nh)?;
+        let lse = h.shared::<f32>(&lse)?;
         let mut dqkv = h.poisoned::<E>(n * 3 * c)?;
-        both!(h, attention_backward::<E>(&mut dqkv, &dout, &qkv, &att, b, t, c, nh));
+        both!(h, attention_backward::<E>(&mut dqkv, &dout, &qkv, &lse, b, t, c, nh));
         Ok(vec![("dqkv", h.err::<E>(&dqkv)?)])
     });
     h.record::<E>("attention_cached", |h| {

@@ -201,38 +201,39 @@ impl<B: Backend> Backend for Profiled<B> {
             self.inner.matmul_backward(dinp, dweight, dbias, dout, inp, weight, n, c, oc)
         })
     }
-    // Scores q·kᵀ and the weighted sum att·v over every (query, key) pair: 2 · 2·b·t²·c FLOPs
+    // Scores q·kᵀ and the weighted sum p·v over every (query, key) pair: 2 · 2·b·t²·c FLOPs
     // as computed (the causal half is masked, not skipped).
     fn attention_forward<E: Elem>(
         &self,
         out: ViewMut<E>,
-        att: ViewMut<E>,
+        lse: ViewMut<f32>,
         qkv: View<E>,
         b: usize,
         t: usize,
         c: usize,
         nh: usize,
     ) -> BackendResult {
-        let bytes = out.view_bytes() + att.view_bytes() + qkv.view_bytes();
+        let bytes = out.view_bytes() + lse.view_bytes() + qkv.view_bytes();
         let flops = 4.0 * (b * t * t * c) as f64;
-        self.time("attention_forward", bytes, flops, || self.inner.attention_forward(out, att, qkv, b, t, c, nh))
+        self.time("attention_forward", bytes, flops, || self.inner.attention_forward(out, lse, qkv, b, t, c, nh))
     }
-    // Twice the forward's: each of its two products has two gradients.
+    // The scores again (the probabilities are recomputed), then two gradients of each of the
+    // forward's two products: 5 · 2·b·t²·c.
     fn attention_backward<E: Elem>(
         &self,
         dqkv: ViewMut<E>,
         dout: View<E>,
         qkv: View<E>,
-        att: View<E>,
+        lse: View<f32>,
         b: usize,
         t: usize,
         c: usize,
         nh: usize,
     ) -> BackendResult {
-        let bytes = dqkv.view_bytes() + dout.view_bytes() + qkv.view_bytes() + att.view_bytes();
-        let flops = 8.0 * (b * t * t * c) as f64;
+        let bytes = dqkv.view_bytes() + dout.view_bytes() + qkv.view_bytes() + lse.view_bytes();
+        let flops = 10.0 * (b * t * t * c) as f64;
         self.time("attention_backward", bytes, flops, || {
-            self.inner.attention_backward(dqkv, dout, qkv, att, b, t, c, nh)
+            self.inner.attention_backward(dqkv, dout, qkv, lse, b, t, c, nh)
         })
     }
 

@@ -94,18 +94,38 @@ fn ops<E: Elem, B: Backend>(be: &B, model: WorkspaceModel, s: ParityShape) -> Ba
             oc,
         )
     })?;
-    rows.push(row("matmul_backward", model.matmul_backward::<E>(n, c, oc), measured));
+    rows.push(row("matmul_backward", model.matmul_backward::<E>(n, c, oc, true), measured));
 
-    // attention: qkv (B,T,3C) -> out (B,T,C), att (B,NH,T,T); and its backward.
-    let qkv = tensor::<E, B>(be, b * t * 3 * c)?;
-    let (mut y, mut att, mut dqkv) =
-        (tensor::<E, B>(be, b * t * c)?, tensor::<E, B>(be, b * nh * t * t)?, tensor::<E, B>(be, b * t * 3 * c)?);
+    // layernorm backward over (N,C): its parameter gradients' column sums.
+    let (lweight, mut lw, mut lb) = (tensor::<E, B>(be, c)?, tensor::<E, B>(be, c)?, tensor::<E, B>(be, c)?);
+    let (lmean, mut lrstd) = (tensor::<f32, B>(be, n)?, tensor::<f32, B>(be, n)?);
+    be.upload(ViewMut::of(&mut lrstd), &vec![1.0f32; n])?;
     let measured = measure(be, || {
-        be.attention_forward::<E>(ViewMut::of(&mut y), ViewMut::of(&mut att), View::of(&qkv), b, t, c, nh)
+        be.layernorm_backward::<E>(
+            ViewMut::of(&mut dinp),
+            ViewMut::of(&mut lw),
+            ViewMut::of(&mut lb),
+            View::of(&inp),
+            View::of(&inp),
+            View::of(&lweight),
+            View::of(&lmean),
+            View::of(&lrstd),
+            c,
+        )
+    })?;
+    rows.push(row("layernorm_backward", model.layernorm_backward(n, c), measured));
+    drop((lweight, lw, lb, lmean, lrstd));
+
+    // attention: qkv (B,T,3C) -> out (B,T,C), lse (B,NH,T) f32; and its backward.
+    let qkv = tensor::<E, B>(be, b * t * 3 * c)?;
+    let (mut y, mut lse, mut dqkv) =
+        (tensor::<E, B>(be, b * t * c)?, tensor::<f32, B>(be, b * nh * t)?, tensor::<E, B>(be, b * t * 3 * c)?);
+    let measured = measure(be, || {
+        be.attention_forward::<E>(ViewMut::of(&mut y), ViewMut::of(&mut lse), View::of(&qkv), b, t, c, nh)
     })?;
     rows.push(row("attention_forward", model.attention_forward::<E>(b, t, c, nh), measured));
     let measured = measure(be, || {
-        be.attention_backward::<E>(ViewMut::of(&mut dqkv), View::of(&y), View::of(&qkv), View::of(&att), b, t, c, nh)
+        be.attention_backward::<E>(ViewMut::of(&mut dqkv), View::of(&y), View::of(&qkv), View::of(&lse), b, t, c, nh)
     })?;
     rows.push(row("attention_backward", model.attention_backward::<E>(b, t, c, nh), measured));
 
@@ -150,7 +170,7 @@ mod tests {
         for shape in [ParityShape::ODD, small] {
             for rows in [run(&cpu, WorkspaceModel::Cpu, shape).unwrap(), run(&sim, WorkspaceModel::Cpu, shape).unwrap()]
             {
-                assert_eq!(rows.len(), 10, "5 ops × 2 dtypes");
+                assert_eq!(rows.len(), 12, "6 ops × 2 dtypes");
                 for r in &rows {
                     assert!(r.passed(), "{}", table(&rows));
                 }

@@ -141,7 +141,10 @@ pub fn step_time(cfg: &GptConfig, k: &Knobs, speed: &DeviceSpeed) -> StepTime {
     let block_elementwise = 40.0 * rows * c + 3.0 * b * h * t * t / tp;
     let block_pass = |flops: f64, elems: f64| flops / rate + elems / speed.elementwise_per_s + speed.per_layer_pass_s;
     let forward = l * block_pass(block_matmul + block_attention, block_elementwise) + head / rate;
-    let backward = l * block_pass(2.0 * (block_matmul + block_attention), 2.0 * block_elementwise) + 2.0 * head / rate;
+    // Backward computes the scores again (attention keeps only their log-sum-exp): half the
+    // forward's attention products on top of twice them.
+    let backward =
+        l * block_pass(2.5 * block_attention + 2.0 * block_matmul, 2.0 * block_elementwise) + 2.0 * head / rate;
     let recompute = match k.checkpointing {
         Checkpointing::None => 0.0,
         Checkpointing::Selective => l * block_pass(block_attention, 3.0 * b * h * t * t),

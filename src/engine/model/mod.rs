@@ -129,7 +129,7 @@ pub fn layer_activation_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'static
         ("ln1_mean", bt),
         ("ln1_rstd", bt),
         ("qkv", bt * 3 * cl),
-        ("att", b * nhl * t * t),
+        ("att_lse", b * nhl * t),
         ("atty", bt * cl),
         ("residual2", bt * c),
         ("ln2", bt * c),
@@ -145,8 +145,8 @@ pub fn layer_activation_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'static
 /// bytes (f32 / u32); everything else is stored in the compute precision.
 pub fn activation_width(name: &str, elem_bytes: usize) -> usize {
     match name {
-        "ln1_mean" | "ln1_rstd" | "ln2_mean" | "ln2_rstd" | "lnf_mean" | "lnf_rstd" | "losses" | "inputs"
-        | "targets" => 4,
+        "ln1_mean" | "ln1_rstd" | "att_lse" | "ln2_mean" | "ln2_rstd" | "lnf_mean" | "lnf_rstd" | "losses"
+        | "inputs" | "targets" => 4,
         _ => elem_bytes,
     }
 }
@@ -206,8 +206,9 @@ pub fn block_forward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b:
 pub fn block_backward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b: usize, t: usize) -> Vec<usize> {
     let bt = b * t;
     let mut ops: Vec<Vec<usize>> =
-        block_matmul_shapes(cfg).iter().map(|&(i, o)| model.matmul_backward::<E>(bt, i, o)).collect();
+        block_matmul_shapes(cfg).iter().map(|&(i, o)| model.matmul_backward::<E>(bt, i, o, true)).collect();
     ops.push(model.attention_backward::<E>(b, t, cfg.local_embd(), cfg.local_heads()));
+    ops.push(model.layernorm_backward(bt, cfg.n_embd));
     ops.push(block_forward_scratch::<E>(model, cfg, b, t));
     largest(ops)
 }
@@ -217,9 +218,12 @@ pub fn head_forward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b: 
     model.matmul_forward::<E>(b * t, cfg.n_embd, cfg.vocab)
 }
 
-/// The classifier's workspace: backward.
+/// The head's workspace in backward: the classifier's (no bias), then the final LayerNorm's.
 pub fn head_backward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b: usize, t: usize) -> Vec<usize> {
-    model.matmul_backward::<E>(b * t, cfg.n_embd, cfg.vocab)
+    largest(vec![
+        model.matmul_backward::<E>(b * t, cfg.n_embd, cfg.vocab, false),
+        model.layernorm_backward(b * t, cfg.n_embd),
+    ])
 }
 
 /// The buffer set taking the most pool bytes (each buffer rounded as the pool rounds it).
@@ -555,6 +559,31 @@ pub use passes::*;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Nothing kept from forward to backward grows with T²: doubling the sequence doubles every
+    /// per-layer and global activation (attention keeps its (B,NH,T) log-sum-exp, not (T,T)
+    /// probabilities), and so does the estimator's activation figure.
+    #[test]
+    fn every_kept_activation_is_linear_in_the_sequence_length() {
+        let cfg = GptConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 32,
+            block_size: 512,
+            vocab: 50,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
+        for (short, long) in layer_activation_sizes(&cfg, 3, 128).iter().zip(layer_activation_sizes(&cfg, 3, 256)) {
+            assert_eq!((short.0, 2 * short.1), long, "layer activation {}", short.0);
+        }
+        for (short, long) in global_activation_sizes(&cfg, 3, 128).iter().zip(global_activation_sizes(&cfg, 3, 256)) {
+            assert_eq!((short.0, 2 * short.1), long, "global activation {}", short.0);
+        }
+        let lse = layer_activation_sizes(&cfg, 3, 128).into_iter().find(|(name, _)| *name == "att_lse");
+        assert_eq!(lse, Some(("att_lse", 3 * 4 * 128)), "one f32 per (sequence, head, query)");
+        assert_eq!(activation_width("att_lse", 2), 4, "kept in f32 under 16-bit storage");
+    }
 
     /// Over a grid of tensor-parallel ranks and pipeline stages, each whole-layout element is
     /// held where the split says (a block's split tensors by one tensor-parallel rank of one

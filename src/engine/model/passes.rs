@@ -63,7 +63,9 @@ pub struct LayerActs {
     pub ln1_mean: Buffer,
     pub ln1_rstd: Buffer,
     pub qkv: Buffer,
-    pub att: Buffer,
+    /// (B,NH,T) f32: the attention rows' log-sum-exp, from which backward recomputes the
+    /// probabilities (no (B,NH,T,T) tensor is kept).
+    pub att_lse: Buffer,
     pub atty: Buffer,
     pub residual2: Buffer,
     pub ln2: Buffer,
@@ -79,7 +81,9 @@ pub struct SelectiveActs {
     pub ln1_mean: Buffer,
     pub ln1_rstd: Buffer,
     pub qkv: Buffer,
-    pub att: Buffer,
+    /// (B,NH,T) f32: the attention rows' log-sum-exp, from which backward recomputes the
+    /// probabilities (no (B,NH,T,T) tensor is kept).
+    pub att_lse: Buffer,
     pub atty: Buffer,
     pub residual2: Buffer,
     pub ln2_mean: Buffer,
@@ -233,7 +237,7 @@ impl KeptLayer {
                 ln1_mean: a.ln1_mean,
                 ln1_rstd: a.ln1_rstd,
                 qkv: a.qkv,
-                att: a.att,
+                att_lse: a.att_lse,
                 atty: a.atty,
                 residual2: a.residual2,
                 ln2_mean: a.ln2_mean,
@@ -318,7 +322,7 @@ fn alloc_layer_acts<E: Elem>(cfg: &GptConfig, pool: &Pool, b: usize, t: usize) -
         ln1_mean: next(),
         ln1_rstd: next(),
         qkv: next(),
-        att: next(),
+        att_lse: next(),
         atty: next(),
         residual2: next(),
         ln2: next(),
@@ -586,7 +590,7 @@ fn recompute<E: Elem, B: Backend>(
                 ln1_mean: s.ln1_mean,
                 ln1_rstd: s.ln1_rstd,
                 qkv: s.qkv,
-                att: s.att,
+                att_lse: s.att_lse,
                 atty: s.atty,
                 residual2: s.residual2,
                 ln2,
@@ -634,8 +638,8 @@ fn layer_forward<E: Elem, B: Backend>(
     )?;
     // qkv: (B,T,3·C/tp), column-parallel: this rank's heads' q, k, v
     be.matmul_forward(ViewMut::of(&mut a.qkv), View::of(&a.ln1), p.qkvw, Some(p.qkvb), bt, c, 3 * cl)?;
-    // atty: (B,T,C/tp), att: (B,NH/tp,T,T)
-    be.attention_forward::<E>(ViewMut::of(&mut a.atty), ViewMut::of(&mut a.att), View::of(&a.qkv), b, t, cl, nhl)?;
+    // atty: (B,T,C/tp), att_lse: (B,NH/tp,T)
+    be.attention_forward::<E>(ViewMut::of(&mut a.atty), ViewMut::of(&mut a.att_lse), View::of(&a.qkv), b, t, cl, nhl)?;
     // residual2: (B,T,C) = x + atty · attprojwᵀ + attprojb (row-parallel: partial sums over
     // the group, the bias added by one rank)
     let bias = tp.adds_bias().then_some(p.attprojb);
@@ -730,7 +734,7 @@ fn layer_backward<E: Elem, B: Backend>(
         ViewMut::of(dqkv),
         View::range(dsmall, 0..datty),
         View::of(&a.qkv),
-        View::of(&a.att),
+        View::of(&a.att_lse),
         b,
         t,
         cl,

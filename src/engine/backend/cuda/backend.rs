@@ -32,7 +32,7 @@ use super::{
 use crate::engine::backend::collectives::DeviceCollectives;
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::optim::{AdamW, BETA1, BETA2, EPS};
-use crate::engine::backend::workspace::{CudaAttention, WorkspaceModel};
+use crate::engine::backend::workspace::{cuda_column_bands, CudaAttention, WorkspaceModel};
 use crate::engine::backend::{shapes, Backend, BackendError, BackendResult, HostPin, View, ViewMut};
 
 /// Threads per block of the elementwise kernels (the workspace declarations size reductions'
@@ -164,10 +164,10 @@ fn warp_rows(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows.div_ceil(8).max(1) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
-/// Column sums: blocks of 32 columns × 16 row strides.
-fn column_sums(cols: usize) -> LaunchConfig {
+/// Column sums' first stage: blocks of 32 columns × 16 row strides, one row of blocks per band.
+fn column_sums(cols: usize, bands: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (cols.div_ceil(32).max(1) as u32, 1, 1),
+        grid_dim: (cols.div_ceil(32).max(1) as u32, bands.max(1) as u32, 1),
         block_dim: (32, MAX_BLOCK_THREADS / 32, 1),
         shared_mem_bytes: 0,
     }
@@ -185,6 +185,119 @@ struct Gemm {
     c: (u64, blas_sys::cudaDataType, usize, usize),
     beta: f32,
     batch: usize,
+}
+
+/// Sequences `first..first + count` of the batch: one chunk of the attention's heads.
+struct HeadChunk {
+    first: usize,
+    count: usize,
+    nh: usize,
+}
+
+impl HeadChunk {
+    /// Heads in the chunk: the products' batch count.
+    fn heads(&self) -> usize {
+        self.count * self.nh
+    }
+
+    /// Rows of its (T,T) matrices: one per (head, query).
+    fn rows(&self, t: usize) -> usize {
+        self.heads() * t
+    }
+
+    /// Its first row in a (B,NH,T) tensor (the log-sum-exp), in elements.
+    fn row_offset(&self, t: usize) -> u64 {
+        (self.first * self.nh * t) as u64
+    }
+}
+
+/// The attention's strided-batched products over head-major (B·NH, T, HS) tensors in `E`, one
+/// chunk of sequences at a time, with the chunk's (chunk·NH, T, T) matrices at the start of
+/// their scratch buffers (f32 scores, probabilities in `E`).
+struct HeadChunks<E> {
+    b: usize,
+    t: usize,
+    hs: usize,
+    nh: usize,
+    chunk: usize,
+    elem: std::marker::PhantomData<E>,
+}
+
+impl<E: Elem> HeadChunks<E> {
+    fn new(b: usize, t: usize, c: usize, nh: usize, chunk: usize) -> Self {
+        HeadChunks { b, t, hs: c / nh, nh, chunk: chunk.max(1), elem: std::marker::PhantomData }
+    }
+
+    fn chunks(&self) -> impl Iterator<Item = HeadChunk> + '_ {
+        (0..self.b).step_by(self.chunk).map(|first| HeadChunk {
+            first,
+            count: self.chunk.min(self.b - first),
+            nh: self.nh,
+        })
+    }
+
+    /// The address of the chunk's first head in a (B·NH, T, HS) tensor of `bytes`-wide elements.
+    fn at(&self, chunk: &HeadChunk, base: u64, bytes: usize) -> u64 {
+        base + (chunk.first * self.nh * self.t * self.hs * bytes) as u64
+    }
+
+    /// out (chunk·NH, T, T) f32 per head, out[i][j] = rows_i · columns_j: the scores (rows q,
+    /// columns k) or the probabilities' gradient (rows dy, columns v).
+    fn scores(&self, chunk: &HeadChunk, columns: u64, rows: u64, out: u64) -> Gemm {
+        let (t, hs, ty) = (self.t, self.hs, data_type::<E>());
+        Gemm {
+            trans_a: true,
+            trans_b: false,
+            m: t,
+            n: t,
+            k: hs,
+            a: (self.at(chunk, columns, E::BYTES), ty, hs, t * hs),
+            b: (self.at(chunk, rows, E::BYTES), ty, hs, t * hs),
+            c: (out, F32, t, t * t),
+            beta: 0.0,
+            batch: chunk.heads(),
+        }
+    }
+
+    /// out (chunk·NH, T, HS) in `E` = p · values per head (forward's y).
+    fn weighted(&self, chunk: &HeadChunk, values: u64, probs: u64, out: u64) -> Gemm {
+        let (t, hs, ty) = (self.t, self.hs, data_type::<E>());
+        Gemm {
+            trans_a: false,
+            trans_b: false,
+            m: hs,
+            n: t,
+            k: t,
+            a: (self.at(chunk, values, E::BYTES), ty, hs, t * hs),
+            b: (probs, ty, t, t * t),
+            c: (self.at(chunk, out, E::BYTES), ty, hs, t * hs),
+            beta: 0.0,
+            batch: chunk.heads(),
+        }
+    }
+
+    /// out (chunk·NH, T, HS) f32 = m · x per head, or mᵀ · x when `transposed`, m a (T,T)
+    /// matrix in `E` (the scores' gradient): dq = ds · k, dk = dsᵀ · q.
+    fn weighted_f32(&self, chunk: &HeadChunk, x: u64, m: u64, out: u64, transposed: bool) -> Gemm {
+        let (t, hs, ty) = (self.t, self.hs, data_type::<E>());
+        Gemm {
+            trans_a: false,
+            trans_b: transposed,
+            m: hs,
+            n: t,
+            k: t,
+            a: (self.at(chunk, x, E::BYTES), ty, hs, t * hs),
+            b: (m, ty, t, t * t),
+            c: (self.at(chunk, out, 4), F32, hs, t * hs),
+            beta: 0.0,
+            batch: chunk.heads(),
+        }
+    }
+
+    /// dv (chunk·NH, T, HS) f32 = pᵀ · dy per head.
+    fn values_grad(&self, chunk: &HeadChunk, dy: u64, probs: u64, dv: u64) -> Gemm {
+        self.weighted_f32(chunk, dy, probs, dv, true)
+    }
 }
 
 pub struct CudaBackend {
@@ -380,6 +493,20 @@ impl CudaBackend {
 
     fn scratch(&self, bytes: usize) -> BackendResult<Buffer> {
         Ok(self.pool.alloc(bytes, Category::Workspace)?)
+    }
+
+    /// A column sum's second stage: dst (C) += Σ over `bands` rows of `partial` (bands, C) f32.
+    fn add_column_partials<E: Elem>(
+        &self,
+        op: &'static str,
+        dst: u64,
+        partial: &Buffer,
+        bands: usize,
+        c: usize,
+    ) -> BackendResult {
+        let dt = suffix::<E>(self, op)?;
+        let args = [Arg::Ptr(dst), Arg::Ptr(partial.address()), int(op, "bands", bands)?, int(op, "C", c)?];
+        self.launch(op, &format!("column_partials_add_{dt}"), elementwise(c), &args)
     }
 
     /// Bind the context and make the copy stream start its next copy only after everything
@@ -676,17 +803,23 @@ impl Backend for CudaBackend {
             cc,
         ];
         self.launch(OP, &format!("layernorm_backward_{dt}"), warp_rows(n), &args)?;
+        // Scratch sized by the declaration the estimator sums (`WorkspaceModel::layernorm_backward`).
+        let bands = cuda_column_bands(n);
+        let (pw, pb) = (self.scratch(bands * c * 4)?, self.scratch(bands * c * 4)?);
         let args = [
-            Arg::Ptr(dweight.address()),
-            Arg::Ptr(dbias.address()),
+            Arg::Ptr(pw.address()),
+            Arg::Ptr(pb.address()),
             Arg::Ptr(dout.address()),
             Arg::Ptr(inp.address()),
             Arg::Ptr(mean.address()),
             Arg::Ptr(rstd.address()),
             nn,
             cc,
+            int(OP, "band", n.div_ceil(bands))?,
         ];
-        self.launch(OP, &format!("layernorm_param_backward_{dt}"), column_sums(c), &args)
+        self.launch(OP, &format!("layernorm_param_backward_partial_{dt}"), column_sums(c, bands), &args)?;
+        self.add_column_partials::<E>(OP, dweight.address(), &pw, bands, c)?;
+        self.add_column_partials::<E>(OP, dbias.address(), &pb, bands, c)
     }
 
     fn matmul_forward<E: Elem>(
@@ -784,8 +917,18 @@ impl Backend for CudaBackend {
             },
         )?;
         if let Some(db) = dbias {
-            let args = [Arg::Ptr(db.address()), Arg::Ptr(dout.address()), int(OP, "N", n)?, int(OP, "OC", oc)?];
-            self.launch(OP, &format!("bias_backward_{dt}"), column_sums(oc), &args)?;
+            // Scratch sized by the declaration the estimator sums (`WorkspaceModel::matmul_backward`).
+            let bands = cuda_column_bands(n);
+            let partial = self.scratch(bands * oc * 4)?;
+            let args = [
+                Arg::Ptr(partial.address()),
+                Arg::Ptr(dout.address()),
+                int(OP, "N", n)?,
+                int(OP, "OC", oc)?,
+                int(OP, "band", n.div_ceil(bands))?,
+            ];
+            self.launch(OP, &format!("bias_backward_partial_{dt}"), column_sums(oc, bands), &args)?;
+            self.add_column_partials::<E>(OP, db.address(), &partial, bands, oc)?;
         }
         Ok(())
     }
@@ -793,7 +936,7 @@ impl Backend for CudaBackend {
     fn attention_forward<E: Elem>(
         &self,
         out: ViewMut<E>,
-        att: ViewMut<E>,
+        lse: ViewMut<f32>,
         qkv: View<E>,
         b: usize,
         t: usize,
@@ -802,9 +945,8 @@ impl Backend for CudaBackend {
     ) -> BackendResult {
         const OP: &str = "attention_forward";
         let dt = suffix::<E>(self, OP)?;
-        shapes::attention_forward(out.len(), att.len(), qkv.len(), b, t, c, nh)?;
+        shapes::attention_forward(out.len(), lse.len(), qkv.len(), b, t, c, nh)?;
         let hs = c / nh;
-        let (bh, head) = (b * nh, t * hs);
         let dims = [int(OP, "B", b)?, int(OP, "T", t)?, int(OP, "NH", nh)?, int(OP, "HS", hs)?];
         // Scratch sized by the declaration the estimator sums (`workspace::CudaAttention`).
         let ws = CudaAttention::of::<E>(b, t, c, nh);
@@ -813,52 +955,27 @@ impl Backend for CudaBackend {
             vec![Arg::Ptr(q.address()), Arg::Ptr(k.address()), Arg::Ptr(v.address()), Arg::Ptr(qkv.address())];
         args.extend(dims);
         self.launch(OP, &format!("permute_qkv_{dt}"), elementwise(b * t * c), &args)?;
-        // scores (B·NH, T, T) f32 = q · kᵀ
-        let preatt = self.scratch(ws.scores)?;
-        let ty = data_type::<E>();
-        self.gemm(
-            OP,
-            Gemm {
-                trans_a: true,
-                trans_b: false,
-                m: t,
-                n: t,
-                k: hs,
-                a: (k.address(), ty, hs, head),
-                b: (q.address(), ty, hs, head),
-                c: (preatt.address(), F32, t, t * t),
-                beta: 0.0,
-                batch: bh,
-            },
-        )?;
+        let (scores, probs) = (self.scratch(ws.scores)?, self.scratch(ws.probs)?);
+        let heads = HeadChunks::<E>::new(b, t, c, nh, ws.chunk);
         let scale = 1.0 / (hs as f32).sqrt();
-        let args = [
-            Arg::Ptr(att.address()),
-            Arg::Ptr(preatt.address()),
-            Arg::F32(scale),
-            int(OP, "B·NH·T", bh * t)?,
-            int(OP, "T", t)?,
-        ];
-        self.launch(OP, &format!("softmax_causal_forward_{dt}"), warp_rows(bh * t), &args)?;
-        drop(preatt);
-        // y (B·NH, T, HS) = att · v, then merged back to (B,T,C)
-        let y = q; // q is no longer needed
-        self.gemm(
-            OP,
-            Gemm {
-                trans_a: false,
-                trans_b: false,
-                m: hs,
-                n: t,
-                k: t,
-                a: (v.address(), ty, hs, head),
-                b: (att.address(), ty, t, t * t),
-                c: (y.address(), ty, hs, head),
-                beta: 0.0,
-                batch: bh,
-            },
-        )?;
-        let mut args = vec![Arg::Ptr(out.address()), Arg::Ptr(y.address())];
+        for chunk in heads.chunks() {
+            // scores (chunk·NH, T, T) f32 = q · kᵀ
+            self.gemm(OP, heads.scores(&chunk, k.address(), q.address(), scores.address()))?;
+            // probabilities in E and each row's log-sum-exp
+            let args = [
+                Arg::Ptr(probs.address()),
+                Arg::Ptr(lse.address() + chunk.row_offset(t) * 4),
+                Arg::Ptr(scores.address()),
+                Arg::F32(scale),
+                int(OP, "chunk·NH·T", chunk.rows(t))?,
+                int(OP, "T", t)?,
+            ];
+            self.launch(OP, &format!("softmax_causal_forward_{dt}"), warp_rows(chunk.rows(t)), &args)?;
+            // y (chunk·NH, T, HS) = p · v, over this chunk's q (no longer needed)
+            self.gemm(OP, heads.weighted(&chunk, v.address(), probs.address(), q.address()))?;
+        }
+        drop((scores, probs));
+        let mut args = vec![Arg::Ptr(out.address()), Arg::Ptr(q.address())];
         args.extend(dims);
         args.push(Arg::I32(1));
         self.launch(OP, &format!("heads_permute_{dt}"), elementwise(b * t * c), &args)
@@ -900,7 +1017,7 @@ impl Backend for CudaBackend {
         dqkv: ViewMut<E>,
         dout: View<E>,
         qkv: View<E>,
-        att: View<E>,
+        lse: View<f32>,
         b: usize,
         t: usize,
         c: usize,
@@ -908,15 +1025,14 @@ impl Backend for CudaBackend {
     ) -> BackendResult {
         const OP: &str = "attention_backward";
         let dt = suffix::<E>(self, OP)?;
-        shapes::attention_backward(dqkv.len(), dout.len(), qkv.len(), att.len(), b, t, c, nh)?;
+        shapes::attention_backward(dqkv.len(), dout.len(), qkv.len(), lse.len(), b, t, c, nh)?;
         let hs = c / nh;
-        let (bh, head, elems) = (b * nh, t * hs, b * t * c);
+        let elems = b * t * c;
         let dims = [int(OP, "B", b)?, int(OP, "T", t)?, int(OP, "NH", nh)?, int(OP, "HS", hs)?];
-        let ty = data_type::<E>();
-        // Heads of q, k, v (recomputed from qkv) and of dout.
-        // Scratch sized by the declaration the estimator sums, allocated and freed in the
-        // order of its phases (`CudaAttention::backward_peak`).
+        // Scratch sized by the declaration the estimator sums, allocated in the order
+        // `CudaAttention::backward_peak` lists it.
         let ws = CudaAttention::of::<E>(b, t, c, nh);
+        // Heads of q, k, v (again from qkv) and of dout.
         let (q, k, v, dy) =
             (self.scratch(ws.heads)?, self.scratch(ws.heads)?, self.scratch(ws.heads)?, self.scratch(ws.heads)?);
         let mut args =
@@ -927,87 +1043,41 @@ impl Backend for CudaBackend {
         args.extend(dims);
         args.push(Arg::I32(0));
         self.launch(OP, &format!("heads_permute_{dt}"), elementwise(elems), &args)?;
-        // datt (B·NH,T,T) f32 = dy · vᵀ ; dv f32 = attᵀ · dy
-        let datt = self.scratch(ws.scores)?;
-        self.gemm(
-            OP,
-            Gemm {
-                trans_a: true,
-                trans_b: false,
-                m: t,
-                n: t,
-                k: hs,
-                a: (v.address(), ty, hs, head),
-                b: (dy.address(), ty, hs, head),
-                c: (datt.address(), F32, t, t * t),
-                beta: 0.0,
-                batch: bh,
-            },
-        )?;
-        let dv = self.scratch(ws.heads_f32)?;
-        self.gemm(
-            OP,
-            Gemm {
-                trans_a: false,
-                trans_b: true,
-                m: hs,
-                n: t,
-                k: t,
-                a: (dy.address(), ty, hs, head),
-                b: (att.address(), ty, t, t * t),
-                c: (dv.address(), F32, hs, head),
-                beta: 0.0,
-                batch: bh,
-            },
-        )?;
-        drop((v, dy));
-        // dpreatt, in place over datt (each row is read before it is written, by the same lanes).
+        let (dq, dk, dv) = (self.scratch(ws.heads_f32)?, self.scratch(ws.heads_f32)?, self.scratch(ws.heads_f32)?);
+        let (scores, probs) = (self.scratch(ws.scores)?, self.scratch(ws.probs)?);
+        let heads = HeadChunks::<E>::new(b, t, c, nh, ws.chunk);
         let scale = 1.0 / (hs as f32).sqrt();
-        let args = [
-            Arg::Ptr(datt.address()),
-            Arg::Ptr(datt.address()),
-            Arg::Ptr(att.address()),
-            Arg::F32(scale),
-            int(OP, "B·NH·T", bh * t)?,
-            int(OP, "T", t)?,
-        ];
-        self.launch(OP, &format!("softmax_causal_backward_{dt}"), warp_rows(bh * t), &args)?;
-        // dq = dpreatt · k ; dk = dpreattᵀ · q, in f32 (cuBLAS takes no f32 × bf16 product).
-        let (q32, k32) = (self.scratch(ws.heads_f32)?, self.scratch(ws.heads_f32)?);
-        self.convert::<E>(OP, true, q32.address(), q.address(), elems)?;
-        self.convert::<E>(OP, true, k32.address(), k.address(), elems)?;
-        drop((q, k));
-        let (dq, dk) = (self.scratch(ws.heads_f32)?, self.scratch(ws.heads_f32)?);
-        self.gemm(
-            OP,
-            Gemm {
-                trans_a: false,
-                trans_b: false,
-                m: hs,
-                n: t,
-                k: t,
-                a: (k32.address(), F32, hs, head),
-                b: (datt.address(), F32, t, t * t),
-                c: (dq.address(), F32, hs, head),
-                beta: 0.0,
-                batch: bh,
-            },
-        )?;
-        self.gemm(
-            OP,
-            Gemm {
-                trans_a: false,
-                trans_b: true,
-                m: hs,
-                n: t,
-                k: t,
-                a: (q32.address(), F32, hs, head),
-                b: (datt.address(), F32, t, t * t),
-                c: (dk.address(), F32, hs, head),
-                beta: 0.0,
-                batch: bh,
-            },
-        )?;
+        for chunk in heads.chunks() {
+            // The probabilities forward used: the same scores product, exp(s − lse) in E.
+            self.gemm(OP, heads.scores(&chunk, k.address(), q.address(), scores.address()))?;
+            let args = [
+                Arg::Ptr(probs.address()),
+                Arg::Ptr(scores.address()),
+                Arg::Ptr(lse.address() + chunk.row_offset(t) * 4),
+                Arg::F32(scale),
+                int(OP, "chunk·NH·T", chunk.rows(t))?,
+                int(OP, "T", t)?,
+            ];
+            self.launch(OP, &format!("softmax_causal_probs_{dt}"), warp_rows(chunk.rows(t)), &args)?;
+            // datt (chunk·NH, T, T) f32 = dy · vᵀ, over the scores; dv f32 = pᵀ · dy
+            self.gemm(OP, heads.scores(&chunk, v.address(), dy.address(), scores.address()))?;
+            self.gemm(OP, heads.values_grad(&chunk, dy.address(), probs.address(), dv.address()))?;
+            // ds = p · (datt − Σ p·datt) · scale in E, in place over p (each row read before it
+            // is written, by the same lanes)
+            let args = [
+                Arg::Ptr(probs.address()),
+                Arg::Ptr(scores.address()),
+                Arg::Ptr(probs.address()),
+                Arg::F32(scale),
+                int(OP, "chunk·NH·T", chunk.rows(t))?,
+                int(OP, "T", t)?,
+            ];
+            self.launch(OP, &format!("softmax_causal_backward_{dt}"), warp_rows(chunk.rows(t)), &args)?;
+            // dq = ds · k ; dk = dsᵀ · q, 16-bit products into f32 where E is 16-bit
+            self.gemm(OP, heads.weighted_f32(&chunk, k.address(), probs.address(), dq.address(), false))?;
+            self.gemm(OP, heads.weighted_f32(&chunk, q.address(), probs.address(), dk.address(), true))?;
+        }
+        drop((scores, probs, q, k, v, dy));
         let mut args =
             vec![Arg::Ptr(dqkv.address()), Arg::Ptr(dq.address()), Arg::Ptr(dk.address()), Arg::Ptr(dv.address())];
         args.extend(dims);
@@ -1179,5 +1249,166 @@ impl Backend for CudaBackend {
             int(OP, "group", group)?,
         ];
         self.launch(OP, &format!("unpack_int4_{dt}"), elementwise(n), &args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The attention's cuBLAS descriptors and kernels, run on the host: each `Gemm` by cuBLAS's
+    //! column-major reading of it, each kernel by a line-for-line port, in the backend's order
+    //! and over several chunks (the last one short) — so operand shapes, leading dimensions,
+    //! strides and chunk offsets are checked against the CPU reference without a GPU.
+
+    use super::*;
+    use crate::engine::backend::layers;
+    use crate::engine::rng::Rng;
+
+    /// `cublasGemmStridedBatchedEx` on host f32 memory (addresses are host pointers).
+    fn host_gemm(g: &Gemm) {
+        assert!(g.a.1 == F32 && g.b.1 == F32 && g.c.1 == F32, "f32 operands only");
+        let (lda, ldb, ldc) = (g.a.2, g.b.2, g.c.2);
+        for batch in 0..g.batch {
+            // SAFETY: the test's buffers hold every element the descriptors address (an
+            // out-of-range descriptor is what this test exists to catch, as a wrong result or
+            // an index past a Vec the allocator would not hand out in one piece).
+            unsafe {
+                let a = (g.a.0 as *const f32).add(batch * g.a.3);
+                let b = (g.b.0 as *const f32).add(batch * g.b.3);
+                let c = (g.c.0 as *mut f32).add(batch * g.c.3);
+                for j in 0..g.n {
+                    for i in 0..g.m {
+                        let mut acc = 0.0f32;
+                        for p in 0..g.k {
+                            let av = if g.trans_a { *a.add(p + i * lda) } else { *a.add(i + p * lda) };
+                            let bv = if g.trans_b { *b.add(j + p * ldb) } else { *b.add(p + j * ldb) };
+                            acc += av * bv;
+                        }
+                        let at = c.add(i + j * ldc);
+                        *at = acc + g.beta * *at;
+                    }
+                }
+            }
+        }
+    }
+
+    fn ptr(v: &[f32]) -> u64 {
+        v.as_ptr() as u64
+    }
+
+    /// An output's address (the host product writes through it).
+    fn out(v: &mut [f32]) -> u64 {
+        v.as_mut_ptr() as u64
+    }
+
+    /// `permute_qkv`: qkv (B,T,3,NH,HS) -> q, k, v (B,NH,T,HS).
+    fn permute_qkv(qkv: &[f32], b: usize, t: usize, nh: usize, hs: usize) -> [Vec<f32>; 3] {
+        let c = nh * hs;
+        let mut out = [vec![0.0; b * t * c], vec![0.0; b * t * c], vec![0.0; b * t * c]];
+        for idx in 0..b * t * c {
+            let (d, tt, h, bb) = (idx % hs, (idx / hs) % t, (idx / (hs * t)) % nh, idx / (hs * t * nh));
+            let src = ((bb * t + tt) * 3 * nh + h) * hs + d;
+            for (part, o) in out.iter_mut().enumerate() {
+                o[idx] = qkv[src + part * c];
+            }
+        }
+        out
+    }
+
+    /// `heads_permute`: (B,NH,T,HS) -> (B,T,C) when `merge`, the inverse otherwise.
+    fn heads_permute(x: &[f32], t: usize, nh: usize, hs: usize, merge: bool) -> Vec<f32> {
+        let mut out = vec![0.0; x.len()];
+        for idx in 0..x.len() {
+            let (d, tt, h, bb) = (idx % hs, (idx / hs) % t, (idx / (hs * t)) % nh, idx / (hs * t * nh));
+            let btc = ((bb * t + tt) * nh + h) * hs + d;
+            if merge {
+                out[btc] = x[idx];
+            } else {
+                out[idx] = x[btc];
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_attention_descriptors_and_kernels_compute_the_reference_in_chunks() {
+        let (b, t, nh, hs) = (5, 7, 3, 4);
+        let c = nh * hs;
+        let chunk = 2; // chunks of 2, 2 and 1 sequences
+        let mut rng = Rng::new(11);
+        let qkv: Vec<f32> = (0..b * t * 3 * c).map(|_| rng.normal() as f32).collect();
+        let dout: Vec<f32> = (0..b * t * c).map(|_| rng.normal() as f32).collect();
+        let heads = HeadChunks::<f32>::new(b, t, c, nh, chunk);
+        assert_eq!(heads.chunks().map(|h| h.count).collect::<Vec<_>>(), [2, 2, 1]);
+        let scale = 1.0 / (hs as f32).sqrt();
+        let [mut q, k, v] = permute_qkv(&qkv, b, t, nh, hs);
+        let (mut scores, mut probs) = (vec![0.0f32; chunk * nh * t * t], vec![0.0f32; chunk * nh * t * t]);
+
+        // Forward, as `attention_forward` issues it.
+        let mut lse = vec![0.0f32; b * nh * t];
+        for ch in heads.chunks() {
+            host_gemm(&heads.scores(&ch, ptr(&k), ptr(&q), out(&mut scores)));
+            for row in 0..ch.rows(t) {
+                // softmax_causal_forward
+                let (tq, base) = (row % t, row * t);
+                let mx = (0..=tq).fold(f32::NEG_INFINITY, |m, i| m.max(scores[base + i] * scale));
+                let s: f32 = (0..=tq).map(|i| (scores[base + i] * scale - mx).exp()).sum();
+                let l = mx + s.ln();
+                lse[ch.row_offset(t) as usize + row] = l;
+                for i in 0..t {
+                    probs[base + i] = if i <= tq { (scores[base + i] * scale - l).exp() } else { 0.0 };
+                }
+            }
+            host_gemm(&heads.weighted(&ch, ptr(&v), ptr(&probs), out(&mut q)));
+        }
+        let merged = heads_permute(&q, t, nh, hs, true);
+        let (mut ref_out, mut ref_lse) = (vec![0.0f32; b * t * c], vec![0.0f32; b * nh * t]);
+        layers::attention_forward(&mut ref_out, &mut ref_lse, &qkv, &mut vec![0.0; b * nh * t], b, t, c, nh);
+        let close = |x: &[f32], y: &[f32], what: &str| {
+            for (i, (x, y)) in x.iter().zip(y).enumerate() {
+                assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{what}[{i}]: {x} vs reference {y}");
+            }
+        };
+        close(&merged, &ref_out, "out");
+        close(&lse, &ref_lse, "lse");
+
+        // Backward, as `attention_backward` issues it.
+        let [q, k, v] = permute_qkv(&qkv, b, t, nh, hs);
+        let dy = heads_permute(&dout, t, nh, hs, false);
+        let (mut dq, mut dk, mut dv) = (vec![0.0f32; b * t * c], vec![0.0f32; b * t * c], vec![0.0f32; b * t * c]);
+        for ch in heads.chunks() {
+            host_gemm(&heads.scores(&ch, ptr(&k), ptr(&q), out(&mut scores)));
+            for row in 0..ch.rows(t) {
+                // softmax_causal_probs
+                let (tq, base, l) = (row % t, row * t, lse[ch.row_offset(t) as usize + row]);
+                for i in 0..t {
+                    probs[base + i] = if i <= tq { (scores[base + i] * scale - l).exp() } else { 0.0 };
+                }
+            }
+            host_gemm(&heads.scores(&ch, ptr(&v), ptr(&dy), out(&mut scores)));
+            host_gemm(&heads.values_grad(&ch, ptr(&dy), ptr(&probs), out(&mut dv)));
+            for row in 0..ch.rows(t) {
+                // softmax_causal_backward, in place over the probabilities
+                let (tq, base) = (row % t, row * t);
+                let s: f32 = (0..=tq).map(|i| probs[base + i] * scores[base + i]).sum();
+                for i in 0..t {
+                    let p = probs[base + i];
+                    probs[base + i] = if i <= tq { p * (scores[base + i] - s) * scale } else { 0.0 };
+                }
+            }
+            host_gemm(&heads.weighted_f32(&ch, ptr(&k), ptr(&probs), out(&mut dq), false));
+            host_gemm(&heads.weighted_f32(&ch, ptr(&q), ptr(&probs), out(&mut dk), true));
+        }
+        // permute_qkv_backward
+        let mut dqkv = vec![0.0f32; b * t * 3 * c];
+        for (part, d) in [&dq, &dk, &dv].into_iter().enumerate() {
+            let merged = heads_permute(d, t, nh, hs, true);
+            for row in 0..b * t {
+                dqkv[row * 3 * c + part * c..][..c].copy_from_slice(&merged[row * c..][..c]);
+            }
+        }
+        let mut ref_dqkv = vec![0.0f32; b * t * 3 * c];
+        let mut scratch = vec![0.0; layers::attention_backward_scratch::<f32>(b, t, c, nh)];
+        layers::attention_backward(&mut ref_dqkv, &mut scratch, &dout, &qkv, &ref_lse, b, t, c, nh);
+        close(&dqkv, &ref_dqkv, "dqkv");
     }
 }
