@@ -45,6 +45,12 @@ __device__ void heads_permute(T* out, const T* in, int B, int T_, int NH, int HS
 // att[row] = exp(scale · scores[row] − lse[row]) rounded to T, zero above the diagonal, with
 // lse[row] = log Σ exp(scale · scores[row]) (the maximum subtracted first), kept for backward.
 template <typename T>
+__device__ __forceinline__ void causal_probs_row(T* att, const float* preatt, float scale, float l, long base, int t, int T_, int lane) {
+    for (int i = lane; i < T_; i += 32)
+        store_f32(att, base + i, i <= t ? expf(preatt[base + i] * scale - l) : 0.f);
+}
+
+template <typename T>
 __device__ void softmax_causal_forward(T* att, float* lse, const float* preatt, float scale, int rows, int T_) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -58,8 +64,7 @@ __device__ void softmax_causal_forward(T* att, float* lse, const float* preatt, 
     for (int i = lane; i <= t; i += 32) s += expf(preatt[base + i] * scale - mx);
     float l = mx + logf(warp_sum(s));
     if (lane == 0) lse[row] = l;
-    for (int i = lane; i < T_; i += 32)
-        store_f32(att, base + i, i <= t ? expf(preatt[base + i] * scale - l) : 0.f);
+    causal_probs_row(att, preatt, scale, l, base, t, T_, lane);
 }
 
 // Backward's recompute: att[row] as forward made it, from the same scores and the saved lse.
@@ -68,11 +73,7 @@ __device__ void softmax_causal_probs(T* att, const float* preatt, const float* l
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= rows) return;
-    int t = row % T_;
-    const long base = (long)row * T_;
-    float l = lse[row];
-    for (int i = lane; i < T_; i += 32)
-        store_f32(att, base + i, i <= t ? expf(preatt[base + i] * scale - l) : 0.f);
+    causal_probs_row(att, preatt, scale, lse[row], (long)row * T_, row % T_, T_, lane);
 }
 
 // dpreatt[i] = att[i] * (datt[i] - Σ att·datt) * scale, rounded to T. dpreatt may be att itself:

@@ -259,27 +259,12 @@ impl<E: Elem> HeadChunks<E> {
         }
     }
 
-    /// out (chunk·NH, T, HS) in `E` = p · values per head (forward's y).
-    fn weighted(&self, chunk: &HeadChunk, values: u64, probs: u64, out: u64) -> Gemm {
+    /// out (chunk·NH, T, HS) = m · x per head, or mᵀ · x when `transposed`, m a (T,T) matrix in
+    /// `E` at the start of its scratch: forward's y = p · v (out in `E`); backward's dv = pᵀ · dy,
+    /// dq = ds · k and dk = dsᵀ · q (out in f32 when `out_f32`).
+    fn weighted(&self, chunk: &HeadChunk, x: u64, m: u64, out: u64, transposed: bool, out_f32: bool) -> Gemm {
         let (t, hs, ty) = (self.t, self.hs, data_type::<E>());
-        Gemm {
-            trans_a: false,
-            trans_b: false,
-            m: hs,
-            n: t,
-            k: t,
-            a: (self.at(chunk, values, E::BYTES), ty, hs, t * hs),
-            b: (probs, ty, t, t * t),
-            c: (self.at(chunk, out, E::BYTES), ty, hs, t * hs),
-            beta: 0.0,
-            batch: chunk.heads(),
-        }
-    }
-
-    /// out (chunk·NH, T, HS) f32 = m · x per head, or mᵀ · x when `transposed`, m a (T,T)
-    /// matrix in `E` (the scores' gradient): dq = ds · k, dk = dsᵀ · q.
-    fn weighted_f32(&self, chunk: &HeadChunk, x: u64, m: u64, out: u64, transposed: bool) -> Gemm {
-        let (t, hs, ty) = (self.t, self.hs, data_type::<E>());
+        let (out_ty, out_bytes) = if out_f32 { (F32, 4) } else { (ty, E::BYTES) };
         Gemm {
             trans_a: false,
             trans_b: transposed,
@@ -288,15 +273,10 @@ impl<E: Elem> HeadChunks<E> {
             k: t,
             a: (self.at(chunk, x, E::BYTES), ty, hs, t * hs),
             b: (m, ty, t, t * t),
-            c: (self.at(chunk, out, 4), F32, hs, t * hs),
+            c: (self.at(chunk, out, out_bytes), out_ty, hs, t * hs),
             beta: 0.0,
             batch: chunk.heads(),
         }
-    }
-
-    /// dv (chunk·NH, T, HS) f32 = pᵀ · dy per head.
-    fn values_grad(&self, chunk: &HeadChunk, dy: u64, probs: u64, dv: u64) -> Gemm {
-        self.weighted_f32(chunk, dy, probs, dv, true)
     }
 }
 
@@ -972,7 +952,7 @@ impl Backend for CudaBackend {
             ];
             self.launch(OP, &format!("softmax_causal_forward_{dt}"), warp_rows(chunk.rows(t)), &args)?;
             // y (chunk·NH, T, HS) = p · v, over this chunk's q (no longer needed)
-            self.gemm(OP, heads.weighted(&chunk, v.address(), probs.address(), q.address()))?;
+            self.gemm(OP, heads.weighted(&chunk, v.address(), probs.address(), q.address(), false, false))?;
         }
         drop((scores, probs));
         let mut args = vec![Arg::Ptr(out.address()), Arg::Ptr(q.address())];
@@ -1061,7 +1041,7 @@ impl Backend for CudaBackend {
             self.launch(OP, &format!("softmax_causal_probs_{dt}"), warp_rows(chunk.rows(t)), &args)?;
             // datt (chunk·NH, T, T) f32 = dy · vᵀ, over the scores; dv f32 = pᵀ · dy
             self.gemm(OP, heads.scores(&chunk, v.address(), dy.address(), scores.address()))?;
-            self.gemm(OP, heads.values_grad(&chunk, dy.address(), probs.address(), dv.address()))?;
+            self.gemm(OP, heads.weighted(&chunk, dy.address(), probs.address(), dv.address(), true, true))?;
             // ds = p · (datt − Σ p·datt) · scale in E, in place over p (each row read before it
             // is written, by the same lanes)
             let args = [
@@ -1074,8 +1054,8 @@ impl Backend for CudaBackend {
             ];
             self.launch(OP, &format!("softmax_causal_backward_{dt}"), warp_rows(chunk.rows(t)), &args)?;
             // dq = ds · k ; dk = dsᵀ · q, 16-bit products into f32 where E is 16-bit
-            self.gemm(OP, heads.weighted_f32(&chunk, k.address(), probs.address(), dq.address(), false))?;
-            self.gemm(OP, heads.weighted_f32(&chunk, q.address(), probs.address(), dk.address(), true))?;
+            self.gemm(OP, heads.weighted(&chunk, k.address(), probs.address(), dq.address(), false, true))?;
+            self.gemm(OP, heads.weighted(&chunk, q.address(), probs.address(), dk.address(), true, true))?;
         }
         drop((scores, probs, q, k, v, dy));
         let mut args =
@@ -1358,7 +1338,7 @@ mod tests {
                     probs[base + i] = if i <= tq { (scores[base + i] * scale - l).exp() } else { 0.0 };
                 }
             }
-            host_gemm(&heads.weighted(&ch, ptr(&v), ptr(&probs), out(&mut q)));
+            host_gemm(&heads.weighted(&ch, ptr(&v), ptr(&probs), out(&mut q), false, false));
         }
         let merged = heads_permute(&q, t, nh, hs, true);
         let (mut ref_out, mut ref_lse) = (vec![0.0f32; b * t * c], vec![0.0f32; b * nh * t]);
@@ -1385,7 +1365,7 @@ mod tests {
                 }
             }
             host_gemm(&heads.scores(&ch, ptr(&v), ptr(&dy), out(&mut scores)));
-            host_gemm(&heads.values_grad(&ch, ptr(&dy), ptr(&probs), out(&mut dv)));
+            host_gemm(&heads.weighted(&ch, ptr(&dy), ptr(&probs), out(&mut dv), true, true));
             for row in 0..ch.rows(t) {
                 // softmax_causal_backward, in place over the probabilities
                 let (tq, base) = (row % t, row * t);
@@ -1395,8 +1375,8 @@ mod tests {
                     probs[base + i] = if i <= tq { p * (scores[base + i] - s) * scale } else { 0.0 };
                 }
             }
-            host_gemm(&heads.weighted_f32(&ch, ptr(&k), ptr(&probs), out(&mut dq), false));
-            host_gemm(&heads.weighted_f32(&ch, ptr(&q), ptr(&probs), out(&mut dk), true));
+            host_gemm(&heads.weighted(&ch, ptr(&k), ptr(&probs), out(&mut dq), false, true));
+            host_gemm(&heads.weighted(&ch, ptr(&q), ptr(&probs), out(&mut dk), true, true));
         }
         // permute_qkv_backward
         let mut dqkv = vec![0.0f32; b * t * 3 * c];
