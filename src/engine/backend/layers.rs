@@ -637,15 +637,7 @@ fn softmax_scores<'k, E: Elem + 'k>(
     let row = &mut row[..=last];
     scores(row, q, scale, key);
     let maxval = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    // Eight partial sums, so the exponentials vectorise (as `dot`).
-    let mut acc = [0.0f32; 8];
-    let mut chunks = row.chunks_exact(8);
-    for c in &mut chunks {
-        for l in 0..8 {
-            acc[l] += exp(c[l] - maxval);
-        }
-    }
-    let sum = acc.iter().sum::<f32>() + chunks.remainder().iter().map(|&s| exp(s - maxval)).sum::<f32>();
+    let sum: f32 = row.iter().map(|&s| (s - maxval).exp()).sum();
     let lse = maxval + sum.ln();
     rounded_probabilities::<E>(row, lse);
     lse
@@ -678,48 +670,7 @@ fn scores<'k, E: Elem + 'k>(row: &mut [f32], q: &[E], scale: f32, key: impl Fn(u
 #[inline]
 fn rounded_probabilities<E: Elem>(row: &mut [f32], lse: f32) {
     for v in row.iter_mut() {
-        *v = E::from_f32(exp(*v - lse)).to_f32();
-    }
-}
-
-/// e^x in f32 within 1 ulp of the true value (0.68 measured) (0 below −87.3, where e^x is no longer a normal
-/// f32; +∞ above 88.7; NaN stays NaN): Cephes' `expf` — x = n·ln 2 + r with |r| ≤ ½ ln 2,
-/// e^r by a degree-7 polynomial, 2^n put into the exponent — branch-free, so loops of it
-/// vectorise where libm's `expf` is a call per element (attention's rows are exp-bound on the
-/// cpu). The same bits on every machine.
-#[inline]
-pub fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 in two parts: n·LN2_HI is exact for the n that occur.
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // Adding and subtracting 1.5·2^23 rounds to the nearest integer (|x·log2 e| < 2^22).
-    const ROUND: f32 = 12_582_912.0;
-    const MIN: f32 = -87.336_55; // ln 2^-126
-    const MAX: f32 = 88.722_83; // ln f32::MAX
-    let clamped = x.clamp(MIN, MAX);
-    let n = (clamped * LOG2E + ROUND) - ROUND;
-    let r = clamped - n * LN2_HI - n * LN2_LO;
-    let p = 1.987_569_1e-4;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 0.5;
-    let er = p * r * r + r + 1.0;
-    // 2^n as 2 · 2^(n−1) for n ≥ 1, so n = 128 (x near MAX) stays a normal exponent.
-    let n = n as i32;
-    let high = n > 0;
-    let power = f32::from_bits(((n - high as i32 + 127) as u32) << 23);
-    let scaled = er * if high { 2.0 } else { 1.0 } * power;
-    if x < MIN {
-        0.0
-    } else if x > MAX {
-        f32::INFINITY
-    } else if x.is_nan() {
-        x
-    } else {
-        scaled
+        *v = E::from_f32((*v - lse).exp()).to_f32();
     }
 }
 
@@ -871,31 +822,5 @@ pub fn unpack_int8<E: Elem>(x: &mut [E], q: &[i8], scales: &[f32], c: usize) {
         for (v, &qi) in row.iter_mut().zip(qrow) {
             *v = E::from_f32(qi as f32 * scale);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// `exp` against f64's over its whole range, the ends included.
-    #[test]
-    fn exp_is_within_one_ulp_of_the_true_exponential() {
-        let (mut worst, mut at) = (0.0f64, 0.0f32);
-        let mut x = -87.3f32;
-        while x < 88.7 {
-            let (got, want) = (exp(x) as f64, (x as f64).exp());
-            let ulp = f32::EPSILON as f64 * want.abs();
-            if (got - want).abs() / ulp > worst {
-                (worst, at) = ((got - want).abs() / ulp, x);
-            }
-            x += 0.000_97;
-        }
-        assert!(worst <= 1.0, "worst error {worst} ulp at {at}");
-        assert_eq!(exp(0.0), 1.0);
-        assert_eq!(exp(-100.0), 0.0);
-        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp(100.0), f32::INFINITY);
-        assert!(exp(f32::NAN).is_nan());
     }
 }
