@@ -535,11 +535,13 @@ pub fn attention_backward<E: Elem>(
         for ti in 0..t {
             let q_base = (bi * t + ti) * 3 * c + h * hs;
             let q = &qkv[q_base..][..hs];
-            probabilities(p, q, ti, scale, lse[bh * t + ti], |t2| &qkv[(bi * t + t2) * 3 * c + c + h * hs..][..hs]);
+            let lse = lse[bh * t + ti];
             let d = &dout[(bi * t + ti) * c + h * hs..][..hs];
+            // p[t2] as forward made it (one pass with the next two: k[t2] and v[t2] sit together);
             // datt[t2] = d · v[t2];  dv[t2] += p[t2] * d
             for t2 in 0..=ti {
                 let base = (bi * t + t2) * 3 * c + 2 * c + h * hs;
+                p[t2] = probability::<E>(dot(q, &qkv[base - c..][..hs]) * scale, lse);
                 datt[t2] = dot(d, &qkv[base..][..hs]);
                 // SAFETY: task (bi,h) alone writes the v-columns of head h in batch bi.
                 let dv = unsafe { acc_ptr.slice(base, hs) };
@@ -624,8 +626,9 @@ pub fn attention_cached<E: Elem>(out: &mut [E], cache: &mut [E], qkv: &[E], scra
 
 /// One causal attention row: row[..=last] = p(t) = exp(s(t) − lse) rounded to `E` (and read
 /// back as f32), s(t) = scale · q·key(t), t = 0..=last; returns lse = log Σ exp s(t) (the
-/// maximum subtracted first). Shared by the full pass, the cached one and backward's
-/// recompute (`probabilities`), so all three weigh the values with the same numbers.
+/// maximum subtracted first). The full pass and the cached one share it, and backward
+/// recomputes each probability by the same `probability`, so all three weigh the values with
+/// the same numbers.
 #[inline]
 fn softmax_scores<'k, E: Elem + 'k>(
     row: &mut [f32],
@@ -643,21 +646,6 @@ fn softmax_scores<'k, E: Elem + 'k>(
     lse
 }
 
-/// row[..=last] = the probabilities `softmax_scores` made for this query, from its saved `lse`.
-#[inline]
-fn probabilities<'k, E: Elem + 'k>(
-    row: &mut [f32],
-    q: &[E],
-    last: usize,
-    scale: f32,
-    lse: f32,
-    key: impl Fn(usize) -> &'k [E],
-) {
-    let row = &mut row[..=last];
-    scores(row, q, scale, key);
-    rounded_probabilities::<E>(row, lse);
-}
-
 /// row[t] = scale · q·key(t).
 #[inline]
 fn scores<'k, E: Elem + 'k>(row: &mut [f32], q: &[E], scale: f32, key: impl Fn(usize) -> &'k [E]) {
@@ -666,12 +654,19 @@ fn scores<'k, E: Elem + 'k>(row: &mut [f32], q: &[E], scale: f32, key: impl Fn(u
     }
 }
 
-/// Scores to probabilities in place: exp(s − lse), rounded to `E`.
+/// Scores to probabilities in place.
 #[inline]
 fn rounded_probabilities<E: Elem>(row: &mut [f32], lse: f32) {
     for v in row.iter_mut() {
-        *v = E::from_f32((*v - lse).exp()).to_f32();
+        *v = probability::<E>(*v, lse);
     }
+}
+
+/// One causal attention probability from its scaled score and its row's log-sum-exp:
+/// exp(s − lse) rounded to `E` (read back as f32) — forward's, the cached pass's and backward's.
+#[inline]
+fn probability<E: Elem>(score: f32, lse: f32) -> f32 {
+    E::from_f32((score - lse).exp()).to_f32()
 }
 
 /// o (HS) = Σ p(t) · value(t) over t = 0..=last, accumulated in f32 in chunks of 256 channels
