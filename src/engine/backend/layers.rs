@@ -638,28 +638,16 @@ fn softmax_scores<'k, E: Elem + 'k>(
     key: impl Fn(usize) -> &'k [E],
 ) -> f32 {
     let row = &mut row[..=last];
-    scores(row, q, scale, key);
-    let maxval = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    let sum: f32 = row.iter().map(|&s| (s - maxval).exp()).sum();
-    let lse = maxval + sum.ln();
-    rounded_probabilities::<E>(row, lse);
-    lse
-}
-
-/// row[t] = scale · q·key(t).
-#[inline]
-fn scores<'k, E: Elem + 'k>(row: &mut [f32], q: &[E], scale: f32, key: impl Fn(usize) -> &'k [E]) {
     for (t2, r) in row.iter_mut().enumerate() {
         *r = dot(q, key(t2)) * scale;
     }
-}
-
-/// Scores to probabilities in place.
-#[inline]
-fn rounded_probabilities<E: Elem>(row: &mut [f32], lse: f32) {
+    let maxval = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    let sum: f32 = row.iter().map(|&s| (s - maxval).exp()).sum();
+    let lse = maxval + sum.ln();
     for v in row.iter_mut() {
         *v = probability::<E>(*v, lse);
     }
+    lse
 }
 
 /// One causal attention probability from its scaled score and its row's log-sum-exp:

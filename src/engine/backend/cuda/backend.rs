@@ -475,6 +475,23 @@ impl CudaBackend {
         Ok(self.pool.alloc(bytes, Category::Workspace)?)
     }
 
+    /// One of the attention's causal-softmax row kernels, `kernel(p0, p1, p2, scale, rows, T)`,
+    /// over a chunk's (head, query) rows, one warp per row.
+    fn softmax_rows(
+        &self,
+        op: &'static str,
+        kernel: &str,
+        chunk: &HeadChunk,
+        t: usize,
+        ptrs: [u64; 3],
+        scale: f32,
+    ) -> BackendResult {
+        let rows = chunk.rows(t);
+        let [p0, p1, p2] = ptrs.map(Arg::Ptr);
+        let args = [p0, p1, p2, Arg::F32(scale), int(op, "chunk·NH·T", rows)?, int(op, "T", t)?];
+        self.launch(op, kernel, warp_rows(rows), &args)
+    }
+
     /// A column sum's second stage: dst (C) += Σ over `bands` rows of `partial` (bands, C) f32.
     fn add_column_partials<E: Elem>(
         &self,
@@ -942,15 +959,9 @@ impl Backend for CudaBackend {
             // scores (chunk·NH, T, T) f32 = q · kᵀ
             self.gemm(OP, heads.scores(&chunk, k.address(), q.address(), scores.address()))?;
             // probabilities in E and each row's log-sum-exp
-            let args = [
-                Arg::Ptr(probs.address()),
-                Arg::Ptr(lse.address() + chunk.row_offset(t) * 4),
-                Arg::Ptr(scores.address()),
-                Arg::F32(scale),
-                int(OP, "chunk·NH·T", chunk.rows(t))?,
-                int(OP, "T", t)?,
-            ];
-            self.launch(OP, &format!("softmax_causal_forward_{dt}"), warp_rows(chunk.rows(t)), &args)?;
+            let lse_rows = lse.address() + chunk.row_offset(t) * 4;
+            let ptrs = [probs.address(), lse_rows, scores.address()];
+            self.softmax_rows(OP, &format!("softmax_causal_forward_{dt}"), &chunk, t, ptrs, scale)?;
             // y (chunk·NH, T, HS) = p · v, over this chunk's q (no longer needed)
             self.gemm(OP, heads.weighted(&chunk, v.address(), probs.address(), q.address(), false, false))?;
         }
@@ -1030,29 +1041,16 @@ impl Backend for CudaBackend {
         for chunk in heads.chunks() {
             // The probabilities forward used: the same scores product, exp(s − lse) in E.
             self.gemm(OP, heads.scores(&chunk, k.address(), q.address(), scores.address()))?;
-            let args = [
-                Arg::Ptr(probs.address()),
-                Arg::Ptr(scores.address()),
-                Arg::Ptr(lse.address() + chunk.row_offset(t) * 4),
-                Arg::F32(scale),
-                int(OP, "chunk·NH·T", chunk.rows(t))?,
-                int(OP, "T", t)?,
-            ];
-            self.launch(OP, &format!("softmax_causal_probs_{dt}"), warp_rows(chunk.rows(t)), &args)?;
+            let lse_rows = lse.address() + chunk.row_offset(t) * 4;
+            let ptrs = [probs.address(), scores.address(), lse_rows];
+            self.softmax_rows(OP, &format!("softmax_causal_probs_{dt}"), &chunk, t, ptrs, scale)?;
             // datt (chunk·NH, T, T) f32 = dy · vᵀ, over the scores; dv f32 = pᵀ · dy
             self.gemm(OP, heads.scores(&chunk, v.address(), dy.address(), scores.address()))?;
             self.gemm(OP, heads.weighted(&chunk, dy.address(), probs.address(), dv.address(), true, true))?;
             // ds = p · (datt − Σ p·datt) · scale in E, in place over p (each row read before it
             // is written, by the same lanes)
-            let args = [
-                Arg::Ptr(probs.address()),
-                Arg::Ptr(scores.address()),
-                Arg::Ptr(probs.address()),
-                Arg::F32(scale),
-                int(OP, "chunk·NH·T", chunk.rows(t))?,
-                int(OP, "T", t)?,
-            ];
-            self.launch(OP, &format!("softmax_causal_backward_{dt}"), warp_rows(chunk.rows(t)), &args)?;
+            let ptrs = [probs.address(), scores.address(), probs.address()];
+            self.softmax_rows(OP, &format!("softmax_causal_backward_{dt}"), &chunk, t, ptrs, scale)?;
             // dq = ds · k ; dk = dsᵀ · q, 16-bit products into f32 where E is 16-bit
             self.gemm(OP, heads.weighted(&chunk, k.address(), probs.address(), dq.address(), false, true))?;
             self.gemm(OP, heads.weighted(&chunk, q.address(), probs.address(), dk.address(), true, true))?;
