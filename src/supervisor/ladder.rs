@@ -510,9 +510,9 @@ mod tests {
         }
 
         // A scaled-down copy of the XL case: 8 layers, T 512 on 16 MiB. Every micro-batch
-        // without checkpointing is ruled out (micro-batch 1 in bf16: 16.24 MiB allocated); with
+        // without checkpointing is ruled out (micro-batch 1 in bf16: 17.22 MiB allocated); with
         // full checkpointing the micro-batch goes back up to the largest predicted to fit (2:
-        // 11.94 MiB; 4 would be 17.02 MiB).
+        // 14.25 MiB; 4 would be 21.64 MiB).
         let mut long = demo.clone();
         long.model.block_size = 512;
         long.model.n_layer = 8;

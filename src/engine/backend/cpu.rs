@@ -270,7 +270,7 @@ impl Backend for CpuBackend {
         nh: usize,
     ) -> BackendResult {
         shapes::attention_forward(out.len(), lse.len(), qkv.len(), b, t, c, nh)?;
-        let mut scratch = self.scratch(layers::attention_forward_scratch(b, t, nh))?;
+        let mut scratch = self.scratch(layers::attention_forward_scratch::<E>(b, t, c, nh))?;
         layers::attention_forward(out.host_mut(), lse.host_mut(), qkv.host(), scratch.as_mut_slice(), b, t, c, nh);
         Ok(())
     }

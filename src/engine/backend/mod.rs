@@ -15,6 +15,7 @@ mod error;
 pub mod layers;
 pub mod optim;
 pub mod shapes;
+pub mod simd;
 mod view;
 pub mod workspace;
 

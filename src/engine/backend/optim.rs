@@ -6,6 +6,7 @@ use rayon::prelude::*;
 use std::ops::Range;
 
 use super::layers::Elem;
+use super::simd::widest;
 
 pub const BETA1: f32 = 0.9;
 pub const BETA2: f32 = 0.95;
@@ -126,57 +127,6 @@ fn fused<E: Elem>(c: Consts, p: &mut [f32], io: &mut [E], m: &mut [f32], v: &mut
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn fused_avx512<E: Elem>(c: Consts, p: &mut [f32], io: &mut [E], m: &mut [f32], v: &mut [f32]) {
-    fused(c, p, io, m, v)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn fused_avx2<E: Elem>(c: Consts, p: &mut [f32], io: &mut [E], m: &mut [f32], v: &mut [f32]) {
-    fused(c, p, io, m, v)
-}
-
-/// The widest vector unit this machine has for the fused update ("avx512f", "avx2", or the
-/// build's baseline: "sse2" on x86-64, "neon" on aarch64).
-pub fn host_simd() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            return "avx512f";
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            return "avx2";
-        }
-        "sse2"
-    }
-    #[cfg(target_arch = "aarch64")]
-    {
-        "neon"
-    }
-    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    {
-        "scalar"
-    }
-}
-
-/// [`fused`] compiled for the widest unit the machine has, chosen at run time.
-fn fused_dispatch<E: Elem>(c: Consts, p: &mut [f32], io: &mut [E], m: &mut [f32], v: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F (checked just above).
-            return unsafe { fused_avx512(c, p, io, m, v) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2 (checked just above).
-            return unsafe { fused_avx2(c, p, io, m, v) };
-        }
-    }
-    fused(c, p, io, m, v)
-}
-
 impl AdamW {
     /// The optimizer-offload update in one pass over host memory: for each tensor — (element
     /// range, decayed) — the gradients in `io` (storage type `E`, × `grad_mult`) update
@@ -199,7 +149,7 @@ impl AdamW {
                 .par_chunks_mut(CHUNK)
                 .zip(io[r.clone()].par_chunks_mut(CHUNK))
                 .zip(m[r.clone()].par_chunks_mut(CHUNK).zip(v[r].par_chunks_mut(CHUNK)))
-                .for_each(|((p, g), (m, v))| fused_dispatch(c, p, g, m, v));
+                .for_each(|((p, g), (m, v))| widest(|| fused(c, p, g, m, v)));
         }
     }
 }
@@ -264,7 +214,7 @@ mod tests {
 
     #[test]
     fn the_fused_host_update_is_bitwise_update_then_narrow() {
-        println!("host SIMD: {}", host_simd());
+        println!("host SIMD: {}", crate::engine::backend::simd::host_simd());
         fused_matches_update_then_narrow::<f32>();
         fused_matches_update_then_narrow::<half::bf16>();
         fused_matches_update_then_narrow::<half::f16>();

@@ -62,7 +62,7 @@ impl WorkspaceModel {
     /// Buffers live at the peak of `attention_forward`.
     pub fn attention_forward<E: Elem>(self, b: usize, t: usize, c: usize, nh: usize) -> Vec<usize> {
         match self {
-            WorkspaceModel::Cpu => vec![layers::attention_forward_scratch(b, t, nh) * 4],
+            WorkspaceModel::Cpu => vec![layers::attention_forward_scratch::<E>(b, t, c, nh) * 4],
             WorkspaceModel::Cuda => CudaAttention::of::<E>(b, t, c, nh).forward_peak(),
         }
     }
@@ -187,7 +187,7 @@ mod tests {
         // The CPU declarations are its layer functions' scratch.
         assert_eq!(
             WorkspaceModel::Cpu.attention_forward::<f32>(4, 64, 64, 4),
-            vec![layers::attention_forward_scratch(4, 64, 4) * 4]
+            vec![layers::attention_forward_scratch::<f32>(4, 64, 64, 4) * 4]
         );
         assert_eq!(
             WorkspaceModel::Cpu.attention_backward::<half::bf16>(4, 64, 64, 4),

@@ -455,7 +455,8 @@ pub fn parallel_table(
 /// against the machine's memory bandwidth (a parallel copy). Best of `runs` after one warm-up.
 pub fn host_adamw_table(n: usize, runs: usize) -> String {
     use crate::engine::backend::layers::{narrow, widen};
-    use crate::engine::backend::optim::{host_simd, update_scalar, AdamW};
+    use crate::engine::backend::optim::{update_scalar, AdamW};
+    use crate::engine::backend::simd::host_simd;
     use half::bf16;
     use rayon::prelude::*;
     let opt = AdamW { lr: 1e-4, weight_decay: 0.1, t: 10 };

@@ -1340,7 +1340,16 @@ mod tests {
         }
         let merged = heads_permute(&q, t, nh, hs, true);
         let (mut ref_out, mut ref_lse) = (vec![0.0f32; b * t * c], vec![0.0f32; b * nh * t]);
-        layers::attention_forward(&mut ref_out, &mut ref_lse, &qkv, &mut vec![0.0; b * nh * t], b, t, c, nh);
+        layers::attention_forward(
+            &mut ref_out,
+            &mut ref_lse,
+            &qkv,
+            &mut vec![0.0; layers::attention_forward_scratch::<f32>(b, t, c, nh)],
+            b,
+            t,
+            c,
+            nh,
+        );
         let close = |x: &[f32], y: &[f32], what: &str| {
             for (i, (x, y)) in x.iter().zip(y).enumerate() {
                 assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{what}[{i}]: {x} vs reference {y}");
