@@ -31,7 +31,9 @@ pub fn host_simd() -> &'static str {
 /// `f()` compiled for the widest vector unit this machine has. `f` is inlined into a function
 /// built with that unit's target features, so the loops in its body (and in the
 /// `#[inline(always)]` functions it calls) are vectorised for it; a call through a function
-/// that is not inlined runs at the baseline.
+/// that is not inlined runs at the baseline. Pass the closure as `#[inline(always)] || …`:
+/// `f` has three call sites (one per unit), and LLVM declines to inline a large body into
+/// three, which compiles it once, at the baseline (the cross-entropy's row loop did).
 #[inline(always)]
 pub fn widest<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
