@@ -1039,35 +1039,34 @@ pub fn tanh(x: f32) -> f32 {
 
 /// out: (N) = gelu(inp)
 pub fn gelu_forward<E: Elem>(out: &mut [E], inp: &[E]) {
-    out.par_chunks_mut(ELEMENTWISE_CHUNK).zip(inp.par_chunks(ELEMENTWISE_CHUNK)).for_each(|(o, x)| {
-        widest(
-            #[inline(always)]
-            || {
-                for (o, x) in o.iter_mut().zip(x) {
-                    let v = x.to_f32();
-                    let cube = 0.044715 * v * v * v;
-                    *o = E::from_f32(0.5 * v * (1.0 + tanh(GELU_SCALE * (v + cube))));
-                }
-            },
-        )
+    for_each_pair(out, inp, |o, x| {
+        let v = x.to_f32();
+        let cube = 0.044715 * v * v * v;
+        *o = E::from_f32(0.5 * v * (1.0 + tanh(GELU_SCALE * (v + cube))));
     });
 }
 
 /// dinout: (N) holds dout on entry and gelu'(inp) * dout on return.
 pub fn gelu_backward_inplace<E: Elem>(dinout: &mut [E], inp: &[E]) {
-    dinout.par_chunks_mut(ELEMENTWISE_CHUNK).zip(inp.par_chunks(ELEMENTWISE_CHUNK)).for_each(|(d, x)| {
+    for_each_pair(dinout, inp, |d, x| {
+        let v = x.to_f32();
+        let cube = 0.044715 * v * v * v;
+        let th = tanh(GELU_SCALE * (v + cube));
+        let sech2 = 1.0 - th * th;
+        let local = 0.5 * (1.0 + th) + v * 0.5 * sech2 * GELU_SCALE * (1.0 + 3.0 * 0.044715 * v * v);
+        *d = E::from_f32(d.to_f32() * local);
+    });
+}
+
+/// f(a, b) over `a` and `b` element by element, `ELEMENTWISE_CHUNK` at a time on every core,
+/// each chunk's loop compiled for the widest vector unit.
+#[inline(always)]
+fn for_each_pair<E: Elem>(a: &mut [E], b: &[E], f: impl Fn(&mut E, E) + Sync + Send) {
+    assert_eq!(a.len(), b.len(), "element-wise operands");
+    a.par_chunks_mut(ELEMENTWISE_CHUNK).zip(b.par_chunks(ELEMENTWISE_CHUNK)).for_each(|(a, b)| {
         widest(
             #[inline(always)]
-            || {
-                for (d, x) in d.iter_mut().zip(x) {
-                    let v = x.to_f32();
-                    let cube = 0.044715 * v * v * v;
-                    let th = tanh(GELU_SCALE * (v + cube));
-                    let sech2 = 1.0 - th * th;
-                    let local = 0.5 * (1.0 + th) + v * 0.5 * sech2 * GELU_SCALE * (1.0 + 3.0 * 0.044715 * v * v);
-                    *d = E::from_f32(d.to_f32() * local);
-                }
-            },
+            || a.iter_mut().zip(b).for_each(|(a, &b)| f(a, b)),
         )
     });
 }
@@ -1077,16 +1076,7 @@ pub fn gelu_backward_inplace<E: Elem>(dinout: &mut [E], inp: &[E]) {
 
 /// out (N) += inp (N)
 pub fn residual_forward_inplace<E: Elem>(out: &mut [E], inp: &[E]) {
-    out.par_chunks_mut(ELEMENTWISE_CHUNK).zip(inp.par_chunks(ELEMENTWISE_CHUNK)).for_each(|(o, x)| {
-        widest(
-            #[inline(always)]
-            || {
-                for (o, x) in o.iter_mut().zip(x) {
-                    *o = E::from_f32(o.to_f32() + x.to_f32());
-                }
-            },
-        )
-    });
+    for_each_pair(out, inp, |o, x| *o = E::from_f32(o.to_f32() + x.to_f32()));
 }
 
 // ----------------------------------------------------------------------------------------------
