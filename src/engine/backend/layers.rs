@@ -102,22 +102,30 @@ pub fn bf16_bits(x: f32) -> u16 {
     (if nan { quiet } else { rounded }) as u16
 }
 
+/// Elements per parallel task of the element-wise ops.
+const ELEMENTWISE_CHUNK: usize = 4096;
+
+/// f(a, b) over `a` and `b` (same length) element by element, `ELEMENTWISE_CHUNK` at a time on
+/// every core, each chunk's loop compiled for the widest vector unit.
+#[inline(always)]
+fn for_each_pair<A: Send, B: Copy + Sync>(a: &mut [A], b: &[B], f: impl Fn(&mut A, B) + Sync + Send) {
+    assert_eq!(a.len(), b.len(), "element-wise operands");
+    a.par_chunks_mut(ELEMENTWISE_CHUNK).zip(b.par_chunks(ELEMENTWISE_CHUNK)).for_each(|(a, b)| {
+        widest(
+            #[inline(always)]
+            || a.iter_mut().zip(b).for_each(|(a, &b)| f(a, b)),
+        )
+    });
+}
+
 /// Widen `src` into `dst` (same length).
 pub fn widen<E: Elem>(dst: &mut [f32], src: &[E]) {
-    dst.par_chunks_mut(8192).zip(src.par_chunks(8192)).for_each(|(d, s)| {
-        for (d, s) in d.iter_mut().zip(s) {
-            *d = s.to_f32();
-        }
-    });
+    for_each_pair(dst, src, |d, s| *d = s.to_f32());
 }
 
 /// Narrow `src` into `dst` (same length).
 pub fn narrow<E: Elem>(dst: &mut [E], src: &[f32]) {
-    dst.par_chunks_mut(8192).zip(src.par_chunks(8192)).for_each(|(d, s)| {
-        for (d, s) in d.iter_mut().zip(s) {
-            *d = E::from_f32(*s);
-        }
-    });
+    for_each_pair(dst, src, |d, s| *d = E::from_f32(s));
 }
 
 /// A raw pointer that may cross threads: used only where tasks write provably disjoint ranges.
@@ -489,10 +497,22 @@ pub fn matmul_backward<E: Elem>(
                 }
             }
             None => {
-                for o in 0..oc {
-                    let s: f32 = dout.chunks(oc).map(|row| row[o].to_f32()).sum();
-                    db[o] = E::from_f32(db[o].to_f32() + s);
-                }
+                // Each column's sum over the rows in order, in f32, rounded once into db; the
+                // columns in blocks that walk dout row by row (not a strided walk per column).
+                const BLOCK: usize = 64;
+                db.par_chunks_mut(BLOCK).enumerate().for_each(|(blk, db)| {
+                    widest(
+                        #[inline(always)]
+                        || {
+                            let mut acc = [0f32; BLOCK];
+                            for row in dout.chunks(oc) {
+                                let row = &row[blk * BLOCK..][..db.len()];
+                                acc.iter_mut().zip(row).for_each(|(a, x)| *a += x.to_f32());
+                            }
+                            db.iter_mut().zip(acc).for_each(|(d, a)| *d = E::from_f32(d.to_f32() + a));
+                        },
+                    )
+                });
             }
         }
     }
@@ -525,6 +545,7 @@ impl AttentionTiles {
 /// (B,T,C) — as an f32 GEMM operand: in place when the storage is f32, else widened into
 /// `wide` (rows, HS). `src` starts at the head's first element of the sequence's row 0; `rs` is
 /// the tensor's row stride.
+#[inline(always)] // runs in its callers' `widest`
 fn head_rows<E: Elem>(src: &[E], rs: usize, rows: Range<usize>, hs: usize, wide: &mut [f32]) -> Operand<*const f32> {
     let src = &src[rows.start * rs..];
     match E::as_f32(src) {
@@ -545,6 +566,7 @@ fn head_rows<E: Elem>(src: &[E], rs: usize, rows: Range<usize>, hs: usize, wide:
 ///
 /// # Safety
 /// The rows' HS elements are in bounds of `dst` and written by this task alone.
+#[inline(always)] // runs in its callers' `widest`
 unsafe fn narrow_rows<E: Elem>(
     dst: SendPtr<E>,
     (first, rs): (usize, usize),
@@ -1013,9 +1035,6 @@ fn sum_exp(row: &[f32], shift: f32) -> f32 {
 
 const GELU_SCALE: f32 = 0.797_884_6; // sqrt(2/pi)
 
-/// Elements per parallel task of the elementwise ops.
-const ELEMENTWISE_CHUNK: usize = 4096;
-
 /// tanh(x) by the rational approximation Eigen uses for floats — an odd degree-13 polynomial
 /// over an even degree-6 one, x clamped to ±7.905311 (where tanh rounds to ±1): within 4.3e-7
 /// of the exact value (libm's `tanhf`: 1.0e-7; cuda's GELU kernel calls `tanhf`, and the op
@@ -1055,19 +1074,6 @@ pub fn gelu_backward_inplace<E: Elem>(dinout: &mut [E], inp: &[E]) {
         let sech2 = 1.0 - th * th;
         let local = 0.5 * (1.0 + th) + v * 0.5 * sech2 * GELU_SCALE * (1.0 + 3.0 * 0.044715 * v * v);
         *d = E::from_f32(d.to_f32() * local);
-    });
-}
-
-/// f(a, b) over `a` and `b` element by element, `ELEMENTWISE_CHUNK` at a time on every core,
-/// each chunk's loop compiled for the widest vector unit.
-#[inline(always)]
-fn for_each_pair<E: Elem>(a: &mut [E], b: &[E], f: impl Fn(&mut E, E) + Sync + Send) {
-    assert_eq!(a.len(), b.len(), "element-wise operands");
-    a.par_chunks_mut(ELEMENTWISE_CHUNK).zip(b.par_chunks(ELEMENTWISE_CHUNK)).for_each(|(a, b)| {
-        widest(
-            #[inline(always)]
-            || a.iter_mut().zip(b).for_each(|(a, &b)| f(a, b)),
-        )
     });
 }
 
@@ -1182,6 +1188,25 @@ pub fn unpack_int8<E: Elem>(x: &mut [E], q: &[i8], scales: &[f32], c: usize) {
 mod tests {
     use super::*;
     use crate::engine::rng::Rng;
+
+    #[test]
+    fn sixteen_bit_bias_gradients_sum_each_column_in_row_order_and_round_once() {
+        // 150 columns: two full blocks of 64 and a partial one.
+        let (n, c, oc) = (37, 8, 150);
+        let mut rng = Rng::new(3);
+        let mut randn = |len: usize| (0..len).map(|_| rng.normal() as f32).collect::<Vec<f32>>();
+        let to16 = |x: &[f32]| x.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>();
+        let (dout, inp, weight, db0) = (to16(&randn(n * oc)), to16(&randn(n * c)), to16(&randn(oc * c)), randn(oc));
+        let (mut dinp, mut dweight, mut db) =
+            (vec![half::bf16::ZERO; n * c], vec![half::bf16::ZERO; oc * c], to16(&db0));
+        let mut scratch = vec![0.0f32; matmul_backward_scratch::<half::bf16>(n, c, oc)];
+        matmul_backward(&mut dinp, &mut dweight, Some(&mut db), &dout, &inp, &weight, n, c, oc, &mut scratch);
+        for o in 0..oc {
+            let sum = dout.chunks(oc).fold(0f32, |s, row| s + row[o].to_f32());
+            let expected = half::bf16::from_f32(half::bf16::from_f32(db0[o]).to_f32() + sum);
+            assert_eq!(db[o].to_bits(), expected.to_bits(), "column {o}");
+        }
+    }
 
     #[test]
     fn exp_is_within_a_tenth_of_a_micro_relative_and_keeps_its_edges() {
