@@ -5,7 +5,7 @@ use rayon::prelude::*;
 
 use std::ops::Range;
 
-use super::layers::Elem;
+use super::layers::{Elem, REDUCE_LANES};
 use super::simd::widest;
 
 pub const BETA1: f32 = 0.9;
@@ -27,10 +27,9 @@ pub fn lr_at(step: usize, max_lr: f64, warmup: usize, total: usize) -> f64 {
     min_lr + 0.5 * (max_lr - min_lr) * (1.0 + (std::f64::consts::PI * progress).cos())
 }
 
-/// Sum of squares of `grads` in a fixed reduction order (f64: eight partial sums per chunk of
-/// `CHUNK`, whatever the threads). Infinite or NaN if any gradient is.
+/// Sum of squares of `grads` in a fixed reduction order (f64: `REDUCE_LANES` partial sums per
+/// chunk of `CHUNK`, whatever the threads). Infinite or NaN if any gradient is.
 pub fn sum_squares<E: Elem>(grads: &[E]) -> f64 {
-    const LANES: usize = 8;
     let square = |g: &E| (g.to_f32() as f64) * (g.to_f32() as f64);
     let partial: Vec<f64> = grads
         .par_chunks(CHUNK)
@@ -38,8 +37,8 @@ pub fn sum_squares<E: Elem>(grads: &[E]) -> f64 {
             widest(
                 #[inline(always)]
                 || {
-                    let mut acc = [0f64; LANES];
-                    let lanes = c.chunks_exact(LANES);
+                    let mut acc = [0f64; REDUCE_LANES];
+                    let lanes = c.chunks_exact(REDUCE_LANES);
                     let tail: f64 = lanes.remainder().iter().map(square).sum();
                     for l in lanes {
                         for (a, g) in acc.iter_mut().zip(l) {

@@ -5,26 +5,40 @@
 //! Only instruction selection changes: Rust never contracts a multiply and an add into an FMA
 //! or reorders float arithmetic, so a loop gives the same bits under every choice.
 
-/// The widest vector unit this machine has ("avx512f", "avx2", or the build's baseline: "sse2"
-/// on x86-64, "neon" on aarch64).
-pub fn host_simd() -> &'static str {
+/// The vector units `widest` compiles for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // only x86-64 detects the wider ones
+enum Unit {
+    Avx512,
+    Avx2,
+    /// The build's baseline (SSE2 on x86-64, NEON on aarch64).
+    Baseline,
+}
+
+/// The widest unit this CPU has (the standard library caches the detection).
+#[inline(always)]
+fn detect() -> Unit {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
-            return "avx512f";
+            return Unit::Avx512;
         }
         if std::arch::is_x86_feature_detected!("avx2") {
-            return "avx2";
+            return Unit::Avx2;
         }
-        "sse2"
     }
-    #[cfg(target_arch = "aarch64")]
-    {
-        "neon"
-    }
-    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    {
-        "scalar"
+    Unit::Baseline
+}
+
+/// The widest vector unit this machine has ("avx512f", "avx2", or the build's baseline: "sse2"
+/// on x86-64, "neon" on aarch64).
+pub fn host_simd() -> &'static str {
+    match detect() {
+        Unit::Avx512 => "avx512f",
+        Unit::Avx2 => "avx2",
+        Unit::Baseline if cfg!(target_arch = "x86_64") => "sse2",
+        Unit::Baseline if cfg!(target_arch = "aarch64") => "neon",
+        Unit::Baseline => "scalar",
     }
 }
 
@@ -46,13 +60,12 @@ pub fn widest<R>(f: impl FnOnce() -> R) -> R {
         fn avx2<R>(f: impl FnOnce() -> R) -> R {
             f()
         }
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F (checked just above).
-            return unsafe { avx512(f) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2 (checked just above).
-            return unsafe { avx2(f) };
+        match detect() {
+            // SAFETY: the CPU has AVX-512F (`detect` checked it).
+            Unit::Avx512 => return unsafe { avx512(f) },
+            // SAFETY: the CPU has AVX2 (`detect` checked it).
+            Unit::Avx2 => return unsafe { avx2(f) },
+            Unit::Baseline => {}
         }
     }
     f()

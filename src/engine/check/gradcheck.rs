@@ -132,36 +132,24 @@ fn layernorm_backward_matches_finite_differences() {
     check("layernorm.dbias", &b, &db, &|b| f(&x, &w, b));
 }
 
+/// attention_forward's (out, lse) of `qkv`, run with the scratch it declares.
+fn attention_with_its_scratch<E: Elem>(qkv: &[E], (b, t, c, nh): (usize, usize, usize, usize)) -> (Vec<E>, Vec<f32>) {
+    let (mut out, mut lse) = (vec![E::default(); b * t * c], vec![0.0; b * nh * t]);
+    let mut scratch = vec![0.0; attention_forward_scratch::<E>(b, t, c, nh)];
+    attention_forward(&mut out, &mut lse, qkv, &mut scratch, b, t, c, nh);
+    (out, lse)
+}
+
 #[test]
 fn attention_backward_matches_finite_differences() {
     let (b, t, c, nh) = (2, 4, 8, 2);
     let mut rng = Rng::new(3);
     let (qkv, r) = (randn(&mut rng, b * t * 3 * c, 1.0), randn(&mut rng, b * t * c, 1.0));
     let f = |qkv: &[f32]| {
-        let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
-        attention_forward(
-            &mut out,
-            &mut lse,
-            qkv,
-            &mut vec![0.0; attention_forward_scratch::<f32>(b, t, c, nh)],
-            b,
-            t,
-            c,
-            nh,
-        );
+        let (out, _) = attention_with_its_scratch(qkv, (b, t, c, nh));
         dot64(&out, &r)
     };
-    let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
-    attention_forward(
-        &mut out,
-        &mut lse,
-        &qkv,
-        &mut vec![0.0; attention_forward_scratch::<f32>(b, t, c, nh)],
-        b,
-        t,
-        c,
-        nh,
-    );
+    let (out, lse) = attention_with_its_scratch(&qkv, (b, t, c, nh));
     // Causality: query 0 attends only to itself, so its output is its own value and its
     // log-sum-exp its own scaled score.
     let hs = c / nh;
@@ -309,28 +297,8 @@ fn sixteen_bit_layers_match_the_fp32_reference() {
     }
 
     let qkv = randn(&mut rng, n * 3 * c, 1.0);
-    let (mut o, mut lse) = (vec![0.0f32; n * c], vec![0.0f32; b * nh * t]);
-    attention_forward(
-        &mut o,
-        &mut lse,
-        &qkv,
-        &mut vec![0.0; attention_forward_scratch::<f32>(b, t, c, nh)],
-        b,
-        t,
-        c,
-        nh,
-    );
-    let (mut o16, mut lse16) = (vec![half::bf16::ZERO; n * c], vec![0.0f32; b * nh * t]);
-    attention_forward(
-        &mut o16,
-        &mut lse16,
-        &to(&qkv),
-        &mut vec![0.0; attention_forward_scratch::<half::bf16>(b, t, c, nh)],
-        b,
-        t,
-        c,
-        nh,
-    );
+    let (o, lse) = attention_with_its_scratch(&qkv, (b, t, c, nh));
+    let (o16, lse16) = attention_with_its_scratch::<half::bf16>(&to(&qkv), (b, t, c, nh));
     assert!(rel_err(&o16, &o) < 2e-2 && rel_err(&lse16, &lse) < 1e-2);
     let d = randn(&mut rng, n * c, 1.0);
     let mut dqkv = vec![0.0f32; n * 3 * c];
