@@ -131,6 +131,23 @@ fn resume_without_a_checkpoint_is_a_clear_error() {
 }
 
 #[test]
+fn bench_times_each_storage_type_and_refuses_an_unknown_one() {
+    for precision in ["bf16", "fp16"] {
+        let out = Command::new(bin())
+            .args(["bench", "--preset", "tiny", "--precision", precision, "--steps", "1", "--warmup", "0"])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(stdout.contains(&format!("storage: {precision}")) && stdout.contains("d2-64 bytes"), "{stdout}");
+    }
+    let out = Command::new(bin()).args(["bench", "--precision", "fp8"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("`fp8` is not a precision: fp32, bf16 or fp16"), "{stderr}");
+}
+
+#[test]
 fn gradient_accumulation_matches_one_big_batch() {
     let dir = tempfile::tempdir().unwrap();
     let mut runs = Vec::new();

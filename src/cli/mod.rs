@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
-use crate::config::{ConfigError, JobSpec};
+use crate::config::{ConfigError, JobSpec, Precision};
 use crate::engine::check::bench;
 use crate::engine::{self, ProcessOptions, RankOptions, ResumeMode, TrainError, TrainOptions};
 use crate::protocol::ExitCode;
@@ -214,6 +214,10 @@ pub struct BenchArgs {
     /// Override the sequence length of the preset.
     #[arg(long)]
     pub seq: Option<usize>,
+    /// Storage type of the speed table's and the profile's steps: fp32, bf16 or fp16 (fp32
+    /// master weights and AdamW either way).
+    #[arg(long, default_value = "fp32", value_parser = parse_precision)]
+    pub precision: Precision,
     /// Print the memory-technique table (peak per category for checkpointing and micro-batch
     /// settings at the same global batch) instead of the speed table.
     #[arg(long)]
@@ -478,7 +482,7 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             case.cfg.block_size = case.cfg.block_size.max(t);
         }
     }
-    println!("threads: {}", rayon::current_num_threads());
+    println!("threads: {}, storage: {}", rayon::current_num_threads(), crate::config::serde_name(&args.precision));
     if let Some(n) = args.host_adamw {
         print!("{}", bench::host_adamw_table(n, args.steps));
         return Ok(());
@@ -503,22 +507,29 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     if args.profile {
-        let open = || crate::engine::backend::CpuBackend::new(crate::memory::Pool::new("cpu", usize::MAX / 2));
         for case in &cases {
-            let techniques = bench::Techniques::default();
-            let table =
-                bench::profile_on::<f32, _>(open(), open(), case, case.batch, techniques, args.warmup, args.steps)?;
-            print!("{table}");
+            print!("{}", bench::profile_cpu(case, args.precision, args.warmup, args.steps)?);
         }
         return Ok(());
     }
     let mut results = Vec::new();
     for case in &cases {
-        let r = bench::run_case(case, args.warmup, args.steps).with_context(|| format!("bench case {}", case.label))?;
+        let r = bench::run_case(case, args.precision, args.warmup, args.steps)
+            .with_context(|| format!("bench case {}", case.label))?;
         results.push(r);
     }
     print!("{}", bench::print_table(&results));
     Ok(())
+}
+
+/// `--precision`'s value, by the job spec's names.
+fn parse_precision(text: &str) -> Result<Precision, String> {
+    match text {
+        "fp32" => Ok(Precision::Fp32),
+        "bf16" => Ok(Precision::Bf16),
+        "fp16" => Ok(Precision::Fp16),
+        _ => Err(format!("`{text}` is not a precision: fp32, bf16 or fp16")),
+    }
 }
 
 /// The one place a subcommand's error becomes its exit code (`protocol::ExitCode`; a trainer's

@@ -694,6 +694,7 @@ impl PoolInner {
         let index = self.place_segment(Segment { address, size, small, blocks });
         self.stats.reserved += size;
         self.stats.num_segments += 1;
+        self.stats.num_reserves += 1;
         self.stats.bump_reserved_peak();
         Ok(index)
     }
@@ -766,6 +767,7 @@ impl PoolInner {
             }
             arena.mapped[p..p + run].fill(true);
             self.stats.reserved += run * page;
+            self.stats.num_reserves += 1;
             self.stats.bump_reserved_peak();
             p += run;
         }

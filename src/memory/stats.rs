@@ -76,6 +76,11 @@ pub struct MemStats {
     pub num_frees: u64,
     pub num_ooms: u64,
     pub num_segments: usize,
+    /// Times the pool took memory from its source: a segment reserved (`cuMemAlloc` on cuda)
+    /// or a run of arena pages mapped (`cuMemMap`). Each is a driver call that may synchronise
+    /// the device; after a training step's first run the cache serves every request, so a
+    /// steady-state step adds none.
+    pub num_reserves: u64,
     /// Requests the caching allocator served by searching its free blocks.
     pub num_searches: u64,
     /// Requests the static plan served (no search), and those it could not (the caching

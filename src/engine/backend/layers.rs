@@ -56,7 +56,7 @@ impl Elem for half::bf16 {
     const NAME: &'static str = "bf16";
     #[inline(always)]
     fn to_f32(self) -> f32 {
-        half::bf16::to_f32(self)
+        bf16_to_f32(self.to_bits())
     }
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
@@ -75,11 +75,11 @@ impl Elem for half::f16 {
     const NAME: &'static str = "fp16";
     #[inline(always)]
     fn to_f32(self) -> f32 {
-        half::f16::to_f32(self)
+        f16_to_f32(self.to_bits())
     }
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
-        half::f16::from_f32(x)
+        half::f16::from_bits(f16_bits(x))
     }
     fn as_f32(_: &[Self]) -> Option<&[f32]> {
         None
@@ -102,6 +102,58 @@ pub fn bf16_bits(x: f32) -> u16 {
     (if nan { quiet } else { rounded }) as u16
 }
 
+/// `half::bf16::from_bits(b).to_f32()` — the high half of an f32, a NaN made quiet — written
+/// without branches so loops that widen vectorise (tested against `half` bit for bit).
+#[inline(always)]
+pub fn bf16_to_f32(b: u16) -> f32 {
+    let nan = (b & 0x7FFF) > 0x7F80;
+    f32::from_bits(((b | if nan { 0x0040 } else { 0 }) as u32) << 16)
+}
+
+/// `half::f16::from_bits(h).to_f32()`, without branches (`half` asks the CPU for F16C at
+/// every call, so its loops run scalar): the magnitude's bits moved into an f32 and scaled by
+/// 2^112 (rebiasing the exponent; a subnormal comes out normalised by the multiply), ±∞ and
+/// NaN (made quiet, payload kept) given the all-ones exponent. Tested against `half` on every
+/// pattern.
+#[inline(always)]
+pub fn f16_to_f32(h: u16) -> f32 {
+    let h = h as u32;
+    let scaled = (f32::from_bits((h & 0x7FFF) << 13) * f32::from_bits((254 - 15) << 23)).to_bits();
+    let quiet = if h & 0x03FF != 0 { 0x0040_0000 } else { 0 };
+    let special = 0x7F80_0000 | ((h & 0x03FF) << 13) | quiet;
+    let magnitude = if h & 0x7C00 == 0x7C00 { special } else { scaled };
+    f32::from_bits(magnitude | ((h & 0x8000) << 16))
+}
+
+/// `half::f16::from_f32(x).to_bits()` — round to nearest even, overflow to ±∞, subnormals,
+/// NaN made quiet with the payload's top bits — without branches (F. Giesen's
+/// `float_to_half_fast3_rtne`, every case computed and one selected). Tested against `half`.
+#[inline(always)]
+pub fn f16_bits(x: f32) -> u16 {
+    const F16_OVERFLOW: u32 = (127 + 16) << 23; // 65536: ±∞ from here (and ∞, NaN)
+    const F16_MIN_NORMAL: u32 = 113 << 23; // 2^-14
+    const DENORM_MAGIC: u32 = ((127 - 15) + (23 - 10) + 1) << 23; // 0.5
+    let bits = x.to_bits();
+    let sign = (bits >> 16) & 0x8000;
+    let a = bits & 0x7FFF_FFFF;
+    let special = if a > 0x7F80_0000 { 0x7E00 | ((a >> 13) & 0x03FF) } else { 0x7C00 };
+    // Subnormal or zero: adding 0.5 lines the 10 mantissa bits up at the bottom, rounded by
+    // the FPU to nearest even.
+    let subnormal = (f32::from_bits(a) + f32::from_bits(DENORM_MAGIC)).to_bits().wrapping_sub(DENORM_MAGIC);
+    // Normal: rebias the exponent by −112 and round to nearest even on the 13 dropped bits
+    // (a carry out of the mantissa bumps the exponent, up to ∞).
+    let odd = (a >> 13) & 1;
+    let normal = a.wrapping_sub(112 << 23).wrapping_add(0x0FFF + odd) >> 13;
+    let magnitude = if a >= F16_OVERFLOW {
+        special
+    } else if a < F16_MIN_NORMAL {
+        subnormal
+    } else {
+        normal
+    };
+    (magnitude | sign) as u16
+}
+
 /// Elements per parallel task of the element-wise ops.
 const ELEMENTWISE_CHUNK: usize = 4096;
 
@@ -113,19 +165,35 @@ fn for_each_pair<A: Send, B: Copy + Sync>(a: &mut [A], b: &[B], f: impl Fn(&mut 
     a.par_chunks_mut(ELEMENTWISE_CHUNK).zip(b.par_chunks(ELEMENTWISE_CHUNK)).for_each(|(a, b)| {
         widest(
             #[inline(always)]
-            || a.iter_mut().zip(b).for_each(|(a, &b)| f(a, b)),
+            || {
+                // A `for` loop, not `for_each`: its `fold` may be compiled apart from `widest`'s
+                // function, at the baseline instruction set (it was, for bf16 GELU backward).
+                for (a, &b) in a.iter_mut().zip(b) {
+                    f(a, b)
+                }
+            },
         )
     });
 }
 
 /// Widen `src` into `dst` (same length).
 pub fn widen<E: Elem>(dst: &mut [f32], src: &[E]) {
-    for_each_pair(dst, src, |d, s| *d = s.to_f32());
+    for_each_pair(
+        dst,
+        src,
+        #[inline(always)]
+        |d, s| *d = s.to_f32(),
+    );
 }
 
 /// Narrow `src` into `dst` (same length).
 pub fn narrow<E: Elem>(dst: &mut [E], src: &[f32]) {
-    for_each_pair(dst, src, |d, s| *d = E::from_f32(s));
+    for_each_pair(
+        dst,
+        src,
+        #[inline(always)]
+        |d, s| *d = E::from_f32(s),
+    );
 }
 
 /// A raw pointer that may cross threads: used only where tasks write provably disjoint ranges.
@@ -186,6 +254,11 @@ pub fn encoder_backward<E: Elem>(dwte: &mut [E], dwpe: &mut [E], dout: &[E], inp
 // layernorm
 
 const LN_EPS: f32 = 1e-5;
+/// Rows per parallel task of the layernorm passes.
+const LN_ROWS: usize = 16;
+/// Columns per parallel task of the layernorm parameter gradients (and the 16-bit bias
+/// gradient): each task walks every row over its block of columns.
+const COLUMN_BLOCK: usize = 64;
 
 /// out: (N,C) normalised rows scaled by weight (C) plus bias (C); mean, rstd: (N) f32, kept for
 /// backward.
@@ -198,24 +271,68 @@ pub fn layernorm_forward<E: Elem>(
     bias: &[E],
     c: usize,
 ) {
-    out.par_chunks_mut(c).zip(inp.par_chunks(c)).zip(mean.par_iter_mut().zip(rstd.par_iter_mut())).for_each(
-        |((o, x), (m, r))| {
-            let (mu, rs) = row_stats(x);
-            for i in 0..c {
-                o[i] = E::from_f32((x[i].to_f32() - mu) * rs * weight[i].to_f32() + bias[i].to_f32());
-            }
-            *m = mu;
-            *r = rs;
-        },
-    );
+    let rows = |s: usize| s * LN_ROWS;
+    out.par_chunks_mut(rows(c))
+        .zip(inp.par_chunks(rows(c)))
+        .zip(mean.par_chunks_mut(LN_ROWS).zip(rstd.par_chunks_mut(LN_ROWS)))
+        .for_each(|((o, x), (m, r))| {
+            widest(
+                #[inline(always)]
+                || {
+                    for ((o, x), (m, r)) in o.chunks_mut(c).zip(x.chunks(c)).zip(m.iter_mut().zip(r.iter_mut())) {
+                        (*m, *r) = row_stats(x);
+                        normalise_row(o, x, weight, bias, *m, *r);
+                    }
+                },
+            )
+        });
 }
 
-/// Mean and reciprocal standard deviation of one row (accumulated in f64 for stability).
+/// Mean and reciprocal standard deviation of one row, accumulated in f64 in `REDUCE_LANES`
+/// partial sums (a fixed order: the same bits on every machine).
+#[inline(always)]
 fn row_stats<E: Elem>(x: &[E]) -> (f32, f32) {
     let n = x.len() as f64;
-    let mean = x.iter().map(|&v| v.to_f32() as f64).sum::<f64>() / n;
-    let var = x.iter().map(|&v| (v.to_f32() as f64 - mean).powi(2)).sum::<f64>() / n;
+    let mean = lane_sum(
+        x,
+        #[inline(always)]
+        |v| v as f64,
+    ) / n;
+    let var = lane_sum(
+        x,
+        #[inline(always)]
+        |v| (v as f64 - mean) * (v as f64 - mean),
+    ) / n;
     (mean as f32, (1.0 / (var + LN_EPS as f64).sqrt()) as f32)
+}
+
+/// Σ f(x) over a row in `REDUCE_LANES` f64 partial sums, added in lane order, then the tail.
+#[inline(always)]
+fn lane_sum<E: Elem>(x: &[E], f: impl Fn(f32) -> f64) -> f64 {
+    let mut acc = [0f64; REDUCE_LANES];
+    let chunks = x.chunks_exact(REDUCE_LANES);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (a, v) in acc.iter_mut().zip(chunk) {
+            *a += f(v.to_f32());
+        }
+    }
+    let mut sum = 0.0;
+    for a in acc {
+        sum += a;
+    }
+    for v in tail {
+        sum += f(v.to_f32());
+    }
+    sum
+}
+
+/// o = (x − mean) · rstd · weight + bias over one row.
+#[inline(always)]
+fn normalise_row<E: Elem>(o: &mut [E], x: &[E], weight: &[E], bias: &[E], mu: f32, rs: f32) {
+    for ((o, x), (w, b)) in o.iter_mut().zip(x).zip(weight.iter().zip(bias)) {
+        *o = E::from_f32((x.to_f32() - mu) * rs * w.to_f32() + b.to_f32());
+    }
 }
 
 /// Recompute a layernorm output from its input and saved statistics (used by checkpointing).
@@ -228,13 +345,20 @@ pub fn layernorm_recompute<E: Elem>(
     rstd: &[f32],
     c: usize,
 ) {
-    out.par_chunks_mut(c).zip(inp.par_chunks(c)).zip(mean.par_iter().zip(rstd.par_iter())).for_each(
-        |((o, x), (&mu, &rs))| {
-            for i in 0..c {
-                o[i] = E::from_f32((x[i].to_f32() - mu) * rs * weight[i].to_f32() + bias[i].to_f32());
-            }
-        },
-    );
+    let rows = |s: usize| s * LN_ROWS;
+    out.par_chunks_mut(rows(c))
+        .zip(inp.par_chunks(rows(c)))
+        .zip(mean.par_chunks(LN_ROWS).zip(rstd.par_chunks(LN_ROWS)))
+        .for_each(|((o, x), (m, r))| {
+            widest(
+                #[inline(always)]
+                || {
+                    for ((o, x), (&m, &r)) in o.chunks_mut(c).zip(x.chunks(c)).zip(m.iter().zip(r)) {
+                        normalise_row(o, x, weight, bias, m, r);
+                    }
+                },
+            )
+        });
 }
 
 /// dinp (N,C) += input gradient; dweight, dbias (C) += parameter gradients.
@@ -250,59 +374,165 @@ pub fn layernorm_backward<E: Elem>(
     rstd: &[f32],
     c: usize,
 ) {
-    dinp.par_chunks_mut(c)
-        .zip(dout.par_chunks(c).zip(inp.par_chunks(c)))
-        .zip(mean.par_iter().zip(rstd.par_iter()))
-        .for_each(|((di, (d, x)), (&mu, &rs))| {
-            let mut dnorm_mean = 0.0f32;
-            let mut dnorm_norm_mean = 0.0f32;
-            for i in 0..c {
-                let norm = (x[i].to_f32() - mu) * rs;
-                let dnorm = weight[i].to_f32() * d[i].to_f32();
-                dnorm_mean += dnorm;
-                dnorm_norm_mean += dnorm * norm;
-            }
-            dnorm_mean /= c as f32;
-            dnorm_norm_mean /= c as f32;
-            for i in 0..c {
-                let norm = (x[i].to_f32() - mu) * rs;
-                let dnorm = weight[i].to_f32() * d[i].to_f32();
-                di[i] = E::from_f32(di[i].to_f32() + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * rs);
-            }
+    let rows = |s: usize| s * LN_ROWS;
+    dinp.par_chunks_mut(rows(c))
+        .zip(dout.par_chunks(rows(c)).zip(inp.par_chunks(rows(c))))
+        .zip(mean.par_chunks(LN_ROWS).zip(rstd.par_chunks(LN_ROWS)))
+        .for_each(|((di, (d, x)), (m, r))| {
+            widest(
+                #[inline(always)]
+                || {
+                    for ((di, (d, x)), (&mu, &rs)) in
+                        di.chunks_mut(c).zip(d.chunks(c).zip(x.chunks(c))).zip(m.iter().zip(r))
+                    {
+                        layernorm_backward_row(di, d, x, weight, mu, rs);
+                    }
+                },
+            )
         });
-    // Parameter gradients: a fixed-order reduction over rows in f32 (deterministic, bitwise
-    // repeatable), added to the stored gradient once.
-    let mut dw = vec![0.0f32; 0];
-    let mut db = vec![0.0f32; 0];
-    let (dw32, db32): (&mut [f32], &mut [f32]) = match (E::as_f32_mut(dweight), E::as_f32_mut(dbias)) {
-        (Some(w), Some(b)) => (w, b),
-        _ => {
-            dw.resize(c, 0.0);
-            db.resize(c, 0.0);
-            (&mut dw, &mut db)
-        }
-    };
-    for ((d, x), (&mu, &rs)) in dout.chunks(c).zip(inp.chunks(c)).zip(mean.iter().zip(rstd)) {
-        for i in 0..c {
-            let di = d[i].to_f32();
-            let norm = (x[i].to_f32() - mu) * rs;
-            db32[i] += di;
-            dw32[i] += norm * di;
+    // Parameter gradients: each column summed over the rows in row order in f32 (deterministic,
+    // bitwise repeatable) — into the stored gradient in f32 storage, else added to it once —
+    // the columns in blocks that walk the rows (not a strided walk per column).
+    dweight.par_chunks_mut(COLUMN_BLOCK).zip(dbias.par_chunks_mut(COLUMN_BLOCK)).enumerate().for_each(
+        |(blk, (dw, db))| {
+            widest(
+                #[inline(always)]
+                || {
+                    let (lo, w) = (blk * COLUMN_BLOCK, dw.len());
+                    let (mut aw, mut ab) = ([0f32; COLUMN_BLOCK], [0f32; COLUMN_BLOCK]);
+                    if E::is_f32() {
+                        widen_here(&mut aw[..w], dw);
+                        widen_here(&mut ab[..w], db);
+                    }
+                    for ((d, x), (&mu, &rs)) in dout.chunks(c).zip(inp.chunks(c)).zip(mean.iter().zip(rstd)) {
+                        let (d, x) = (&d[lo..lo + w], &x[lo..lo + w]);
+                        for ((aw, ab), (d, x)) in aw.iter_mut().zip(ab.iter_mut()).zip(d.iter().zip(x)) {
+                            let di = d.to_f32();
+                            *ab += di;
+                            *aw += (x.to_f32() - mu) * rs * di;
+                        }
+                    }
+                    if !E::is_f32() {
+                        for ((aw, ab), (dw, db)) in aw.iter_mut().zip(ab.iter_mut()).zip(dw.iter().zip(db.iter())) {
+                            *aw += dw.to_f32();
+                            *ab += db.to_f32();
+                        }
+                    }
+                    narrow_here(dw, &aw[..w]);
+                    narrow_here(db, &ab[..w]);
+                },
+            )
+        },
+    );
+}
+
+/// One row of layernorm's input gradient: di += (dnorm − mean(dnorm) − norm · mean(dnorm ·
+/// norm)) · rstd, with dnorm = weight · d; the two means in `REDUCE_LANES` f32 partial sums.
+#[inline(always)]
+fn layernorm_backward_row<E: Elem>(di: &mut [E], d: &[E], x: &[E], weight: &[E], mu: f32, rs: f32) {
+    let c = d.len();
+    let (mut dnorm_sum, mut dnorm_norm_sum) = ([0f32; REDUCE_LANES], [0f32; REDUCE_LANES]);
+    let lanes = c - c % REDUCE_LANES;
+    for ((d, x), w) in d[..lanes]
+        .chunks_exact(REDUCE_LANES)
+        .zip(x[..lanes].chunks_exact(REDUCE_LANES))
+        .zip(weight[..lanes].chunks_exact(REDUCE_LANES))
+    {
+        for l in 0..REDUCE_LANES {
+            let dnorm = w[l].to_f32() * d[l].to_f32();
+            dnorm_sum[l] += dnorm;
+            dnorm_norm_sum[l] += dnorm * ((x[l].to_f32() - mu) * rs);
         }
     }
-    if !E::is_f32() {
-        for i in 0..c {
-            dweight[i] = E::from_f32(dweight[i].to_f32() + dw[i]);
-            dbias[i] = E::from_f32(dbias[i].to_f32() + db[i]);
-        }
+    let (mut dnorm_mean, mut dnorm_norm_mean) = (0f32, 0f32);
+    for l in 0..REDUCE_LANES {
+        dnorm_mean += dnorm_sum[l];
+        dnorm_norm_mean += dnorm_norm_sum[l];
+    }
+    for i in lanes..c {
+        let dnorm = weight[i].to_f32() * d[i].to_f32();
+        dnorm_mean += dnorm;
+        dnorm_norm_mean += dnorm * ((x[i].to_f32() - mu) * rs);
+    }
+    dnorm_mean /= c as f32;
+    dnorm_norm_mean /= c as f32;
+    for ((di, d), (x, w)) in di.iter_mut().zip(d).zip(x.iter().zip(weight)) {
+        let norm = (x.to_f32() - mu) * rs;
+        let dnorm = w.to_f32() * d.to_f32();
+        *di = E::from_f32(di.to_f32() + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * rs);
     }
 }
 
 // ----------------------------------------------------------------------------------------------
 // matmul (through the gemm crate, f32)
 
-/// Rows per chunk when widening 16-bit operands.
+/// Rows a lane of a 16-bit matmul widens and multiplies at a time.
 pub const MATMUL_ROW_CHUNK: usize = 128;
+/// Lanes of a 16-bit matmul: row chunks in flight at once, each widened, multiplied and
+/// narrowed by one task (its GEMM on one core when the lanes fill the cores, on all of them
+/// otherwise), so a matmul is a few parallel regions, not several per chunk. Two: on this
+/// project's 2-core machine as fast as sixteen (`bench --preset d4-128 --profile --precision
+/// bf16`: matmuls forward 21.7 ms and backward 44.8 ms per step with two lanes, 22.5 and 40.8
+/// with sixteen, 91 and 113 with one chunk at a time on every core) for an eighth of the
+/// scratch rows: a tight `device_memory` on the cpu feels every widened row.
+pub const MATMUL_LANES: usize = 2;
+/// The f32 elements the lanes' row chunks may hold together: past it, fewer lanes (the
+/// classifier's (rows, V) chunk is a lane alone, its GEMM on every core).
+pub const MATMUL_LANES_ELEMENTS: usize = 8 << 20;
+
+/// The 16-bit matmul's partition of its N rows: rows per chunk and chunks in flight (lanes).
+/// A function of the shapes alone, so the scratch is too, whatever the machine's cores.
+#[derive(Debug, Clone, Copy)]
+struct MatmulLanes {
+    chunk: usize,
+    lanes: usize,
+}
+
+impl MatmulLanes {
+    fn of(n: usize, c: usize, oc: usize) -> Self {
+        let chunk = n.clamp(1, MATMUL_ROW_CHUNK);
+        let fit = MATMUL_LANES_ELEMENTS / (chunk * (c + oc)).max(1);
+        MatmulLanes { chunk, lanes: fit.clamp(1, MATMUL_LANES).min(n.div_ceil(chunk).max(1)) }
+    }
+
+    /// Rows widened at once by all the lanes.
+    fn rows(self) -> usize {
+        self.chunk * self.lanes
+    }
+
+    /// Whether each lane's GEMM runs on every core: when the lanes are too few to fill them.
+    fn parallel_gemm(self) -> bool {
+        self.lanes < threads()
+    }
+}
+
+/// Widen `src` into `dst` (same length) on the calling thread, vectorised.
+#[inline(always)]
+fn widen_here<E: Elem>(dst: &mut [f32], src: &[E]) {
+    assert_eq!(dst.len(), src.len(), "element-wise operands");
+    widest(
+        #[inline(always)]
+        || {
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = s.to_f32()
+            }
+        },
+    )
+}
+
+/// Narrow `src` into `dst` (same length) on the calling thread, vectorised.
+#[inline(always)]
+fn narrow_here<E: Elem>(dst: &mut [E], src: &[f32]) {
+    assert_eq!(dst.len(), src.len(), "element-wise operands");
+    widest(
+        #[inline(always)]
+        || {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                *d = E::from_f32(s)
+            }
+        },
+    )
+}
 
 /// One operand of a GEMM: its first element and its row and column strides, in elements.
 #[derive(Clone, Copy)]
@@ -363,7 +593,8 @@ unsafe fn gemm_raw(
     );
 }
 
-/// dst (m,n) = [dst +] lhs (m,k) · rhs (k,n), all given by row/column strides, on every core.
+/// dst (m,n) = [dst +] lhs (m,k) · rhs (k,n), all given by row/column strides, on every core
+/// (`parallel`) or on the calling thread.
 #[allow(clippy::too_many_arguments)]
 fn gemm_f32(
     m: usize,
@@ -378,6 +609,7 @@ fn gemm_f32(
     rhs: &[f32],
     rhs_rs: usize,
     rhs_cs: usize,
+    parallel: bool,
 ) {
     assert!(dst.len() >= (m - 1) * dst_rs + n, "gemm dst: ({m},{n}) rs {dst_rs} in {}", dst.len());
     assert!(lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs, "gemm lhs: ({m},{k}) in {}", lhs.len());
@@ -386,7 +618,7 @@ fn gemm_f32(
     let lhs = Operand { ptr: lhs.as_ptr(), rs: lhs_rs, cs: lhs_cs };
     let rhs = Operand { ptr: rhs.as_ptr(), rs: rhs_rs, cs: rhs_cs };
     // SAFETY: the asserts above bound every access; dst is borrowed mutably.
-    unsafe { gemm_raw((m, n, k), dst, accumulate, lhs, rhs, true) }
+    unsafe { gemm_raw((m, n, k), dst, accumulate, lhs, rhs, parallel) }
 }
 
 /// f32 scratch elements `matmul_forward::<E>` needs for an (N,C)·(OC,C)ᵀ product.
@@ -394,8 +626,7 @@ pub fn matmul_forward_scratch<E: Elem>(n: usize, c: usize, oc: usize) -> usize {
     if E::is_f32() {
         return 0;
     }
-    let ch = n.min(MATMUL_ROW_CHUNK);
-    oc * c + ch * c + ch * oc
+    oc * c + MatmulLanes::of(n, c, oc).rows() * (c + oc)
 }
 
 /// f32 scratch elements `matmul_backward::<E>` needs.
@@ -403,8 +634,7 @@ pub fn matmul_backward_scratch<E: Elem>(n: usize, c: usize, oc: usize) -> usize 
     if E::is_f32() {
         return 0;
     }
-    let ch = n.min(MATMUL_ROW_CHUNK);
-    2 * oc * c + ch * oc + 2 * ch * c
+    2 * oc * c + MatmulLanes::of(n, c, oc).rows() * (c + oc)
 }
 
 /// out: (N,OC) = inp (N,C) · weightᵀ (weight: (OC,C)) + bias (OC).
@@ -424,25 +654,32 @@ pub fn matmul_forward<E: Elem>(
             Some(b) => out.par_chunks_mut(oc).for_each(|row| row.copy_from_slice(b)),
             None => out.fill(0.0),
         }
-        gemm_f32(n, oc, c, out, oc, true, inp, c, 1, weight, 1, c);
+        gemm_f32(n, oc, c, out, oc, true, inp, c, 1, weight, 1, c, true);
         return;
     }
-    let ch = n.min(MATMUL_ROW_CHUNK);
+    // Lane l takes row chunks l, l + lanes, …: widens its rows, multiplies them by the
+    // widened weight and narrows the product, all on one task.
+    let lanes = MatmulLanes::of(n, c, oc);
     let (w32, rest) = scratch.split_at_mut(oc * c);
-    let (x32, rest) = rest.split_at_mut(ch * c);
-    let y32 = &mut rest[..ch * oc];
+    let (x32, rest) = rest.split_at_mut(lanes.rows() * c);
+    let y32 = &mut rest[..lanes.rows() * oc];
     widen(w32, weight);
-    for start in (0..n).step_by(ch) {
-        let rows = ch.min(n - start);
-        widen(&mut x32[..rows * c], &inp[start * c..(start + rows) * c]);
-        let y = &mut y32[..rows * oc];
-        match bias {
-            Some(b) => y.par_chunks_mut(oc).for_each(|row| row.iter_mut().zip(b).for_each(|(o, b)| *o = b.to_f32())),
-            None => y.fill(0.0),
+    let (w32, ch, parallel) = (&*w32, lanes.chunk, lanes.parallel_gemm());
+    let out = SendPtr(out.as_mut_ptr());
+    x32.par_chunks_mut(ch * c).zip(y32.par_chunks_mut(ch * oc)).enumerate().for_each(|(lane, (x32, y32))| {
+        for start in (lane * ch..n).step_by(lanes.rows()) {
+            let rows = ch.min(n - start);
+            let (x, y) = (&mut x32[..rows * c], &mut y32[..rows * oc]);
+            widen_here(x, &inp[start * c..(start + rows) * c]);
+            match bias {
+                Some(b) => y.chunks_mut(oc).for_each(|row| widen_here(row, b)),
+                None => y.fill(0.0),
+            }
+            gemm_f32(rows, oc, c, y, oc, true, x, c, 1, w32, 1, c, parallel);
+            // SAFETY: each chunk's output rows are written by the one lane that owns the chunk.
+            narrow_here(unsafe { out.slice(start * oc, rows * oc) }, y);
         }
-        gemm_f32(rows, oc, c, y, oc, true, x32, c, 1, w32, 1, c);
-        narrow(&mut out[start * oc..(start + rows) * oc], y);
-    }
+    });
 }
 
 /// dinp (N,C) = dout (N,OC) · weight (OC,C) [overwritten]; dweight (OC,C) += doutᵀ · inp;
@@ -463,27 +700,37 @@ pub fn matmul_backward<E: Elem>(
     if let (Some(dinp), Some(dweight), Some(dout), Some(inp), Some(weight)) =
         (E::as_f32_mut(dinp), E::as_f32_mut(dweight), E::as_f32(dout), E::as_f32(inp), E::as_f32(weight))
     {
-        gemm_f32(n, c, oc, dinp, c, false, dout, oc, 1, weight, c, 1);
-        gemm_f32(oc, c, n, dweight, c, true, dout, 1, oc, inp, c, 1);
+        gemm_f32(n, c, oc, dinp, c, false, dout, oc, 1, weight, c, 1, true);
+        gemm_f32(oc, c, n, dweight, c, true, dout, 1, oc, inp, c, 1, true);
     } else {
-        let ch = n.min(MATMUL_ROW_CHUNK);
+        // Per group of lanes × chunk rows: each lane widens its chunk of dout, computes and
+        // narrows its dinp rows (through the x scratch), then widens its inp rows there; one
+        // GEMM over the group's rows then adds doutᵀ · inp into the f32 weight gradient.
+        let lanes = MatmulLanes::of(n, c, oc);
         let (w32, rest) = scratch.split_at_mut(oc * c);
         let (dw32, rest) = rest.split_at_mut(oc * c);
-        let (d32, rest) = rest.split_at_mut(ch * oc);
-        let (x32, rest) = rest.split_at_mut(ch * c);
-        let dx32 = &mut rest[..ch * c];
+        let (d32, rest) = rest.split_at_mut(lanes.rows() * oc);
+        let x32 = &mut rest[..lanes.rows() * c];
         widen(w32, weight);
         widen(dw32, dweight);
-        for start in (0..n).step_by(ch) {
-            let rows = ch.min(n - start);
-            let d = &mut d32[..rows * oc];
-            widen(d, &dout[start * oc..(start + rows) * oc]);
-            let x = &mut x32[..rows * c];
-            widen(x, &inp[start * c..(start + rows) * c]);
-            let dx = &mut dx32[..rows * c];
-            gemm_f32(rows, c, oc, dx, c, false, d, oc, 1, w32, c, 1);
-            narrow(&mut dinp[start * c..(start + rows) * c], dx);
-            gemm_f32(oc, c, rows, dw32, c, true, d, 1, oc, x, c, 1);
+        let (ch, parallel) = (lanes.chunk, lanes.parallel_gemm());
+        for start in (0..n).step_by(lanes.rows()) {
+            let rows = lanes.rows().min(n - start);
+            let (d, x) = (&mut d32[..rows * oc], &mut x32[..rows * c]);
+            let w32 = &*w32;
+            d.par_chunks_mut(ch * oc)
+                .zip(x.par_chunks_mut(ch * c))
+                .zip(dout[start * oc..(start + rows) * oc].par_chunks(ch * oc))
+                .zip(inp[start * c..(start + rows) * c].par_chunks(ch * c))
+                .zip(dinp[start * c..(start + rows) * c].par_chunks_mut(ch * c))
+                .for_each(|((((d, x), dout), inp), dinp)| {
+                    let m = inp.len() / c;
+                    widen_here(d, dout);
+                    gemm_f32(m, c, oc, x, c, false, d, oc, 1, w32, c, 1, parallel);
+                    narrow_here(dinp, x);
+                    widen_here(x, inp);
+                });
+            gemm_f32(oc, c, rows, dw32, c, true, d, 1, oc, x, c, 1, true);
         }
         narrow(dweight, dw32);
     }
@@ -499,7 +746,7 @@ pub fn matmul_backward<E: Elem>(
             None => {
                 // Each column's sum over the rows in order, in f32, rounded once into db; the
                 // columns in blocks that walk dout row by row (not a strided walk per column).
-                const BLOCK: usize = 64;
+                const BLOCK: usize = COLUMN_BLOCK;
                 db.par_chunks_mut(BLOCK).enumerate().for_each(|(blk, db)| {
                     widest(
                         #[inline(always)]
@@ -507,9 +754,13 @@ pub fn matmul_backward<E: Elem>(
                             let mut acc = [0f32; BLOCK];
                             for row in dout.chunks(oc) {
                                 let row = &row[blk * BLOCK..][..db.len()];
-                                acc.iter_mut().zip(row).for_each(|(a, x)| *a += x.to_f32());
+                                for (a, x) in acc.iter_mut().zip(row) {
+                                    *a += x.to_f32()
+                                }
                             }
-                            db.iter_mut().zip(acc).for_each(|(d, a)| *d = E::from_f32(d.to_f32() + a));
+                            for (d, a) in db.iter_mut().zip(acc) {
+                                *d = E::from_f32(d.to_f32() + a)
+                            }
                         },
                     )
                 });
@@ -1003,16 +1254,20 @@ pub(crate) const REDUCE_LANES: usize = 8;
 
 /// max over `row` (−∞ when empty).
 #[inline(always)]
-fn row_max(row: &[f32]) -> f32 {
+fn row_max<E: Elem>(row: &[E]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; REDUCE_LANES];
     let chunks = row.chunks_exact(REDUCE_LANES);
     let tail = chunks.remainder();
     for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            *a = a.max(x);
+        for (a, x) in acc.iter_mut().zip(c) {
+            *a = a.max(x.to_f32());
         }
     }
-    tail.iter().chain(&acc).fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+    let mut m = f32::NEG_INFINITY;
+    for x in acc.into_iter().chain(tail.iter().map(|x| x.to_f32())) {
+        m = m.max(x);
+    }
+    m
 }
 
 /// log Σ exp(x) over an attention row, its maximum subtracted first: the tiles' and the cached
@@ -1065,23 +1320,33 @@ pub fn tanh(x: f32) -> f32 {
 
 /// out: (N) = gelu(inp)
 pub fn gelu_forward<E: Elem>(out: &mut [E], inp: &[E]) {
-    for_each_pair(out, inp, |o, x| {
-        let v = x.to_f32();
-        let cube = 0.044715 * v * v * v;
-        *o = E::from_f32(0.5 * v * (1.0 + tanh(GELU_SCALE * (v + cube))));
-    });
+    for_each_pair(
+        out,
+        inp,
+        #[inline(always)]
+        |o, x| {
+            let v = x.to_f32();
+            let cube = 0.044715 * v * v * v;
+            *o = E::from_f32(0.5 * v * (1.0 + tanh(GELU_SCALE * (v + cube))));
+        },
+    );
 }
 
 /// dinout: (N) holds dout on entry and gelu'(inp) * dout on return.
 pub fn gelu_backward_inplace<E: Elem>(dinout: &mut [E], inp: &[E]) {
-    for_each_pair(dinout, inp, |d, x| {
-        let v = x.to_f32();
-        let cube = 0.044715 * v * v * v;
-        let th = tanh(GELU_SCALE * (v + cube));
-        let sech2 = 1.0 - th * th;
-        let local = 0.5 * (1.0 + th) + v * 0.5 * sech2 * GELU_SCALE * (1.0 + 3.0 * 0.044715 * v * v);
-        *d = E::from_f32(d.to_f32() * local);
-    });
+    for_each_pair(
+        dinout,
+        inp,
+        #[inline(always)]
+        |d, x| {
+            let v = x.to_f32();
+            let cube = 0.044715 * v * v * v;
+            let th = tanh(GELU_SCALE * (v + cube));
+            let sech2 = 1.0 - th * th;
+            let local = 0.5 * (1.0 + th) + v * 0.5 * sech2 * GELU_SCALE * (1.0 + 3.0 * 0.044715 * v * v);
+            *d = E::from_f32(d.to_f32() * local);
+        },
+    );
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1089,7 +1354,12 @@ pub fn gelu_backward_inplace<E: Elem>(dinout: &mut [E], inp: &[E]) {
 
 /// out (N) += inp (N)
 pub fn residual_forward_inplace<E: Elem>(out: &mut [E], inp: &[E]) {
-    for_each_pair(out, inp, |o, x| *o = E::from_f32(o.to_f32() + x.to_f32()));
+    for_each_pair(
+        out,
+        inp,
+        #[inline(always)]
+        |o, x| *o = E::from_f32(o.to_f32() + x.to_f32()),
+    );
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1110,15 +1380,28 @@ pub fn crossentropy_forward<E: Elem>(logits: &mut [E], losses: &mut [f32], targe
                         (maxval, exp_in_place(row, maxval))
                     }
                     None => {
-                        let maxval = row.iter().fold(f32::NEG_INFINITY, |m, x| m.max(x.to_f32()));
-                        (maxval, row.iter().map(|x| exp(x.to_f32() - maxval) as f64).sum())
+                        let maxval = row_max(row);
+                        let sum = lane_sum(
+                            row,
+                            #[inline(always)]
+                            |x| exp(x - maxval) as f64,
+                        );
+                        (maxval, sum)
                     }
                 };
                 *loss = -(target - maxval - sum.ln() as f32);
                 let inv = (1.0 / sum) as f32;
                 match E::as_f32_mut(row) {
-                    Some(row) => row.iter_mut().for_each(|x| *x *= inv),
-                    None => row.iter_mut().for_each(|x| *x = E::from_f32(exp(x.to_f32() - maxval) * inv)),
+                    Some(row) => {
+                        for x in row.iter_mut() {
+                            *x *= inv
+                        }
+                    }
+                    None => {
+                        for x in row.iter_mut() {
+                            *x = E::from_f32(exp(x.to_f32() - maxval) * inv)
+                        }
+                    }
                 }
             },
         )
@@ -1212,6 +1495,139 @@ mod tests {
             let sum = dout.chunks(oc).fold(0f32, |s, row| s + row[o].to_f32());
             let expected = half::bf16::from_f32(half::bf16::from_f32(db0[o]).to_f32() + sum);
             assert_eq!(db[o].to_bits(), expected.to_bits(), "column {o}");
+        }
+    }
+
+    /// `x` rounded to bf16 and back: inputs whose widening is exact, for f64 references.
+    fn bf16_exact(x: Vec<f32>) -> Vec<half::bf16> {
+        x.into_iter().map(half::bf16::from_f32).collect()
+    }
+
+    /// Each element of `got` within one bf16 rounding (plus f32 accumulation over `scale`) of
+    /// `want`, the worst excess named.
+    fn within_a_rounding(what: &str, got: &[half::bf16], want: &[f64], scale: &[f64]) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, ((g, w), s)) in got.iter().zip(want).zip(scale).enumerate() {
+            let bound = w.abs() / 256.0 + 1e-5 * s;
+            assert!((g.to_f64() - w).abs() <= bound, "{what}[{i}]: {} vs {w} (bound {bound:e})", g.to_f64());
+        }
+    }
+
+    #[test]
+    fn sixteen_bit_matmul_lanes_cover_every_row_once() {
+        // Two full groups of lanes × 128 rows and a last group of one partial chunk, so lanes,
+        // groups and the short chunk are all exercised.
+        let (n, c, oc) = (2 * MATMUL_LANES * MATMUL_ROW_CHUNK + 77, 24, 40);
+        let lanes = MatmulLanes::of(n, c, oc);
+        assert_eq!((lanes.chunk, lanes.lanes), (MATMUL_ROW_CHUNK, MATMUL_LANES));
+        let mut rng = Rng::new(5);
+        let mut randn = |len: usize| (0..len).map(|_| rng.normal() as f32).collect::<Vec<f32>>();
+        let (x, w, bias) = (bf16_exact(randn(n * c)), bf16_exact(randn(oc * c)), bf16_exact(randn(oc)));
+        let f = |v: &half::bf16| v.to_f64();
+
+        let mut out = vec![half::bf16::from_f32(f32::NAN); n * oc];
+        let mut scratch = vec![f32::NAN; matmul_forward_scratch::<half::bf16>(n, c, oc)];
+        matmul_forward(&mut out, &x, &w, Some(&bias), n, c, oc, &mut scratch);
+        let (mut want, mut scale) = (vec![0f64; n * oc], vec![0f64; n * oc]);
+        for r in 0..n {
+            for o in 0..oc {
+                let terms = (0..c).map(|k| f(&x[r * c + k]) * f(&w[o * c + k]));
+                want[r * oc + o] = f(&bias[o]) + terms.clone().sum::<f64>();
+                scale[r * oc + o] = f(&bias[o]).abs() + terms.map(f64::abs).sum::<f64>();
+            }
+        }
+        within_a_rounding("out", &out, &want, &scale);
+
+        let (dout, dw0, db0) = (bf16_exact(randn(n * oc)), bf16_exact(randn(oc * c)), bf16_exact(randn(oc)));
+        let (mut dinp, mut dw, mut db) = (vec![half::bf16::from_f32(f32::NAN); n * c], dw0.clone(), db0.clone());
+        let mut scratch = vec![f32::NAN; matmul_backward_scratch::<half::bf16>(n, c, oc)];
+        matmul_backward(&mut dinp, &mut dw, Some(&mut db), &dout, &x, &w, n, c, oc, &mut scratch);
+        let (mut want, mut scale) = (vec![0f64; n * c], vec![0f64; n * c]);
+        for r in 0..n {
+            for k in 0..c {
+                let terms = (0..oc).map(|o| f(&dout[r * oc + o]) * f(&w[o * c + k]));
+                want[r * c + k] = terms.clone().sum();
+                scale[r * c + k] = terms.map(f64::abs).sum();
+            }
+        }
+        within_a_rounding("dinp (overwritten)", &dinp, &want, &scale);
+        let (mut want, mut scale) = (vec![0f64; oc * c], vec![0f64; oc * c]);
+        for o in 0..oc {
+            for k in 0..c {
+                let terms = (0..n).map(|r| f(&dout[r * oc + o]) * f(&x[r * c + k]));
+                want[o * c + k] = f(&dw0[o * c + k]) + terms.clone().sum::<f64>();
+                scale[o * c + k] = f(&dw0[o * c + k]).abs() + terms.map(f64::abs).sum::<f64>();
+            }
+        }
+        within_a_rounding("dweight (accumulated)", &dw, &want, &scale);
+        let want: Vec<f64> = (0..oc).map(|o| f(&db0[o]) + (0..n).map(|r| f(&dout[r * oc + o])).sum::<f64>()).collect();
+        let scale: Vec<f64> = (0..oc).map(|o| (0..n).map(|r| f(&dout[r * oc + o]).abs()).sum::<f64>()).collect();
+        within_a_rounding("dbias (accumulated)", &db, &want, &scale);
+    }
+
+    #[test]
+    fn matmul_lanes_are_a_function_of_the_shapes_within_their_budget() {
+        // (n, c, oc) → (rows per chunk, lanes): a short matmul is one chunk; the lanes stop at
+        // what their budget of f32 elements holds, down to one for GPT-2's classifier.
+        let table = [
+            ((16, 24, 40), (16, 1)),
+            ((200, 64, 256), (128, 2)),
+            ((4096, 128, 512), (128, 2)),
+            ((16 * 1024, 768, 3072), (128, 2)),
+            ((16 * 1024, 768, 50257), (128, 1)),
+            ((256, 12288, 49152), (128, 1)),
+        ];
+        for ((n, c, oc), want) in table {
+            let l = MatmulLanes::of(n, c, oc);
+            assert_eq!((l.chunk, l.lanes), want, "({n}, {c}, {oc})");
+            assert!(l.lanes == 1 || l.rows() * (c + oc) <= MATMUL_LANES_ELEMENTS);
+            assert_eq!(matmul_forward_scratch::<half::bf16>(n, c, oc), oc * c + l.rows() * (c + oc));
+        }
+    }
+
+    #[test]
+    fn layernorm_matches_its_definition_in_f64() {
+        // 77 columns: lane sums with a tail, two column blocks; 37 rows: a short row task.
+        let (n, c) = (37, 77);
+        let mut rng = Rng::new(9);
+        let mut randn = |len: usize, s: f32| (0..len).map(|_| rng.normal() as f32 * s).collect::<Vec<f32>>();
+        let (x, w, b) = (randn(n * c, 2.0), randn(c, 1.0), randn(c, 0.5));
+        let (dout, di0, dw0, db0) = (randn(n * c, 1.0), randn(n * c, 1.0), randn(c, 1.0), randn(c, 1.0));
+        let (mut out, mut mean, mut rstd) = (vec![f32::NAN; n * c], vec![f32::NAN; n], vec![f32::NAN; n]);
+        layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, &b, c);
+        let (mut dinp, mut dw, mut db) = (di0.clone(), dw0.clone(), db0.clone());
+        layernorm_backward(&mut dinp, &mut dw, &mut db, &dout, &x, &w, &mean, &rstd, c);
+        let mut recomputed = vec![f32::NAN; n * c];
+        layernorm_recompute(&mut recomputed, &x, &w, &b, &mean, &rstd, c);
+        assert_eq!(recomputed, out, "recompute gives forward's bits");
+
+        let close = |what: &str, got: f32, want: f64, tol: f64| {
+            assert!((got as f64 - want).abs() <= tol * (1.0 + want.abs()), "{what}: {got} vs {want}");
+        };
+        let (mut want_dw, mut want_db): (Vec<f64>, Vec<f64>) =
+            (dw0.iter().map(|&v| v as f64).collect(), db0.iter().map(|&v| v as f64).collect());
+        for r in 0..n {
+            let row = &x[r * c..][..c];
+            let mu = row.iter().map(|&v| v as f64).sum::<f64>() / c as f64;
+            let var = row.iter().map(|&v| (v as f64 - mu).powi(2)).sum::<f64>() / c as f64;
+            let rs = 1.0 / (var + LN_EPS as f64).sqrt();
+            close("mean", mean[r], mu, 1e-6);
+            close("rstd", rstd[r], rs, 1e-6);
+            let norm: Vec<f64> = row.iter().map(|&v| (v as f64 - mu) * rs).collect();
+            let dnorm: Vec<f64> = (0..c).map(|i| w[i] as f64 * dout[r * c + i] as f64).collect();
+            let dnorm_mean = dnorm.iter().sum::<f64>() / c as f64;
+            let dnorm_norm_mean = dnorm.iter().zip(&norm).map(|(d, x)| d * x).sum::<f64>() / c as f64;
+            for i in 0..c {
+                close("out", out[r * c + i], norm[i] * w[i] as f64 + b[i] as f64, 1e-5);
+                let want = di0[r * c + i] as f64 + (dnorm[i] - dnorm_mean - norm[i] * dnorm_norm_mean) * rs;
+                close("dinp (accumulated)", dinp[r * c + i], want, 1e-5);
+                want_dw[i] += norm[i] * dout[r * c + i] as f64;
+                want_db[i] += dout[r * c + i] as f64;
+            }
+        }
+        for i in 0..c {
+            close("dweight (accumulated)", dw[i], want_dw[i], 1e-5);
+            close("dbias (accumulated)", db[i], want_db[i], 1e-5);
         }
     }
 

@@ -270,6 +270,38 @@ mod tests {
     }
 
     #[test]
+    fn branchless_bf16_widening_is_halfs_bit_for_bit() {
+        for bits in 0..=u16::MAX {
+            let ours = crate::engine::backend::layers::bf16_to_f32(bits).to_bits();
+            assert_eq!(ours, half::bf16::from_bits(bits).to_f32().to_bits(), "{bits:#06x}");
+        }
+    }
+
+    #[test]
+    fn branchless_f16_conversions_are_halfs_bit_for_bit() {
+        use crate::engine::backend::layers::{f16_bits, f16_to_f32};
+        for bits in 0..=u16::MAX {
+            let want = half::f16::from_bits(bits).to_f32();
+            assert_eq!(f16_to_f32(bits).to_bits(), want.to_bits(), "widen {bits:#06x}");
+            // Every f16 value, and the midpoints to its neighbours (ties to even), narrows back.
+            for x in
+                [want, f32::from_bits(want.to_bits() + 0x1000), f32::from_bits(want.to_bits().wrapping_sub(0x1000))]
+            {
+                assert_eq!(f16_bits(x), half::f16::from_f32(x).to_bits(), "narrow {x:e} ({:#010x})", x.to_bits());
+            }
+        }
+        let mut xs = values(200_000, 13);
+        xs.extend([65504.0, 65519.0, 65520.0, 65536.0, 1e-8, 5.96e-8, 2.98e-8, 2.99e-8, f32::MAX, f32::MIN_POSITIVE]);
+        xs.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, f32::from_bits(0x7F80_0001), 0.0, -0.0]);
+        for bits in (0..u32::MAX).step_by(65_521) {
+            xs.push(f32::from_bits(bits));
+        }
+        for x in xs {
+            assert_eq!(f16_bits(x), half::f16::from_f32(x).to_bits(), "{x:e} ({:#010x})", x.to_bits());
+        }
+    }
+
+    #[test]
     fn schedule_warms_up_then_decays_to_a_tenth() {
         assert!((lr_at(0, 1.0, 10, 100) - 0.1).abs() < 1e-12);
         assert!((lr_at(9, 1.0, 10, 100) - 1.0).abs() < 1e-12);

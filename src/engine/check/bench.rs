@@ -1,5 +1,5 @@
-//! `headroom bench`: ms/step and tokens/s of fp32 training steps on the CPU device for given
-//! model shapes, on synthetic tokens (no data file needed).
+//! `headroom bench`: ms/step and tokens/s of training steps (fp32, bf16 or fp16 storage) on the
+//! CPU device for given model shapes, on synthetic tokens (no data file needed).
 
 use crate::config::{Checkpointing, Precision};
 use crate::memory::{format_bytes, Category, MemStats, Pool};
@@ -32,6 +32,9 @@ pub struct BenchResult {
     /// optimizer over step time, and of the copy time hidden behind other work.
     pub swap_fraction: f64,
     pub hidden_ms: f64,
+    /// Times the timed steps took memory from the device (`MemStats::num_reserves`): 0 when the
+    /// pool's cache serves the steady state, as it must.
+    pub reserves: u64,
 }
 
 /// The shapes docs/INTERNALS.md compares against llm.c's CPU trainer.
@@ -102,13 +105,36 @@ pub fn preset(name: &str) -> Option<Vec<BenchCase>> {
     }
 }
 
-/// Time `steps` optimizer steps after `warmup` untimed ones.
+/// Time `steps` optimizer steps after `warmup` untimed ones, with `precision` storage.
 pub fn run_case(
     case: &BenchCase,
+    precision: Precision,
     warmup: usize,
     steps: usize,
 ) -> Result<BenchResult, crate::engine::backend::BackendError> {
-    run_configured::<f32>(case, case.batch, Checkpointing::None, warmup, steps).map(|(r, _)| r)
+    let (micro, mode) = (case.batch, Checkpointing::None);
+    let run = match precision {
+        Precision::Fp32 => run_configured::<f32>(case, micro, mode, warmup, steps),
+        Precision::Bf16 => run_configured::<half::bf16>(case, micro, mode, warmup, steps),
+        Precision::Fp16 => run_configured::<half::f16>(case, micro, mode, warmup, steps),
+    };
+    run.map(|(r, _)| r)
+}
+
+/// [`profile_on`] of `case` on two cpu backends, with `precision` storage.
+pub fn profile_cpu(
+    case: &BenchCase,
+    precision: Precision,
+    warmup: usize,
+    steps: usize,
+) -> Result<String, crate::engine::backend::BackendError> {
+    let open = || crate::engine::backend::CpuBackend::new(Pool::new("cpu", usize::MAX / 2));
+    let (micro, techniques) = (case.batch, Techniques::default());
+    match precision {
+        Precision::Fp32 => profile_on::<f32, _>(open(), open(), case, micro, techniques, warmup, steps),
+        Precision::Bf16 => profile_on::<half::bf16, _>(open(), open(), case, micro, techniques, warmup, steps),
+        Precision::Fp16 => profile_on::<half::f16, _>(open(), open(), case, micro, techniques, warmup, steps),
+    }
 }
 
 /// Like [`run_case`] with `micro_batch` (accumulating to `case.batch`) and a checkpointing mode;
@@ -167,8 +193,9 @@ pub fn profile_on<E: Elem, B: crate::engine::backend::Backend>(
     let (measured, stats) =
         run_on_with::<E, _>(profiled, case, micro_batch, techniques, warmup, steps, |_| handle.reset())?;
     Ok(format!(
-        "{} (params {}), B {}, T {}, micro-batch {micro_batch}, {} steps, peak allocated {}\n{}",
+        "{} {} (params {}), B {}, T {}, micro-batch {micro_batch}, {} steps, peak allocated {}\n{}",
         case.label,
+        E::NAME,
         case.cfg.num_params(),
         case.batch,
         case.seq,
@@ -204,7 +231,11 @@ pub fn run_on_with<E: Elem, B: crate::engine::backend::Backend>(
             tensor_parallel: 1,
             pipeline_parallel: 1,
             zero_stage: 0,
-            precision: crate::config::Precision::Fp32,
+            precision: match E::NAME {
+                "bf16" => Precision::Bf16,
+                "fp16" => Precision::Fp16,
+                _ => Precision::Fp32,
+            },
             expandable_segments: backend.pool().expandable(),
             static_allocator: false,
         },
@@ -229,6 +260,7 @@ pub fn run_on_with<E: Elem, B: crate::engine::backend::Backend>(
         trainer.train_step(&mut batch)?;
     }
     measuring(trainer.backend());
+    let reserves_before = pool.stats().num_reserves;
     let (mut times, mut fractions, mut hidden) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..steps {
         let step = trainer.train_step(&mut batch)?;
@@ -250,6 +282,7 @@ pub fn run_on_with<E: Elem, B: crate::engine::backend::Backend>(
         peak_allocated: stats.peak_allocated,
         swap_fraction: mean_of(&fractions),
         hidden_ms: mean_of(&hidden),
+        reserves: stats.num_reserves - reserves_before,
     };
     Ok((result, stats))
 }

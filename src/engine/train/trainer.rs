@@ -1458,6 +1458,62 @@ mod tests {
         (cfg, hyper)
     }
 
+    /// After its first step a training step takes no memory from the device: the pool's cache
+    /// serves every request (`MemStats::num_reserves` stays put), so on a GPU a steady-state
+    /// step makes no cuMemAlloc or cuMemMap call — resident, checkpointed or offloaded, with
+    /// fixed or expandable segments, in fp32 and bf16.
+    #[test]
+    fn after_its_first_step_a_step_takes_no_memory_from_the_device() {
+        fn reserves<E: Elem>(knobs: Knobs, expandable: bool) -> Vec<u64> {
+            // Buffers above the small-block limit (1 MiB), as any real model's, so freed
+            // segments could go back to the device.
+            let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 128, block_size: 32, vocab: 256, ..tiny().0 };
+            let (_, mut hyper) = tiny();
+            hyper.knobs = Knobs { expandable_segments: expandable, seq_len: 32, ..knobs };
+            let pool = Pool::host("cpu", 256 << 20, expandable);
+            let mut tr = Trainer::<E>::new(cfg, hyper, pool.clone()).unwrap();
+            let mut batch = |s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>| {
+                for p in 0..32u64 {
+                    inp.push((mix64(s * 31 + i * 7 + p) % 256) as u32);
+                    tgt.push((mix64(s * 31 + i * 7 + p + 1) % 256) as u32);
+                }
+            };
+            (0..4)
+                .map(|_| {
+                    tr.train_step(&mut batch).unwrap();
+                    pool.stats().num_reserves
+                })
+                .collect()
+        }
+        let k = tiny().1.knobs;
+        let offloaded = Knobs {
+            checkpointing: Checkpointing::Full,
+            offload_optimizer: true,
+            offload_params: true,
+            offload_activations: OffloadTarget::CpuInt8,
+            ..k
+        };
+        let cases = [
+            ("plain", k),
+            (
+                "full checkpointing, micro-batch 1",
+                Knobs { checkpointing: Checkpointing::Full, micro_batch: 1, grad_accum: 4, ..k },
+            ),
+            ("everything offloaded", offloaded),
+        ];
+        for (name, knobs) in cases {
+            for expandable in [false, true] {
+                for (dtype, r) in
+                    [("fp32", reserves::<f32>(knobs, expandable)), ("bf16", reserves::<half::bf16>(knobs, expandable))]
+                {
+                    let case = format!("{name}, {dtype}, expandable {expandable}: reserves after each step {r:?}");
+                    assert!(r[0] > 0, "{case}");
+                    assert!(r.windows(2).all(|w| w[0] == w[1]), "{case}");
+                }
+            }
+        }
+    }
+
     fn batch(s: u64, i: u64, inp: &mut Vec<u32>, tgt: &mut Vec<u32>) {
         for p in 0..8u64 {
             inp.push((mix64(s * 31 + i * 7 + p) % 32) as u32);
