@@ -145,6 +145,11 @@ fn bench_times_each_storage_type_and_refuses_an_unknown_one() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("`fp8` is not a precision: fp32, bf16 or fp16"), "{stderr}");
+    // The tables that choose their own storage types refuse it rather than ignore it.
+    let out = Command::new(bin()).args(["bench", "--techniques", "--precision", "bf16"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--precision") && stderr.contains("--techniques"), "{stderr}");
 }
 
 #[test]

@@ -215,8 +215,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pub seq: Option<usize>,
     /// Storage type of the speed table's and the profile's steps: fp32, bf16 or fp16 (fp32
-    /// master weights and AdamW either way).
-    #[arg(long, default_value = "fp32", value_parser = parse_precision)]
+    /// master weights and AdamW either way). The other tables choose their own.
+    #[arg(long, default_value = "fp32", value_parser = parse_precision,
+          conflicts_with_all = ["techniques", "parallel", "plan", "host_adamw"])]
     pub precision: Precision,
     /// Print the memory-technique table (peak per category for checkpointing and micro-batch
     /// settings at the same global batch) instead of the speed table.
