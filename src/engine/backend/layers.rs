@@ -665,6 +665,9 @@ pub fn matmul_forward<E: Elem>(
     let y32 = &mut rest[..lanes.rows() * oc];
     widen(w32, weight);
     let (w32, ch, parallel) = (&*w32, lanes.chunk, lanes.parallel_gemm());
+    // The lanes write `out` through a raw pointer: its length is checked here, once.
+    assert_eq!(out.len(), n * oc, "matmul_forward out (N,OC)");
+    assert_eq!(inp.len(), n * c, "matmul_forward inp (N,C)");
     let out = SendPtr(out.as_mut_ptr());
     x32.par_chunks_mut(ch * c).zip(y32.par_chunks_mut(ch * oc)).enumerate().for_each(|(lane, (x32, y32))| {
         for start in (lane * ch..n).step_by(lanes.rows()) {
