@@ -483,7 +483,7 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             case.cfg.block_size = case.cfg.block_size.max(t);
         }
     }
-    println!("threads: {}, storage: {}", rayon::current_num_threads(), crate::config::serde_name(&args.precision));
+    println!("threads: {}", rayon::current_num_threads());
     if let Some(n) = args.host_adamw {
         print!("{}", bench::host_adamw_table(n, args.steps));
         return Ok(());
@@ -507,6 +507,9 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    // The speed table and the profile run one storage type (`--precision`); the tables above
+    // choose their own.
+    println!("storage: {}", crate::config::serde_name(&args.precision));
     if args.profile {
         for case in &cases {
             print!("{}", bench::profile_cpu(case, args.precision, args.warmup, args.steps)?);
