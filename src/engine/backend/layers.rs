@@ -256,8 +256,8 @@ pub fn encoder_backward<E: Elem>(dwte: &mut [E], dwpe: &mut [E], dout: &[E], inp
 const LN_EPS: f32 = 1e-5;
 /// Rows per parallel task of the layernorm passes.
 const LN_ROWS: usize = 16;
-/// Columns per parallel task of the layernorm parameter gradients (and the 16-bit bias
-/// gradient): each task walks every row over its block of columns.
+/// Columns per parallel task of `add_column_sums` (LayerNorm's and the matmuls' parameter
+/// gradients): each task walks every row over its block of columns.
 const COLUMN_BLOCK: usize = 64;
 
 /// out: (N,C) normalised rows scaled by weight (C) plus bias (C); mean, rstd: (N) f32, kept for
@@ -390,40 +390,68 @@ pub fn layernorm_backward<E: Elem>(
                 },
             )
         });
-    // Parameter gradients: each column summed over the rows in row order in f32 (deterministic,
-    // bitwise repeatable) — into the stored gradient in f32 storage, else added to it once —
-    // the columns in blocks that walk the rows (not a strided walk per column).
-    dweight.par_chunks_mut(COLUMN_BLOCK).zip(dbias.par_chunks_mut(COLUMN_BLOCK)).enumerate().for_each(
-        |(blk, (dw, db))| {
-            widest(
-                #[inline(always)]
-                || {
-                    let (lo, w) = (blk * COLUMN_BLOCK, dw.len());
-                    let (mut aw, mut ab) = ([0f32; COLUMN_BLOCK], [0f32; COLUMN_BLOCK]);
-                    if E::is_f32() {
-                        widen_here(&mut aw[..w], dw);
-                        widen_here(&mut ab[..w], db);
-                    }
-                    for ((d, x), (&mu, &rs)) in dout.chunks(c).zip(inp.chunks(c)).zip(mean.iter().zip(rstd)) {
-                        let (d, x) = (&d[lo..lo + w], &x[lo..lo + w]);
-                        for ((aw, ab), (d, x)) in aw.iter_mut().zip(ab.iter_mut()).zip(d.iter().zip(x)) {
-                            let di = d.to_f32();
-                            *ab += di;
-                            *aw += (x.to_f32() - mu) * rs * di;
-                        }
-                    }
-                    if !E::is_f32() {
-                        for ((aw, ab), (dw, db)) in aw.iter_mut().zip(ab.iter_mut()).zip(dw.iter().zip(db.iter())) {
-                            *aw += dw.to_f32();
-                            *ab += db.to_f32();
-                        }
-                    }
-                    narrow_here(dw, &aw[..w]);
-                    narrow_here(db, &ab[..w]);
-                },
-            )
+    // Parameter gradients: dweight += Σ norm · dout, dbias += Σ dout over the rows.
+    let n = mean.len();
+    add_column_sums(
+        [dweight, dbias],
+        n,
+        #[inline(always)]
+        |r, cols, [aw, ab]| {
+            let (mu, rs) = (mean[r], rstd[r]);
+            let (d, x) = (&dout[r * c..][cols.clone()], &inp[r * c..][cols]);
+            for ((aw, ab), (d, x)) in aw.iter_mut().zip(ab.iter_mut()).zip(d.iter().zip(x)) {
+                let di = d.to_f32();
+                *ab += di;
+                *aw += (x.to_f32() - mu) * rs * di;
+            }
         },
     );
+}
+
+/// dst[j] += Σ over `rows` rows of what `add_row(r, cols, acc)` adds into the f32 accumulators of
+/// columns `cols` for row r, for every column j of each of the K destinations (equal widths):
+/// each column summed in row order in f32 (deterministic, bitwise repeatable) — from the stored
+/// value in f32 storage, the bits of adding into it row by row, else from zero and added once,
+/// rounded once. The columns go in blocks of `COLUMN_BLOCK` to every core, each block walking
+/// every row (not a strided walk per column). Bias and LayerNorm parameter gradients.
+#[inline(always)]
+fn add_column_sums<E: Elem, const K: usize>(
+    dsts: [&mut [E]; K],
+    rows: usize,
+    add_row: impl Fn(usize, Range<usize>, &mut [[f32; COLUMN_BLOCK]; K]) + Sync + Send,
+) {
+    let c = dsts[0].len();
+    assert!(dsts.iter().all(|d| d.len() == c), "column sums of one width");
+    let dsts = dsts.map(|d| SendPtr(d.as_mut_ptr()));
+    (0..c.div_ceil(COLUMN_BLOCK)).into_par_iter().for_each(|blk| {
+        let cols = blk * COLUMN_BLOCK..(blk * COLUMN_BLOCK + COLUMN_BLOCK).min(c);
+        // SAFETY: the blocks are disjoint and in bounds (every destination is c long); each is
+        // written by this task alone.
+        let mut dsts = dsts.each_ref().map(|d| unsafe { d.slice(cols.start, cols.len()) });
+        widest(
+            #[inline(always)]
+            || {
+                let w = cols.len();
+                let mut acc = [[0f32; COLUMN_BLOCK]; K];
+                if E::is_f32() {
+                    for (a, d) in acc.iter_mut().zip(&dsts) {
+                        widen_here(&mut a[..w], d);
+                    }
+                }
+                for r in 0..rows {
+                    add_row(r, cols.clone(), &mut acc);
+                }
+                for (a, d) in acc.iter_mut().zip(dsts.iter_mut()) {
+                    if !E::is_f32() {
+                        for (a, d) in a.iter_mut().zip(d.iter()) {
+                            *a += d.to_f32();
+                        }
+                    }
+                    narrow_here(d, &a[..w]);
+                }
+            },
+        )
+    });
 }
 
 /// One row of layernorm's input gradient: di += (dnorm − mean(dnorm) − norm · mean(dnorm ·
@@ -738,37 +766,16 @@ pub fn matmul_backward<E: Elem>(
         narrow(dweight, dw32);
     }
     if let Some(db) = dbias {
-        match E::as_f32_mut(db) {
-            Some(db) => {
-                for row in dout.chunks(oc) {
-                    for o in 0..oc {
-                        db[o] += row[o].to_f32();
-                    }
+        add_column_sums(
+            [db],
+            n,
+            #[inline(always)]
+            |r, cols, [acc]| {
+                for (a, x) in acc.iter_mut().zip(&dout[r * oc..][cols]) {
+                    *a += x.to_f32();
                 }
-            }
-            None => {
-                // Each column's sum over the rows in order, in f32, rounded once into db; the
-                // columns in blocks that walk dout row by row (not a strided walk per column).
-                const BLOCK: usize = COLUMN_BLOCK;
-                db.par_chunks_mut(BLOCK).enumerate().for_each(|(blk, db)| {
-                    widest(
-                        #[inline(always)]
-                        || {
-                            let mut acc = [0f32; BLOCK];
-                            for row in dout.chunks(oc) {
-                                let row = &row[blk * BLOCK..][..db.len()];
-                                for (a, x) in acc.iter_mut().zip(row) {
-                                    *a += x.to_f32()
-                                }
-                            }
-                            for (d, a) in db.iter_mut().zip(acc) {
-                                *d = E::from_f32(d.to_f32() + a)
-                            }
-                        },
-                    )
-                });
-            }
-        }
+            },
+        );
     }
 }
 
