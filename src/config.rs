@@ -678,6 +678,11 @@ pub fn serde_name<T: Serialize>(v: &T) -> String {
     serde_json::to_value(v).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
 }
 
+/// The config enum value a serde name stands for (`serde_name`'s inverse); `None` if none does.
+pub fn from_serde_name<T: serde::de::DeserializeOwned>(name: &str) -> Option<T> {
+    serde_json::from_value(serde_json::Value::String(name.to_owned())).ok()
+}
+
 /// Turn a serde_yaml error into a field-naming message. serde_yaml reports the path as
 /// `train.steps: invalid type...` or `unknown field `foo`, expected one of ...` at a location.
 /// Deepest nesting of YAML/JSON collections a job or policy file may have (theirs is 3).

@@ -528,12 +528,7 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
 
 /// `--precision`'s value, by the job spec's names.
 fn parse_precision(text: &str) -> Result<Precision, String> {
-    match text {
-        "fp32" => Ok(Precision::Fp32),
-        "bf16" => Ok(Precision::Bf16),
-        "fp16" => Ok(Precision::Fp16),
-        _ => Err(format!("`{text}` is not a precision: fp32, bf16 or fp16")),
-    }
+    crate::config::from_serde_name(text).ok_or_else(|| format!("`{text}` is not a precision: fp32, bf16 or fp16"))
 }
 
 /// The one place a subcommand's error becomes its exit code (`protocol::ExitCode`; a trainer's

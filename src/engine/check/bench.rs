@@ -231,11 +231,7 @@ pub fn run_on_with<E: Elem, B: crate::engine::backend::Backend>(
             tensor_parallel: 1,
             pipeline_parallel: 1,
             zero_stage: 0,
-            precision: match E::NAME {
-                "bf16" => Precision::Bf16,
-                "fp16" => Precision::Fp16,
-                _ => Precision::Fp32,
-            },
+            precision: crate::config::from_serde_name(E::NAME).expect("an Elem's NAME is its precision's"),
             expandable_segments: backend.pool().expandable(),
             static_allocator: false,
         },
