@@ -27,7 +27,7 @@ pub struct Cli {
 pub enum Command {
     /// Train one job, speaking the trainer protocol (JSON lines on stdout).
     Train(TrainArgs),
-    /// Time fp32 training steps on the CPU device and print a table.
+    /// Time training steps on the CPU device (fp32 unless --precision says otherwise) and print a table.
     Bench(BenchArgs),
     /// Predict peak device memory per category for a job (and each rung of a policy).
     Estimate(EstimateArgs),

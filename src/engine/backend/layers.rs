@@ -504,8 +504,8 @@ pub const MATMUL_ROW_CHUNK: usize = 128;
 /// with sixteen, 91 and 113 with one chunk at a time on every core) for an eighth of the
 /// scratch rows: a tight `device_memory` on the cpu feels every widened row.
 pub const MATMUL_LANES: usize = 2;
-/// The f32 elements the lanes' row chunks may hold together: past it, fewer lanes (the
-/// classifier's (rows, V) chunk is a lane alone, its GEMM on every core).
+/// The f32 elements the lanes' row chunks may hold together: past it, fewer lanes (a chunk of
+/// 128 rows of a very wide layer's input and output is a lane alone, its GEMM on every core).
 pub const MATMUL_LANES_ELEMENTS: usize = 8 << 20;
 
 /// The 16-bit matmul's partition of its N rows: rows per chunk and chunks in flight (lanes).
@@ -654,7 +654,7 @@ pub fn matmul_forward_scratch<E: Elem>(n: usize, c: usize, oc: usize) -> usize {
     if E::is_f32() {
         return 0;
     }
-    oc * c + MatmulLanes::of(n, c, oc).rows() * (c + oc)
+    MatmulPlan::forward(n, c, oc).forward_scratch(c)
 }
 
 /// f32 scratch elements `matmul_backward::<E>` needs.
@@ -662,7 +662,95 @@ pub fn matmul_backward_scratch<E: Elem>(n: usize, c: usize, oc: usize) -> usize 
     if E::is_f32() {
         return 0;
     }
-    2 * oc * c + MatmulLanes::of(n, c, oc).rows() * (c + oc)
+    MatmulPlan::backward(n, c, oc).backward_scratch(n, c)
+}
+
+/// f32 elements of a 16-bit matmul's widened weight block: a weight of more (OC, C) elements
+/// than this — the classifier's (V, C) — is widened and multiplied a block of OC rows at a
+/// time, so the scratch holds a block (4 MiB), not the whole f32 weight (GPT-2's: 147 MiB,
+/// twice over in backward). 1M elements: `bench --preset small --precision bf16` (d4-256, GPT-2
+/// vocabulary, B 4, T 64) steps in 100 ms at a 290.6 MiB peak, against 113–123 ms and 316.0 MiB
+/// with 4M-element blocks, 107–127 ms and 282.2 MiB with 256k, 128–139 ms and 401.6 MiB with
+/// the whole weight (fp32: 99 ms, 312.6 MiB).
+pub const MATMUL_WEIGHT_BLOCK_ELEMENTS: usize = 1 << 20;
+
+/// The blocks of OC rows a 16-bit matmul widens its weight in: `count` blocks of `width`
+/// rows, the last possibly shorter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct WeightBlocks {
+    width: usize,
+    count: usize,
+}
+
+impl WeightBlocks {
+    fn whole(oc: usize) -> Self {
+        WeightBlocks { width: oc, count: 1 }
+    }
+
+    /// As few blocks as keep each within `elements` (`MATMUL_WEIGHT_BLOCK_ELEMENTS`), of even
+    /// widths.
+    fn of(c: usize, oc: usize, elements: usize) -> Self {
+        let most = (elements / c.max(1)).max(1);
+        let width = oc.div_ceil(oc.div_ceil(most).max(1)).max(1);
+        WeightBlocks { width, count: oc.div_ceil(width).max(1) }
+    }
+
+    /// Each block's OC rows.
+    fn ranges(self, oc: usize) -> impl Iterator<Item = Range<usize>> {
+        (0..self.count).map(move |j| j * self.width..((j + 1) * self.width).min(oc))
+    }
+}
+
+/// How a 16-bit matmul runs: its weight blocks, and the lanes over rows of one block.
+///
+/// Forward blocks whenever the weight is over the block budget. Backward with one block widens
+/// the weight and its gradient whole and narrows each lane's dinp rows straight from its
+/// product; with several, a block of each at a time, dinp summed over the blocks in an f32
+/// (N, C) accumulator first — so it blocks only when that declares less scratch (a long
+/// vocabulary over few rows, the classifier's case).
+#[derive(Debug, Clone, Copy)]
+struct MatmulPlan {
+    blocks: WeightBlocks,
+    lanes: MatmulLanes,
+}
+
+impl MatmulPlan {
+    fn forward(n: usize, c: usize, oc: usize) -> Self {
+        Self::blocked(n, c, oc, MATMUL_WEIGHT_BLOCK_ELEMENTS)
+    }
+
+    fn backward(n: usize, c: usize, oc: usize) -> Self {
+        Self::backward_within(n, c, oc, MATMUL_WEIGHT_BLOCK_ELEMENTS)
+    }
+
+    fn backward_within(n: usize, c: usize, oc: usize, block_elements: usize) -> Self {
+        let whole = MatmulPlan { blocks: WeightBlocks::whole(oc), lanes: MatmulLanes::of(n, c, oc) };
+        let blocked = Self::blocked(n, c, oc, block_elements);
+        match blocked.blocks.count > 1 && blocked.backward_scratch(n, c) < whole.backward_scratch(n, c) {
+            true => blocked,
+            false => whole,
+        }
+    }
+
+    /// Blocks of at most `block_elements`, whatever the scratch.
+    fn blocked(n: usize, c: usize, oc: usize, block_elements: usize) -> Self {
+        let blocks = WeightBlocks::of(c, oc, block_elements);
+        MatmulPlan { blocks, lanes: MatmulLanes::of(n, c, blocks.width) }
+    }
+
+    /// Forward's: the widened weight block, the lanes' widened rows and their products.
+    fn forward_scratch(self, c: usize) -> usize {
+        let w = self.blocks.width;
+        w * c + self.lanes.rows() * (c + w)
+    }
+
+    /// Backward's: the widened weight and weight-gradient blocks, the lanes' widened dout and
+    /// inp rows, and (several blocks) the f32 dinp accumulator.
+    fn backward_scratch(self, n: usize, c: usize) -> usize {
+        let w = self.blocks.width;
+        let accumulator = if self.blocks.count > 1 { n * c } else { 0 };
+        2 * w * c + self.lanes.rows() * (c + w) + accumulator
+    }
 }
 
 /// out: (N,OC) = inp (N,C) · weightᵀ (weight: (OC,C)) + bias (OC).
@@ -685,32 +773,58 @@ pub fn matmul_forward<E: Elem>(
         gemm_f32(n, oc, c, out, oc, true, inp, c, 1, weight, 1, c, true);
         return;
     }
-    // Lane l takes row chunks l, l + lanes, …: widens its rows, multiplies them by the
-    // widened weight and narrows the product, all on one task.
-    let lanes = MatmulLanes::of(n, c, oc);
-    let (w32, rest) = scratch.split_at_mut(oc * c);
+    matmul_forward_16(MatmulPlan::forward(n, c, oc), out, inp, weight, bias, n, c, oc, scratch)
+}
+
+/// `matmul_forward` in 16-bit storage, as `plan` partitions it.
+#[allow(clippy::too_many_arguments)]
+fn matmul_forward_16<E: Elem>(
+    plan: MatmulPlan,
+    out: &mut [E],
+    inp: &[E],
+    weight: &[E],
+    bias: Option<&[E]>,
+    n: usize,
+    c: usize,
+    oc: usize,
+    scratch: &mut [f32],
+) {
+    // Per block of weight rows (one, unless the weight is the classifier's): widen it, then
+    // lane l takes row chunks l, l + lanes, …: widens its rows, multiplies them by the block
+    // and narrows the product into the block's output columns, all on one task.
+    let MatmulPlan { blocks, lanes } = plan;
+    let width = blocks.width;
+    let (w32, rest) = scratch.split_at_mut(width * c);
     let (x32, rest) = rest.split_at_mut(lanes.rows() * c);
-    let y32 = &mut rest[..lanes.rows() * oc];
-    widen(w32, weight);
-    let (w32, ch, parallel) = (&*w32, lanes.chunk, lanes.parallel_gemm());
+    let y32 = &mut rest[..lanes.rows() * width];
     // The lanes write `out` through a raw pointer: its length is checked here, once.
     assert_eq!(out.len(), n * oc, "matmul_forward out (N,OC)");
     assert_eq!(inp.len(), n * c, "matmul_forward inp (N,C)");
     let out = SendPtr(out.as_mut_ptr());
-    x32.par_chunks_mut(ch * c).zip(y32.par_chunks_mut(ch * oc)).enumerate().for_each(|(lane, (x32, y32))| {
-        for start in (lane * ch..n).step_by(lanes.rows()) {
-            let rows = ch.min(n - start);
-            let (x, y) = (&mut x32[..rows * c], &mut y32[..rows * oc]);
-            widen_here(x, &inp[start * c..(start + rows) * c]);
-            match bias {
-                Some(b) => y.chunks_mut(oc).for_each(|row| widen_here(row, b)),
-                None => y.fill(0.0),
+    let (ch, parallel) = (lanes.chunk, lanes.parallel_gemm());
+    for cols in blocks.ranges(oc) {
+        let ob = cols.len();
+        let w32 = &mut w32[..ob * c];
+        widen(w32, &weight[cols.start * c..cols.end * c]);
+        let (w32, cols) = (&*w32, &cols);
+        x32.par_chunks_mut(ch * c).zip(y32.par_chunks_mut(ch * width)).enumerate().for_each(|(lane, (x32, y32))| {
+            for start in (lane * ch..n).step_by(lanes.rows()) {
+                let rows = ch.min(n - start);
+                let (x, y) = (&mut x32[..rows * c], &mut y32[..rows * ob]);
+                widen_here(x, &inp[start * c..(start + rows) * c]);
+                match bias {
+                    Some(b) => y.chunks_mut(ob).for_each(|row| widen_here(row, &b[cols.clone()])),
+                    None => y.fill(0.0),
+                }
+                gemm_f32(rows, ob, c, y, ob, true, x, c, 1, w32, 1, c, parallel);
+                for (r, y) in y.chunks(ob).enumerate() {
+                    // SAFETY: each chunk's output rows are written by the one lane that owns
+                    // the chunk; `cols` is within the row.
+                    narrow_here(unsafe { out.slice((start + r) * oc + cols.start, ob) }, y);
+                }
             }
-            gemm_f32(rows, oc, c, y, oc, true, x, c, 1, w32, 1, c, parallel);
-            // SAFETY: each chunk's output rows are written by the one lane that owns the chunk.
-            narrow_here(unsafe { out.slice(start * oc, rows * oc) }, y);
-        }
-    });
+        });
+    }
 }
 
 /// dinp (N,C) = dout (N,OC) · weight (OC,C) [overwritten]; dweight (OC,C) += doutᵀ · inp;
@@ -734,36 +848,8 @@ pub fn matmul_backward<E: Elem>(
         gemm_f32(n, c, oc, dinp, c, false, dout, oc, 1, weight, c, 1, true);
         gemm_f32(oc, c, n, dweight, c, true, dout, 1, oc, inp, c, 1, true);
     } else {
-        // Per group of lanes × chunk rows: each lane widens its chunk of dout, computes and
-        // narrows its dinp rows (through the x scratch), then widens its inp rows there; one
-        // GEMM over the group's rows then adds doutᵀ · inp into the f32 weight gradient.
-        let lanes = MatmulLanes::of(n, c, oc);
-        let (w32, rest) = scratch.split_at_mut(oc * c);
-        let (dw32, rest) = rest.split_at_mut(oc * c);
-        let (d32, rest) = rest.split_at_mut(lanes.rows() * oc);
-        let x32 = &mut rest[..lanes.rows() * c];
-        widen(w32, weight);
-        widen(dw32, dweight);
-        let (ch, parallel) = (lanes.chunk, lanes.parallel_gemm());
-        for start in (0..n).step_by(lanes.rows()) {
-            let rows = lanes.rows().min(n - start);
-            let (d, x) = (&mut d32[..rows * oc], &mut x32[..rows * c]);
-            let w32 = &*w32;
-            d.par_chunks_mut(ch * oc)
-                .zip(x.par_chunks_mut(ch * c))
-                .zip(dout[start * oc..(start + rows) * oc].par_chunks(ch * oc))
-                .zip(inp[start * c..(start + rows) * c].par_chunks(ch * c))
-                .zip(dinp[start * c..(start + rows) * c].par_chunks_mut(ch * c))
-                .for_each(|((((d, x), dout), inp), dinp)| {
-                    let m = inp.len() / c;
-                    widen_here(d, dout);
-                    gemm_f32(m, c, oc, x, c, false, d, oc, 1, w32, c, 1, parallel);
-                    narrow_here(dinp, x);
-                    widen_here(x, inp);
-                });
-            gemm_f32(oc, c, rows, dw32, c, true, d, 1, oc, x, c, 1, true);
-        }
-        narrow(dweight, dw32);
+        let plan = MatmulPlan::backward(n, c, oc);
+        matmul_backward_16(plan, dinp, dweight, dout, inp, weight, n, c, oc, scratch);
     }
     if let Some(db) = dbias {
         add_column_sums(
@@ -776,6 +862,77 @@ pub fn matmul_backward<E: Elem>(
                 }
             },
         );
+    }
+}
+
+/// `matmul_backward`'s dinp and dweight in 16-bit storage, as `plan` partitions them.
+#[allow(clippy::too_many_arguments)]
+fn matmul_backward_16<E: Elem>(
+    plan: MatmulPlan,
+    dinp: &mut [E],
+    dweight: &mut [E],
+    dout: &[E],
+    inp: &[E],
+    weight: &[E],
+    n: usize,
+    c: usize,
+    oc: usize,
+    scratch: &mut [f32],
+) {
+    // Per block of weight rows, its weight and weight gradient widened; per group of lanes
+    // × chunk rows: each lane widens its chunk of dout's block columns and computes its
+    // dinp rows (one block: through the x scratch, narrowed at once; several: added into
+    // the f32 accumulator, narrowed after the last block), then widens its inp rows into
+    // x; one GEMM over the group's rows then adds doutᵀ · inp into the block's f32 weight
+    // gradient, narrowed once after the last group.
+    let MatmulPlan { blocks, lanes } = plan;
+    let width = blocks.width;
+    let (w32, rest) = scratch.split_at_mut(width * c);
+    let (dw32, rest) = rest.split_at_mut(width * c);
+    let (d32, rest) = rest.split_at_mut(lanes.rows() * width);
+    let (x32, rest) = rest.split_at_mut(lanes.rows() * c);
+    let accumulator = if blocks.count > 1 { &mut rest[..n * c] } else { &mut rest[..0] };
+    assert_eq!(dinp.len(), n * c, "matmul_backward dinp (N,C)");
+    assert_eq!(dout.len(), n * oc, "matmul_backward dout (N,OC)");
+    let accumulator = SendPtr(accumulator.as_mut_ptr());
+    let (ch, parallel) = (lanes.chunk, lanes.parallel_gemm());
+    for (j, cols) in blocks.ranges(oc).enumerate() {
+        let ob = cols.len();
+        let (first, last) = (j == 0, j + 1 == blocks.count);
+        let (w32, dw32) = (&mut w32[..ob * c], &mut dw32[..ob * c]);
+        widen(w32, &weight[cols.start * c..cols.end * c]);
+        widen(dw32, &dweight[cols.start * c..cols.end * c]);
+        let (w32, cols) = (&*w32, &cols);
+        for start in (0..n).step_by(lanes.rows()) {
+            let rows = lanes.rows().min(n - start);
+            let (d, x) = (&mut d32[..rows * ob], &mut x32[..rows * c]);
+            d.par_chunks_mut(ch * ob)
+                .zip(x.par_chunks_mut(ch * c))
+                .zip(inp[start * c..(start + rows) * c].par_chunks(ch * c))
+                .zip(dinp[start * c..(start + rows) * c].par_chunks_mut(ch * c))
+                .enumerate()
+                .for_each(|(lane, (((d, x), inp), dinp))| {
+                    let (m, row0) = (inp.len() / c, start + lane * ch);
+                    for (r, d) in d.chunks_mut(ob).enumerate() {
+                        widen_here(d, &dout[(row0 + r) * oc..][cols.clone()]);
+                    }
+                    if blocks.count == 1 {
+                        gemm_f32(m, c, ob, x, c, false, d, ob, 1, w32, c, 1, parallel);
+                        narrow_here(dinp, x);
+                    } else {
+                        // SAFETY: rows row0..row0 + m of the (N, C) accumulator are this
+                        // lane's alone in this group.
+                        let acc = unsafe { accumulator.slice(row0 * c, m * c) };
+                        gemm_f32(m, c, ob, acc, c, !first, d, ob, 1, w32, c, 1, parallel);
+                        if last {
+                            narrow_here(dinp, acc);
+                        }
+                    }
+                    widen_here(x, inp);
+                });
+            gemm_f32(ob, c, rows, dw32, c, true, d, 1, ob, x, c, 1, true);
+        }
+        narrow(&mut dweight[cols.start * c..cols.end * c], dw32);
     }
 }
 
@@ -1523,21 +1680,17 @@ mod tests {
         }
     }
 
-    #[test]
-    fn sixteen_bit_matmul_lanes_cover_every_row_once() {
-        // Two full groups of lanes × 128 rows and a last group of one partial chunk, so lanes,
-        // groups and the short chunk are all exercised.
-        let (n, c, oc) = (2 * MATMUL_LANES * MATMUL_ROW_CHUNK + 77, 24, 40);
-        let lanes = MatmulLanes::of(n, c, oc);
-        assert_eq!((lanes.chunk, lanes.lanes), (MATMUL_ROW_CHUNK, MATMUL_LANES));
+    /// Forward and backward of a 16-bit (N,C)·(OC,C)ᵀ matmul under the given plans, every
+    /// element against an f64 reference within one bf16 rounding of its terms' magnitude.
+    fn sixteen_bit_matmul_matches_f64(n: usize, c: usize, oc: usize, fwd: MatmulPlan, bwd: MatmulPlan) {
         let mut rng = Rng::new(5);
         let mut randn = |len: usize| (0..len).map(|_| rng.normal() as f32).collect::<Vec<f32>>();
         let (x, w, bias) = (bf16_exact(randn(n * c)), bf16_exact(randn(oc * c)), bf16_exact(randn(oc)));
         let f = |v: &half::bf16| v.to_f64();
 
         let mut out = vec![half::bf16::from_f32(f32::NAN); n * oc];
-        let mut scratch = vec![f32::NAN; matmul_forward_scratch::<half::bf16>(n, c, oc)];
-        matmul_forward(&mut out, &x, &w, Some(&bias), n, c, oc, &mut scratch);
+        let mut scratch = vec![f32::NAN; fwd.forward_scratch(c)];
+        matmul_forward_16(fwd, &mut out, &x, &w, Some(&bias), n, c, oc, &mut scratch);
         let (mut want, mut scale) = (vec![0f64; n * oc], vec![0f64; n * oc]);
         for r in 0..n {
             for o in 0..oc {
@@ -1548,10 +1701,10 @@ mod tests {
         }
         within_a_rounding("out", &out, &want, &scale);
 
-        let (dout, dw0, db0) = (bf16_exact(randn(n * oc)), bf16_exact(randn(oc * c)), bf16_exact(randn(oc)));
-        let (mut dinp, mut dw, mut db) = (vec![half::bf16::from_f32(f32::NAN); n * c], dw0.clone(), db0.clone());
-        let mut scratch = vec![f32::NAN; matmul_backward_scratch::<half::bf16>(n, c, oc)];
-        matmul_backward(&mut dinp, &mut dw, Some(&mut db), &dout, &x, &w, n, c, oc, &mut scratch);
+        let (dout, dw0) = (bf16_exact(randn(n * oc)), bf16_exact(randn(oc * c)));
+        let (mut dinp, mut dw) = (vec![half::bf16::from_f32(f32::NAN); n * c], dw0.clone());
+        let mut scratch = vec![f32::NAN; bwd.backward_scratch(n, c)];
+        matmul_backward_16(bwd, &mut dinp, &mut dw, &dout, &x, &w, n, c, oc, &mut scratch);
         let (mut want, mut scale) = (vec![0f64; n * c], vec![0f64; n * c]);
         for r in 0..n {
             for k in 0..c {
@@ -1570,28 +1723,88 @@ mod tests {
             }
         }
         within_a_rounding("dweight (accumulated)", &dw, &want, &scale);
+    }
+
+    #[test]
+    fn sixteen_bit_matmul_lanes_cover_every_row_once() {
+        // Two full groups of lanes × 128 rows and a last group of one partial chunk, so lanes,
+        // groups and the short chunk are all exercised; the weight whole.
+        let (n, c, oc) = (2 * MATMUL_LANES * MATMUL_ROW_CHUNK + 77, 24, 40);
+        let (fwd, bwd) = (MatmulPlan::forward(n, c, oc), MatmulPlan::backward(n, c, oc));
+        assert_eq!((fwd.lanes.chunk, fwd.lanes.lanes), (MATMUL_ROW_CHUNK, MATMUL_LANES));
+        assert_eq!((fwd.blocks, bwd.blocks), (WeightBlocks::whole(oc), WeightBlocks::whole(oc)));
+        sixteen_bit_matmul_matches_f64(n, c, oc, fwd, bwd);
+
+        // The public functions, with the bias gradient.
+        let mut rng = Rng::new(6);
+        let mut randn = |len: usize| (0..len).map(|_| rng.normal() as f32).collect::<Vec<f32>>();
+        let (x, w, dout, db0) =
+            (bf16_exact(randn(n * c)), bf16_exact(randn(oc * c)), bf16_exact(randn(n * oc)), bf16_exact(randn(oc)));
+        let (mut dinp, mut dw, mut db) = (vec![half::bf16::ZERO; n * c], vec![half::bf16::ZERO; oc * c], db0.clone());
+        let mut scratch = vec![f32::NAN; matmul_backward_scratch::<half::bf16>(n, c, oc)];
+        matmul_backward(&mut dinp, &mut dw, Some(&mut db), &dout, &x, &w, n, c, oc, &mut scratch);
+        let f = |v: &half::bf16| v.to_f64();
         let want: Vec<f64> = (0..oc).map(|o| f(&db0[o]) + (0..n).map(|r| f(&dout[r * oc + o])).sum::<f64>()).collect();
         let scale: Vec<f64> = (0..oc).map(|o| (0..n).map(|r| f(&dout[r * oc + o]).abs()).sum::<f64>()).collect();
         within_a_rounding("dbias (accumulated)", &db, &want, &scale);
     }
 
     #[test]
-    fn matmul_lanes_are_a_function_of_the_shapes_within_their_budget() {
-        // (n, c, oc) → (rows per chunk, lanes): a short matmul is one chunk; the lanes stop at
-        // what their budget of f32 elements holds, down to one for GPT-2's classifier.
+    fn sixteen_bit_matmul_weight_blocks_cover_every_column_once() {
+        // A weight of 41 rows in blocks of at most 12 × 24 elements: four blocks of 11 rows,
+        // the last of 8, each its output columns and weight-gradient rows, with dinp summed
+        // over all four before it is narrowed; lanes, groups and a short chunk as above.
+        let (n, c, oc) = (2 * MATMUL_LANES * MATMUL_ROW_CHUNK + 77, 24, 41);
+        let (fwd, bwd) = (MatmulPlan::blocked(n, c, oc, 12 * c), MatmulPlan::blocked(n, c, oc, 12 * c));
+        assert_eq!(fwd.blocks, WeightBlocks { width: 11, count: 4 });
+        assert_eq!(
+            WeightBlocks { width: 11, count: 4 }.ranges(oc).collect::<Vec<_>>(),
+            [0..11, 11..22, 22..33, 33..41]
+        );
+        assert_eq!(bwd.blocks, fwd.blocks);
+        assert_eq!((fwd.lanes.chunk, fwd.lanes.lanes), (MATMUL_ROW_CHUNK, MATMUL_LANES));
+        sixteen_bit_matmul_matches_f64(n, c, oc, fwd, bwd);
+        // One row short of a full chunk, one lane.
+        let n = MATMUL_ROW_CHUNK - 1;
+        let (fwd, bwd) = (MatmulPlan::blocked(n, c, oc, 12 * c), MatmulPlan::blocked(n, c, oc, 12 * c));
+        assert_eq!(fwd.lanes.lanes, 1);
+        sixteen_bit_matmul_matches_f64(n, c, oc, fwd, bwd);
+    }
+
+    #[test]
+    fn matmul_plans_are_functions_of_the_shapes_within_their_budgets() {
+        // (n, c, oc) → (weight blocks forward (width, count), lanes (rows per chunk, lanes),
+        // whether backward blocks too): a small weight is whole, a large one (GPT-2's MLP, the
+        // classifier) in blocks of at most 1M elements; backward blocks only when its f32 dinp
+        // accumulator costs less than the whole widened weight and gradient (not for a long run
+        // of rows over a mid-size weight).
         let table = [
-            ((16, 24, 40), (16, 1)),
-            ((200, 64, 256), (128, 2)),
-            ((4096, 128, 512), (128, 2)),
-            ((16 * 1024, 768, 3072), (128, 2)),
-            ((16 * 1024, 768, 50257), (128, 1)),
-            ((256, 12288, 49152), (128, 1)),
+            ((16, 24, 40), ((40, 1), (16, 1), false)),
+            ((200, 64, 256), ((256, 1), (128, 2), false)),
+            ((4096, 128, 512), ((512, 1), (128, 2), false)),
+            ((16 * 1024, 768, 3072), ((1024, 3), (128, 2), false)),
+            ((16 * 1024, 768, 50257), ((1359, 37), (128, 2), true)),
+            ((256, 256, 50257), ((3866, 13), (128, 2), true)),
+            ((256, 12288, 49152), ((85, 579), (128, 2), true)),
+            ((64 * 1024, 1600, 6400), ((640, 10), (128, 2), false)),
         ];
-        for ((n, c, oc), want) in table {
-            let l = MatmulLanes::of(n, c, oc);
-            assert_eq!((l.chunk, l.lanes), want, "({n}, {c}, {oc})");
-            assert!(l.lanes == 1 || l.rows() * (c + oc) <= MATMUL_LANES_ELEMENTS);
-            assert_eq!(matmul_forward_scratch::<half::bf16>(n, c, oc), oc * c + l.rows() * (c + oc));
+        for ((n, c, oc), (blocks, lanes, backward_blocked)) in table {
+            let (fwd, bwd) = (MatmulPlan::forward(n, c, oc), MatmulPlan::backward(n, c, oc));
+            let at = format!("({n}, {c}, {oc})");
+            assert_eq!((fwd.blocks.width, fwd.blocks.count), blocks, "{at}");
+            assert_eq!((fwd.lanes.chunk, fwd.lanes.lanes), lanes, "{at}");
+            assert_eq!(bwd.blocks.count > 1, backward_blocked, "{at}");
+            assert!(fwd.blocks.count == 1 || fwd.blocks.width * c <= MATMUL_WEIGHT_BLOCK_ELEMENTS, "{at}");
+            assert!(fwd.blocks.width * fwd.blocks.count >= oc && fwd.blocks.width * (fwd.blocks.count - 1) < oc);
+            for l in [fwd.lanes, bwd.lanes] {
+                let width = fwd.blocks.width.max(bwd.blocks.width);
+                assert!(l.lanes == 1 || l.rows() * (c + width) <= MATMUL_LANES_ELEMENTS, "{at}");
+            }
+            assert_eq!(matmul_forward_scratch::<half::bf16>(n, c, oc), fwd.forward_scratch(c), "{at}");
+            assert_eq!(matmul_backward_scratch::<half::bf16>(n, c, oc), bwd.backward_scratch(n, c), "{at}");
+            let whole = MatmulPlan { blocks: WeightBlocks::whole(oc), lanes: MatmulLanes::of(n, c, oc) };
+            assert!(bwd.backward_scratch(n, c) <= whole.backward_scratch(n, c), "{at}");
+            assert_eq!(matmul_forward_scratch::<f32>(n, c, oc) + matmul_backward_scratch::<f32>(n, c, oc), 0);
         }
     }
 
