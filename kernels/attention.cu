@@ -113,6 +113,141 @@ extern "C" __global__ void softmax_causal_backward_f32(float* dp, const float* d
 extern "C" __global__ void softmax_causal_backward_bf16(bf16_t* dp, const float* da, const bf16_t* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }
 extern "C" __global__ void softmax_causal_backward_f16(f16_t* dp, const float* da, const f16_t* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }
 
+// Fused ("flash") causal attention forward for 16-bit storage on tensor cores: no (T,T) buffer.
+// A block of 4 warps takes 64 query rows of one (batch, head), each warp 16 of them, reading q,
+// k and v in place from qkv (B,T,3,NH,HS). Per step of 64 keys (up to the block's last query)
+// a warp computes its scores S (16×64) = q·kᵀ with mma, scales and masks them (key > query or
+// key ≥ T), keeps each row's running maximum m and sum l of exp(s − m) in f32 (rescaling its
+// output when m grows), and adds P·v with P = exp(s − m) rounded to the storage type. At the end
+// out = O / l, rounded once, and lse = m + log l, as `softmax_causal_forward` defines it (the
+// backward pass recomputes the probabilities from it). HS is 32 or 64; qkv 4-byte aligned (the
+// launch checks), so each pair of q or k elements at an even index is one 32-bit load.
+template <typename T, int HS>
+__device__ void flash_attention_forward(T* out, float* lse, const T* qkv, int B, int T_, int NH, float scale) {
+    constexpr int KEYS = 64;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
+    const int b = blockIdx.y / NH, h = blockIdx.y % NH;
+    const int row0 = blockIdx.x * 64 + warp * 16;  // this warp's first query
+    const long C = (long)NH * HS, rs = 3 * C;       // qkv's row stride
+    const T* q = qkv + (long)b * T_ * rs + h * HS;
+    const T* k = q + C;
+    const T* v = q + 2 * C;
+    const int rows[2] = {row0 + g, row0 + g + 8};  // the two query rows this lane holds
+    // q's fragments (rows past T are zero)
+    unsigned qa[HS / 16][4];
+    UNROLL
+    for (int ks = 0; ks < HS / 16; ks++) {
+        UNROLL
+        for (int r = 0; r < 2; r++) {
+            UNROLL
+            for (int half = 0; half < 2; half++) {
+                long col = ks * 16 + 2 * q4 + 8 * half;
+                long at = (long)rows[r] * rs + col;
+                qa[ks][r + 2 * half] = rows[r] < T_ ? load_pair_aligned(q, at) : 0u;
+            }
+        }
+    }
+    float o[HS / 8][4];
+    UNROLL
+    for (int n = 0; n < HS / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // l: this lane's share of the row sums
+    const int keys_end = min(T_, (int)blockIdx.x * 64 + 64);
+    for (int k0 = 0; k0 < keys_end; k0 += KEYS) {
+        // S = q · kᵀ: column n of tile j is key k0 + 8j + n
+        float s[KEYS / 8][4];
+        UNROLL
+        for (int j = 0; j < KEYS / 8; j++) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+            const int key = k0 + 8 * j + g;
+            UNROLL
+            for (int ks = 0; ks < HS / 16; ks++) {
+                long at = (long)key * rs + ks * 16 + 2 * q4;
+                unsigned kb[2];
+                kb[0] = key < T_ ? load_pair_aligned(k, at) : 0u;
+                kb[1] = key < T_ ? load_pair_aligned(k, at + 8) : 0u;
+                mma_16x8x16(s[j], qa[ks], kb, T());
+            }
+        }
+        // scale, mask, and the rows' new maxima (over the 4 lanes of a row)
+        float mx[2] = {NEG_INF, NEG_INF};
+        UNROLL
+        for (int j = 0; j < KEYS / 8; j++) {
+            UNROLL
+            for (int e = 0; e < 4; e++) {
+                const int key = k0 + 8 * j + 2 * q4 + (e & 1), r = e / 2;
+                s[j][e] = key <= rows[r] && key < T_ ? s[j][e] * scale : NEG_INF;
+                mx[r] = fmaxf(mx[r], s[j][e]);
+            }
+        }
+        float base[2];
+        UNROLL
+        for (int r = 0; r < 2; r++) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float m_new = fmaxf(m[r], mx[r]);
+            // a row with no key yet (past T) keeps 0 as its base, so no inf − inf
+            base[r] = m_new == NEG_INF ? 0.f : m_new;
+            const float rescale = expf(m[r] - base[r]);
+            l[r] *= rescale;
+            UNROLL
+            for (int n = 0; n < HS / 8; n++) {
+                o[n][2 * r] *= rescale;
+                o[n][2 * r + 1] *= rescale;
+            }
+            m[r] = m_new;
+        }
+        UNROLL
+        for (int j = 0; j < KEYS / 8; j++) {
+            UNROLL
+            for (int e = 0; e < 4; e++) {
+                s[j][e] = expf(s[j][e] - base[e / 2]);
+                l[e / 2] += s[j][e];
+            }
+        }
+        // O += P · v, 16 keys at a time: P's score tiles 2kk and 2kk+1 are the A fragment
+        UNROLL
+        for (int kk = 0; kk < KEYS / 16; kk++) {
+            unsigned pa[4];
+            pa[0] = pack_pair<T>(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = pack_pair<T>(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = pack_pair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            const int key = k0 + 16 * kk + 2 * q4;  // rows key, key+1, key+8, key+9 of v
+            UNROLL
+            for (int n = 0; n < HS / 8; n++) {
+                const long col = 8 * n + g;
+                unsigned vb[2];
+                UNROLL
+                for (int half = 0; half < 2; half++) {
+                    const int lo = key + 8 * half, hi = lo + 1;  // keys past T are zero
+                    vb[half] = (lo < T_ ? (unsigned)bits_of(v[(long)lo * rs + col]) : 0u) |
+                               ((hi < T_ ? (unsigned)bits_of(v[(long)hi * rs + col]) : 0u) << 16);
+                }
+                mma_16x8x16(o[n], pa, vb, T());
+            }
+        }
+    }
+    UNROLL
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        if (rows[r] >= T_) continue;
+        const float inv = 1.f / l[r];
+        T* y = out + ((long)b * T_ + rows[r]) * C + h * HS;
+        UNROLL
+        for (int n = 0; n < HS / 8; n++) {
+            store_f32(y, 8 * n + 2 * q4, o[n][2 * r] * inv);
+            store_f32(y, 8 * n + 2 * q4 + 1, o[n][2 * r + 1] * inv);
+        }
+        if (q4 == 0) lse[((long)b * NH + h) * T_ + rows[r]] = m[r] + logf(l[r]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) flash_attention_forward_hs64_bf16(bf16_t* o, float* l, const bf16_t* x, int B, int T, int NH, float s) { flash_attention_forward<bf16_t, 64>(o, l, x, B, T, NH, s); }
+extern "C" __global__ void __launch_bounds__(128) flash_attention_forward_hs64_f16(f16_t* o, float* l, const f16_t* x, int B, int T, int NH, float s) { flash_attention_forward<f16_t, 64>(o, l, x, B, T, NH, s); }
+extern "C" __global__ void __launch_bounds__(128) flash_attention_forward_hs32_bf16(bf16_t* o, float* l, const bf16_t* x, int B, int T, int NH, float s) { flash_attention_forward<bf16_t, 32>(o, l, x, B, T, NH, s); }
+extern "C" __global__ void __launch_bounds__(128) flash_attention_forward_hs32_f16(f16_t* o, float* l, const f16_t* x, int B, int T, int NH, float s) { flash_attention_forward<f16_t, 32>(o, l, x, B, T, NH, s); }
+
 // Incremental decoding. cache (2,B,context,C): keys then values. kv_append writes the keys and
 // values of the Tn new tokens of qkv (B,Tn,3C) at positions start..start+Tn.
 template <typename T>

@@ -4,6 +4,12 @@
 // types overload apart.
 #pragma once
 #define NEG_INF __int_as_float(0xff800000)
+// Unroll a loop of constant trip count (its arrays then stay in registers).
+#ifndef HEADROOM_EMULATE
+#define UNROLL _Pragma("unroll")
+#else
+#define UNROLL
+#endif
 typedef unsigned short bf16_t;
 struct f16_t { unsigned short bits; };
 
@@ -19,6 +25,7 @@ __device__ __forceinline__ void store_f32(bf16_t* p, long i, float v) {
     p[i] = (bf16_t)(u >> 16);
 }
 
+#ifndef HEADROOM_EMULATE
 __device__ __forceinline__ float load_f32(const f16_t* p, long i) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i].bits));
@@ -29,6 +36,11 @@ __device__ __forceinline__ void store_f32(f16_t* p, long i, float v) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
     p[i].bits = h;
 }
+#else
+// The host emulator (tests/cuda_emulator) converts in software, rounding to nearest even.
+__device__ __forceinline__ float load_f32(const f16_t* p, long i) { return emulate_f16_to_f32(p[i].bits); }
+__device__ __forceinline__ void store_f32(f16_t* p, long i, float v) { p[i].bits = emulate_f32_to_f16(v); }
+#endif
 
 // The raw 16 bits of either half type, read and written alike.
 __device__ __forceinline__ unsigned short bits_of(bf16_t v) { return v; }
@@ -107,3 +119,52 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     __syncthreads();
     return r;
 }
+
+// Tensor cores: d (16×8, f32) += a (16×16, row-major) · b (16×8, column-major), one warp, 16-bit
+// inputs of the storage type. Fragments per lane (g = lane / 4, q = lane % 4), each 32-bit
+// register two elements, the lower-indexed in the low half: a[0] row g, columns 2q, 2q+1;
+// a[1] row g+8, the same columns; a[2] row g, columns 2q+8, 2q+9; a[3] row g+8, those. b[0]
+// rows 2q, 2q+1 of column g; b[1] rows 2q+8, 2q+9. d[0], d[1] row g, columns 2q, 2q+1; d[2],
+// d[3] row g+8. (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type".)
+#ifndef HEADROOM_EMULATE
+__device__ __forceinline__ void mma_16x8x16(float* d, const unsigned* a, const unsigned* b, bf16_t) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma_16x8x16(float* d, const unsigned* a, const unsigned* b, f16_t) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#else
+template <typename H>
+__device__ __forceinline__ void mma_16x8x16(float* d, const unsigned* a, const unsigned* b, H) { emulate_mma_16x8x16<H>(d, a, b); }
+#endif
+
+// Two values of a 16-bit storage type in one register for mma: lo in the low half.
+template <typename H>
+__device__ __forceinline__ unsigned pack_pair(float lo, float hi) {
+    H l, h;
+    store_f32(&l, 0, lo);
+    store_f32(&h, 0, hi);
+    return (unsigned)bits_of(l) | ((unsigned)bits_of(h) << 16);
+}
+// Elements i and i+1 of p (16-bit, i even, p 4-byte aligned) in one 32-bit load, lo = p[i].
+template <typename H>
+__device__ __forceinline__ unsigned load_pair_aligned(const H* p, long i) {
+#ifndef HEADROOM_EMULATE
+    return *(const unsigned*)(p + i);
+#else
+    if (i % 2 != 0 || (size_t)(p + i) % 4 != 0) emulate_fail("load_pair_aligned: element not 4-byte aligned");
+    unsigned v;
+    memcpy(&v, p + i, 4);
+    return v;
+#endif
+}
+// Elements i and j of p (16-bit) in one register, lo = p[i].
+template <typename H>
+__device__ __forceinline__ unsigned load_pair(const H* p, long i, long j) {
+    return (unsigned)bits_of(p[i]) | ((unsigned)bits_of(p[j]) << 16);
+}
+

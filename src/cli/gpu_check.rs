@@ -80,6 +80,11 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
     let vmm = CudaBackend::new(index, Some(64 << 20), true).is_ok_and(|d| d.pool().expandable());
     println!("expandable segments (virtual memory management): {}", if vmm { "supported" } else { "not supported" });
     print_libraries();
+    let attention = device.attention_kernels();
+    println!(
+        "attention forward in 16-bit storage: {attention:?} ({}=gemm|fused)",
+        crate::engine::backend::cuda::AttentionKernels::VARIABLE
+    );
     println!("seed: {seed}");
     drop(device);
     let open = |memory: Option<usize>, expandable: bool| {
@@ -99,7 +104,8 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
         batch: 16,
         seq: 1024,
     };
-    let mut checks = checks(&open, WorkspaceModel::Cuda, args, shapes, &gpt2, seed, true)?;
+    let exact_workspace = attention == crate::engine::backend::cuda::AttentionKernels::Gemm;
+    let mut checks = checks(&open, WorkspaceModel::Cuda, args, shapes, &gpt2, seed, true, exact_workspace)?;
     checks.extend(nccl_checks(index, args)?);
     summary(&checks)
 }
@@ -153,7 +159,9 @@ fn nccl_checks(index: u32, args: &GpuCheckArgs) -> anyhow::Result<Vec<Check>> {
 /// `bench_case` in bf16.
 /// `driver_refusal`: also check that an allocation beyond the device's memory is refused by
 /// its allocator (not for a device whose segments are host memory, which the OS may overcommit).
+/// `exact_workspace`: check each op's scratch against its declaration.
 #[cfg(any(feature = "cuda", test))]
+#[allow(clippy::too_many_arguments)]
 fn checks<B: crate::engine::backend::Backend>(
     open_with: &dyn Fn(Option<usize>, bool) -> anyhow::Result<B>,
     model: crate::engine::backend::workspace::WorkspaceModel,
@@ -162,6 +170,7 @@ fn checks<B: crate::engine::backend::Backend>(
     bench_case: &crate::engine::check::bench::BenchCase,
     seed: u64,
     driver_refusal: bool,
+    exact_workspace: bool,
 ) -> anyhow::Result<Vec<Check>> {
     use crate::engine::backend::CpuBackend;
     use crate::engine::check::{parity, train_parity, workspace_check};
@@ -188,22 +197,29 @@ fn checks<B: crate::engine::backend::Backend>(
     });
     drop(reference);
 
-    // 1b. Every op's scratch, measured by the device's pool, against what the estimator sums.
+    // 1b. Every op's scratch, measured by the device's pool, against what the estimator sums
+    // (not with the fused attention forward: it allocates nothing, under the cuBLAS path's
+    // declaration, which the estimator keeps).
+    if !exact_workspace {
+        println!("op workspace: not checked (HEADROOM_CUDA_ATTENTION=fused; the default kernels' run checks it)");
+    }
     let mut rows = Vec::new();
     let mut failure = None;
-    for &shape in shapes {
+    for &shape in shapes.iter().filter(|_| exact_workspace) {
         match workspace_check::run(&device, model, shape) {
             Ok(r) => rows.extend(r),
             Err(e) => failure = Some(e.to_string()),
         }
     }
-    print!("{}", workspace_check::table(&rows));
-    let exact = rows.iter().filter(|r| r.passed()).count();
-    checks.push(Check {
-        name: format!("op workspace = {} declarations", model.name()),
-        ok: failure.is_none() && exact == rows.len(),
-        figure: failure.unwrap_or_else(|| format!("{exact}/{} ops allocate exactly what they declare", rows.len())),
-    });
+    if exact_workspace {
+        print!("{}", workspace_check::table(&rows));
+        let exact = rows.iter().filter(|r| r.passed()).count();
+        checks.push(Check {
+            name: format!("op workspace = {} declarations", model.name()),
+            ok: failure.is_none() && exact == rows.len(),
+            figure: failure.unwrap_or_else(|| format!("{exact}/{} ops allocate exactly what they declare", rows.len())),
+        });
+    }
     drop(device);
 
     // 2. The device pool's OOM paths: its own capacity, and the driver refusing cuMemAlloc.
@@ -583,7 +599,7 @@ mod tests {
             Ok(DeviceSim::with_segments(memory.unwrap_or(4 << 30), expandable))
         };
         let tiny = crate::engine::check::bench::preset("tiny").expect("the tiny preset").remove(0);
-        let checks = checks(&open, WorkspaceModel::Cpu, &args, &[ParityShape::ODD], &tiny, 7, false).unwrap();
+        let checks = checks(&open, WorkspaceModel::Cpu, &args, &[ParityShape::ODD], &tiny, 7, false, true).unwrap();
         let names: Vec<&str> = checks.iter().map(|c| c.name.as_str()).collect();
         for c in &checks {
             assert!(c.ok, "{}: {}", c.name, c.figure);

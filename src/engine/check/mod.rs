@@ -1,7 +1,7 @@
 //! Verification and measurement: op parity and training parity of a backend against the CPU
 //! reference, finite-difference gradient checks, each op's scratch against its declaration,
-//! `DeviceSim` (the device path on CPU), the ranks tests and the `headroom bench` harness. None
-//! of it is on the training path.
+//! `DeviceSim` (the device path on CPU), the CUDA kernels run on the host emulator, the ranks
+//! tests and the `headroom bench` harness. None of it is on the training path.
 
 /// Writes the compute ops of a `Backend` that wraps another: each forwards to `self.$to`, every
 /// view argument (and optional one) passed through `$map` (`Expose::exposed`, or
@@ -135,6 +135,8 @@ macro_rules! plain_call {
 pub mod bench;
 #[cfg(test)]
 pub(crate) mod device_sim;
+#[cfg(test)]
+mod emulated_kernels;
 pub mod estimate_check;
 #[cfg(test)]
 mod gradcheck;

@@ -295,6 +295,40 @@ pub struct CudaBackend {
     /// Every entry point, with its parameters' C types (each launch is checked against them).
     functions: HashMap<String, (CudaFunction, Vec<Param>)>,
     pool: Pool,
+    /// Which kernels run attention forward in 16-bit storage (`HEADROOM_CUDA_ATTENTION`).
+    attention: AttentionKernels,
+}
+
+/// Attention forward's kernels in 16-bit storage: cuBLAS products around a (T, T) softmax, the
+/// default, or the fused kernel (`flash_attention_forward_*`: no (T, T) buffer) for head sizes
+/// 32 and 64. Chosen by `HEADROOM_CUDA_ATTENTION=gemm|fused` until the fused kernel's speed is
+/// measured on a GPU (its results are checked on the host emulator in CI and against the CPU
+/// reference by gpu-check); backward recomputes the probabilities from lse either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKernels {
+    Gemm,
+    Fused,
+}
+
+impl AttentionKernels {
+    pub const VARIABLE: &'static str = "HEADROOM_CUDA_ATTENTION";
+
+    /// The setting's value (unset: `gemm`); anything else is an error naming it.
+    pub fn parse(value: Option<&str>) -> Result<AttentionKernels, CudaError> {
+        match value {
+            None | Some("gemm") => Ok(AttentionKernels::Gemm),
+            Some("fused") => Ok(AttentionKernels::Fused),
+            Some(other) => {
+                Err(CudaError::Setting { name: Self::VARIABLE, value: other.into(), expected: "gemm or fused" })
+            }
+        }
+    }
+
+    /// The fused kernel's entry point for head size `hs` in storage `dt`, if it has one.
+    pub(super) fn fused_entry(self, hs: usize, dt: &str) -> Option<String> {
+        (self == AttentionKernels::Fused && dt != "f32" && matches!(hs, 32 | 64))
+            .then(|| format!("flash_attention_forward_hs{hs}_{dt}"))
+    }
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -326,6 +360,7 @@ impl CudaBackend {
         let arch = format!("sm_{major}{minor}");
         let stream = ctx.default_stream();
         let copy = ctx.new_stream().map_err(|e| err("copy stream creation")(&e))?;
+        let attention = AttentionKernels::parse(std::env::var(AttentionKernels::VARIABLE).ok().as_deref())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS handle creation")(&e))?;
         let mut functions = HashMap::new();
         for (family, _) in KERNELS {
@@ -363,6 +398,7 @@ impl CudaBackend {
             blas,
             functions,
             pool,
+            attention,
         })
     }
 
@@ -378,6 +414,11 @@ impl CudaBackend {
     }
 
     /// The device's marketing name, e.g. "NVIDIA H200".
+    /// Which kernels run attention forward in 16-bit storage.
+    pub fn attention_kernels(&self) -> AttentionKernels {
+        self.attention
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -945,6 +986,20 @@ impl Backend for CudaBackend {
         shapes::attention_forward(out.len(), lse.len(), qkv.len(), b, t, c, nh)?;
         let hs = c / nh;
         let dims = [int(OP, "B", b)?, int(OP, "T", t)?, int(OP, "NH", nh)?, int(OP, "HS", hs)?];
+        let scale = 1.0 / (hs as f32).sqrt();
+        // The fused kernel reads q and k in 32-bit pairs: qkv 4-byte aligned (pool memory is).
+        if let Some(kernel) = self.attention.fused_entry(hs, dt).filter(|_| qkv.address().is_multiple_of(4)) {
+            // 64 queries of one (batch, head) per block of 4 warps; no scratch.
+            let cfg = LaunchConfig {
+                grid_dim: (t.div_ceil(64) as u32, (b * nh) as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut args = vec![Arg::Ptr(out.address()), Arg::Ptr(lse.address()), Arg::Ptr(qkv.address())];
+            args.extend([dims[0], dims[1], dims[2]]);
+            args.push(Arg::F32(scale));
+            return self.launch(OP, &kernel, cfg, &args);
+        }
         // Scratch sized by the declaration the estimator sums (`workspace::CudaAttention`).
         let ws = CudaAttention::of::<E>(b, t, c, nh);
         let (q, k, v) = (self.scratch(ws.heads)?, self.scratch(ws.heads)?, self.scratch(ws.heads)?);
@@ -954,7 +1009,6 @@ impl Backend for CudaBackend {
         self.launch(OP, &format!("permute_qkv_{dt}"), elementwise(b * t * c), &args)?;
         let (scores, probs) = (self.scratch(ws.scores)?, self.scratch(ws.probs)?);
         let heads = HeadChunks::<E>::new(b, t, c, nh, ws.chunk);
-        let scale = 1.0 / (hs as f32).sqrt();
         for chunk in heads.chunks() {
             // scores (chunk·NH, T, T) f32 = q · kᵀ
             self.gemm(OP, heads.scores(&chunk, k.address(), q.address(), scores.address()))?;

@@ -4,7 +4,7 @@
 //! `backend` executes the `Backend` ops on a device, which `headroom train` on `cuda` runs.
 
 mod backend;
-pub use backend::CudaBackend;
+pub use backend::{AttentionKernels, CudaBackend};
 mod vmm;
 
 pub mod libraries;
@@ -51,12 +51,28 @@ pub enum CudaError {
     Nccl { detail: String },
     #[error("unknown kernel family `{0}`")]
     UnknownFamily(String),
+    #[error("{name}=`{value}`: expected {expected}")]
+    Setting { name: &'static str, value: String, expected: &'static str },
 }
 
 /// The full source of one family, with the shared helpers in place of its include.
 pub fn source(family: &str) -> Result<String, CudaError> {
     let (_, src) = KERNELS.iter().find(|(n, _)| *n == family).ok_or_else(|| CudaError::UnknownFamily(family.into()))?;
     Ok(src.replace("#include \"common.cuh\"", COMMON))
+}
+
+/// The block size an entry point declares as its largest (`__launch_bounds__(N)` before its
+/// name), if it declares one.
+pub fn launch_bound(family: &str, entry: &str) -> Result<Option<u32>, CudaError> {
+    let src = source(family)?;
+    for rest in src.split("extern \"C\" __global__ void __launch_bounds__(").skip(1) {
+        if let Some((n, tail)) = rest.split_once(')') {
+            if tail.trim_start().strip_prefix(entry).is_some_and(|t| t.starts_with('(')) {
+                return Ok(n.trim().parse().ok());
+            }
+        }
+    }
+    Ok(None)
 }
 
 /// Entry points (`extern "C" __global__`) a family declares.
@@ -87,6 +103,11 @@ fn parse_signatures(family: &str, src: &str) -> Result<Vec<(String, Vec<Param>)>
     let bad = |detail: String| CudaError::Signature { family: family.into(), detail };
     let mut entries = Vec::new();
     for rest in src.split("extern \"C\" __global__ void ").skip(1) {
+        // An entry point may declare its largest block: `__launch_bounds__(N) name(…)`.
+        let rest = match rest.strip_prefix("__launch_bounds__(") {
+            Some(bounded) => bounded.split_once(')').map_or(rest, |(_, tail)| tail.trim_start()),
+            None => rest,
+        };
         let (name, tail) = rest.split_once('(').ok_or_else(|| bad("an entry point without parameters".into()))?;
         let params = tail.split_once(')').map(|(p, _)| p).ok_or_else(|| bad(format!("{name}: unclosed (")))?;
         let mut types = Vec::new();
@@ -273,6 +294,8 @@ pub struct KernelResources {
     pub entry: String,
     pub registers: u32,
     pub spill_bytes: u32,
+    /// Local memory for arrays the compiler could not keep in registers (indexed at run time).
+    pub stack_bytes: u32,
 }
 
 /// Registers and spills of every kernel of `family` for `arch`, from ptxas's verbose report.
@@ -292,10 +315,11 @@ fn parse_ptxas_report(log: &str) -> Vec<KernelResources> {
     for line in log.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             let entry = rest.split('\'').next().unwrap_or("").to_string();
-            kernels.push(KernelResources { entry, registers: 0, spill_bytes: 0 });
+            kernels.push(KernelResources { entry, registers: 0, spill_bytes: 0, stack_bytes: 0 });
         } else if let Some(k) = kernels.last_mut() {
             if line.contains("spill stores") {
                 k.spill_bytes = number_before(line, "bytes spill stores") + number_before(line, "bytes spill loads");
+                k.stack_bytes = number_before(line, "bytes stack frame");
             } else if line.contains("Used ") && line.contains(" registers") {
                 k.registers = number_before(line, "registers");
             }
@@ -382,8 +406,7 @@ mod tests {
             eprintln!("skipped: libnvrtc not found");
             return;
         }
-        let per_block = 65536 / backend::MAX_BLOCK_THREADS;
-        let mut most = KernelResources { entry: String::new(), registers: 0, spill_bytes: 0 };
+        let mut most = KernelResources { entry: String::new(), registers: 0, spill_bytes: 0, stack_bytes: 0 };
         for (family, _) in KERNELS {
             for arch in ["sm_80", "sm_90"] {
                 let kernels = kernel_resources(family, arch).unwrap_or_else(|e| panic!("{e}"));
@@ -393,15 +416,50 @@ mod tests {
                 declared.sort();
                 assert_eq!(entries, declared, "{family}/{arch}: ptxas reported other functions");
                 for k in kernels {
-                    assert!(k.registers > 0 && k.registers <= per_block, "{family}/{arch}: {k:?}");
+                    // A kernel that declares its largest block (`__launch_bounds__`) is launched
+                    // with at most that; the others with up to MAX_BLOCK_THREADS.
+                    let block = launch_bound(family, &k.entry).unwrap().unwrap_or(backend::MAX_BLOCK_THREADS);
+                    let per_block = (65536 / block).min(255);
+                    assert!(k.registers > 0 && k.registers <= per_block, "{family}/{arch}: {k:?} (block {block})");
                     assert_eq!(k.spill_bytes, 0, "{family}/{arch}: {k:?}");
+                    // Tensor-core kernels keep their fragments in registers, or they crawl.
+                    if k.entry.starts_with("flash_") {
+                        assert_eq!(k.stack_bytes, 0, "{family}/{arch}: {k:?}");
+                    }
                     if k.registers > most.registers {
                         most = k;
                     }
                 }
             }
         }
-        eprintln!("most registers: {} ({}), limit {per_block}", most.registers, most.entry);
+        eprintln!("most registers: {} ({})", most.registers, most.entry);
+    }
+
+    #[test]
+    fn the_attention_kernels_setting_is_parsed_and_names_entry_points_that_exist() {
+        assert_eq!(AttentionKernels::parse(None).unwrap(), AttentionKernels::Gemm);
+        assert_eq!(AttentionKernels::parse(Some("gemm")).unwrap(), AttentionKernels::Gemm);
+        assert_eq!(AttentionKernels::parse(Some("fused")).unwrap(), AttentionKernels::Fused);
+        let e = AttentionKernels::parse(Some("flash")).unwrap_err().to_string();
+        assert!(e.contains("HEADROOM_CUDA_ATTENTION") && e.contains("`flash`") && e.contains("gemm or fused"), "{e}");
+        // (kernels, head size, storage suffix) → the fused entry point, or the cuBLAS path
+        let table = [
+            (AttentionKernels::Fused, 64, "bf16", Some("flash_attention_forward_hs64_bf16")),
+            (AttentionKernels::Fused, 32, "f16", Some("flash_attention_forward_hs32_f16")),
+            (AttentionKernels::Fused, 64, "f32", None),
+            (AttentionKernels::Fused, 48, "bf16", None),
+            (AttentionKernels::Fused, 128, "bf16", None),
+            (AttentionKernels::Gemm, 64, "bf16", None),
+        ];
+        let entries = entry_points("attention").unwrap();
+        for (kernels, hs, dt, want) in table {
+            let got = kernels.fused_entry(hs, dt);
+            assert_eq!(got.as_deref(), want, "{kernels:?} hs {hs} {dt}");
+            if let Some(entry) = got {
+                assert!(entries.contains(&entry), "{entry} is not in kernels/attention.cu");
+                assert_eq!(launch_bound("attention", &entry).unwrap(), Some(128), "{entry}");
+            }
+        }
     }
 
     #[test]
@@ -426,7 +484,7 @@ mod tests {
         let log = "ptxas info    : 1 bytes gmem
 ptxas info    : Compiling entry function 'a_f32' for 'sm_90'
 ptxas info    : Function properties for a_f32
-ptxas         .     0 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas         .     24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
 ptxas info    : Used 40 registers, used 1 barriers, 128 bytes smem
 ptxas info    : Compiling entry function 'b_bf16' for 'sm_90'
 ptxas info    : Function properties for b_bf16
@@ -435,8 +493,8 @@ ptxas info    : Used 16 registers, used 0 barriers";
         assert_eq!(
             parse_ptxas_report(log),
             [
-                KernelResources { entry: "a_f32".into(), registers: 40, spill_bytes: 20 },
-                KernelResources { entry: "b_bf16".into(), registers: 16, spill_bytes: 0 },
+                KernelResources { entry: "a_f32".into(), registers: 40, spill_bytes: 20, stack_bytes: 24 },
+                KernelResources { entry: "b_bf16".into(), registers: 16, spill_bytes: 0, stack_bytes: 0 },
             ]
         );
     }
