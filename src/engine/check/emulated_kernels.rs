@@ -1,80 +1,149 @@
-//! The CUDA kernels' logic run on this machine: tests/cuda_emulator runs a kernel's threads as
-//! fibers (collectives are barriers, mma is computed from the warp's fragments), and these tests
-//! compare what it writes with the CPU reference. They need a C++ compiler (`c++`); CI sets
+//! The CUDA kernels' logic run on this machine: tests/cuda_emulator runs a kernel family's
+//! threads as fibers (collectives are barriers, mma is computed from the warp's fragments), and
+//! these tests launch its entry points with the cuda backend's own launch geometry and compare
+//! what they write with the CPU reference. They need a C++ compiler (`c++`); CI sets
 //! HEADROOM_EMULATOR_TEST=1 so a missing one fails instead of skipping.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use cudarc::driver::LaunchConfig;
+
+use crate::engine::backend::cuda::backend::{column_sums, elementwise, warp_rows};
+use crate::engine::backend::cuda::entry_points;
 use crate::engine::backend::layers::{self, Elem};
+use crate::engine::backend::workspace::cuda_column_bands;
 use crate::engine::rng::Rng;
 
-/// Builds an emulator driver (tests/cuda_emulator/<name>.cpp) into `dir`; None when there is no
-/// C++ compiler and the test is not required.
-fn build(name: &str, dir: &Path) -> Option<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let required = std::env::var("HEADROOM_EMULATOR_TEST").is_ok_and(|v| v == "1");
-    let exe = dir.join(name);
-    let status = Command::new("c++")
-        .args(["-std=c++17", "-O2", "-Wall", "-Werror", "-I"])
-        .arg(root.join("kernels"))
-        .arg("-I")
-        .arg(root.join("tests/cuda_emulator"))
-        .arg(root.join(format!("tests/cuda_emulator/{name}.cpp")))
-        .arg("-o")
-        .arg(&exe)
-        .status();
-    match status {
-        Ok(s) => {
-            assert!(s.success(), "tests/cuda_emulator/{name}.cpp does not compile");
-            Some(exe)
+/// One kernel family built for the emulator, in its own temporary directory.
+struct Emulated {
+    dir: tempfile::TempDir,
+    exe: PathBuf,
+}
+
+/// An argument of an emulated launch: a buffer (its contents go in, and come back as the kernel
+/// left them), or a scalar of the parameter's C type.
+enum Arg<'a> {
+    Buf(&'a mut [u8]),
+    /// The `k`-th buffer argument again (0-based among the buffers): an op that works in place.
+    Same(usize),
+    I32(i32),
+    F32(f32),
+}
+
+fn buf<T: bytemuck::Pod>(values: &mut [T]) -> Arg<'_> {
+    Arg::Buf(bytemuck::cast_slice_mut(values))
+}
+
+fn int(n: usize) -> Arg<'static> {
+    Arg::I32(i32::try_from(n).expect("fits an int"))
+}
+
+impl Emulated {
+    /// Builds `family` with every entry point registered; None when there is no C++ compiler
+    /// and the test is not required.
+    fn build(family: &str) -> Option<Emulated> {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let required = std::env::var("HEADROOM_EMULATOR_TEST").is_ok_and(|v| v == "1");
+        let dir = tempfile::tempdir().unwrap();
+        let mut driver = format!("#include \"emulate.hpp\"\n#include \"run_kernel.hpp\"\n#include \"{family}.cu\"\n");
+        for entry in entry_points(family).unwrap() {
+            driver += &format!("EMULATE_ENTRY({entry})\n");
         }
-        Err(e) => {
-            assert!(!required, "HEADROOM_EMULATOR_TEST=1 but `c++` cannot run: {e}");
-            eprintln!("skipped: no C++ compiler ({e})");
-            None
+        let source = dir.path().join(format!("{family}.cpp"));
+        std::fs::write(&source, driver).unwrap();
+        let exe = dir.path().join(family);
+        let status = Command::new("c++")
+            .args(["-std=c++17", "-O2", "-Wall", "-Werror", "-Wno-sign-compare", "-I"])
+            .arg(root.join("kernels"))
+            .arg("-I")
+            .arg(root.join("tests/cuda_emulator"))
+            .arg(&source)
+            .arg("-o")
+            .arg(&exe)
+            .status();
+        match status {
+            Ok(s) => {
+                assert!(s.success(), "kernels/{family}.cu does not build for the emulator");
+                Some(Emulated { dir, exe })
+            }
+            Err(e) => {
+                assert!(!required, "HEADROOM_EMULATOR_TEST=1 but `c++` cannot run: {e}");
+                eprintln!("skipped: no C++ compiler ({e})");
+                None
+            }
+        }
+    }
+
+    /// Runs `entry` over `cfg`'s grid and blocks; every buffer comes back as the kernel left it.
+    fn launch(&self, entry: &str, cfg: LaunchConfig, args: &mut [Arg]) {
+        let (g, b) = (cfg.grid_dim, cfg.block_dim);
+        let mut plan = format!("entry {entry}\ngrid {} {} {}\nblock {} {} {}\n", g.0, g.1, g.2, b.0, b.1, b.2);
+        let mut files = Vec::new();
+        for (i, arg) in args.iter().enumerate() {
+            match arg {
+                Arg::Buf(bytes) => {
+                    let path = self.dir.path().join(format!("arg{i}.bin"));
+                    std::fs::write(&path, &bytes[..]).unwrap();
+                    plan += &format!("buf {}\n", path.display());
+                    files.push((i, path));
+                }
+                Arg::Same(k) => plan += &format!("same {k}\n"),
+                Arg::I32(v) => plan += &format!("i32 {v}\n"),
+                Arg::F32(v) => plan += &format!("f32 {v:e}\n"),
+            }
+        }
+        let plan_path = self.dir.path().join("plan.txt");
+        std::fs::write(&plan_path, plan).unwrap();
+        let status = Command::new(&self.exe).arg(&plan_path).status().unwrap();
+        assert!(status.success(), "emulated {entry}");
+        for (i, path) in files {
+            let Arg::Buf(bytes) = &mut args[i] else { unreachable!() };
+            bytes.copy_from_slice(&std::fs::read(&path).unwrap());
         }
     }
 }
 
-fn write_bits<E: Elem>(path: &Path, values: &[E]) {
-    std::fs::write(path, bytemuck::cast_slice::<E, u8>(values)).unwrap();
+fn random<E: Elem>(rng: &mut Rng, n: usize, scale: f32) -> Vec<E> {
+    (0..n).map(|_| E::from_f32(rng.normal() as f32 * scale)).collect()
 }
 
-fn read<T: bytemuck::Pod + bytemuck::Zeroable>(path: &Path, n: usize) -> Vec<T> {
-    let bytes = std::fs::read(path).unwrap();
-    assert_eq!(bytes.len(), n * std::mem::size_of::<T>(), "{}", path.display());
-    let mut values = vec![T::zeroed(); n];
-    bytemuck::cast_slice_mut::<T, u8>(&mut values).copy_from_slice(&bytes);
-    values
+/// `got` against `want` elementwise: within `rel` of the magnitude each element's sum was
+/// made of (`scale`), plus one rounding of the storage type of the value itself.
+fn close<E: Elem>(what: &str, got: &[E], want: &[E], scale: &[f64], rel: f64, ulp: f64) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, ((g, w), s)) in got.iter().zip(want).zip(scale).enumerate() {
+        let (g, w) = (g.to_f32() as f64, w.to_f32() as f64);
+        let bound = rel * s + ulp * w.abs() + 1e-7;
+        assert!((g - w).abs() <= bound, "{what}[{i}]: {g} vs {w} (bound {bound:e})");
+    }
 }
 
 /// The fused attention forward against `layers::attention_forward` for one storage type and
 /// shape: lse within f32 rounding, each output within two roundings of the storage type of
 /// Σ p·|v| (both round the probabilities to it; the kernel before normalising them).
 fn flash_forward_matches_the_reference<E: Elem>(
-    exe: &Path,
-    dir: &Path,
+    attention: &Emulated,
     (b, t, nh, hs): (usize, usize, usize, usize),
     eps: f64,
 ) {
     let c = nh * hs;
     let mut rng = Rng::new(11 + t as u64);
     // q and k scaled up so some rows' softmax is peaked, some flat.
-    let qkv: Vec<E> = (0..b * t * 3 * c)
-        .map(|i| {
-            let which = i % (3 * c) / c;
-            E::from_f32(rng.normal() as f32 * if which < 2 { 1.6 } else { 1.0 })
-        })
+    let mut qkv: Vec<E> = (0..b * t * 3 * c)
+        .map(|i| E::from_f32(rng.normal() as f32 * if i % (3 * c) < 2 * c { 1.6 } else { 1.0 }))
         .collect();
-    let (input, out_path, lse_path) = (dir.join("qkv.bin"), dir.join("out.bin"), dir.join("lse.bin"));
-    write_bits(&input, &qkv);
     let dt = if E::NAME == "bf16" { "bf16" } else { "f16" };
-    let shape = [b, t, nh, hs].map(|n| n.to_string());
-    let status = Command::new(exe).arg(dt).args(&shape).args([&input, &out_path, &lse_path]).status().unwrap();
-    assert!(status.success(), "emulated flash_attention_forward {dt} {shape:?}");
-    let got: Vec<E> = read(&out_path, b * t * c);
-    let got_lse: Vec<f32> = read(&lse_path, b * nh * t);
+    let mut got = vec![E::from_f32(f32::NAN); b * t * c];
+    let mut got_lse = vec![f32::NAN; b * nh * t];
+    let cfg = LaunchConfig {
+        grid_dim: (t.div_ceil(64) as u32, (b * nh) as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let scale = 1.0 / (hs as f32).sqrt();
+    let mut args = [buf(&mut got), buf(&mut got_lse), buf(&mut qkv), int(b), int(t), int(nh), Arg::F32(scale)];
+    attention.launch(&format!("flash_attention_forward_hs{hs}_{dt}"), cfg, &mut args);
 
     let mut want = vec![E::default(); b * t * c];
     let mut want_lse = vec![0f32; b * nh * t];
@@ -84,6 +153,7 @@ fn flash_forward_matches_the_reference<E: Elem>(
     let at = |bi: usize, ti: usize, which: usize, h: usize, d: usize| {
         qkv[(bi * t + ti) * 3 * c + which * c + h * hs + d].to_f32() as f64
     };
+    let mut magnitude = vec![0f64; b * t * c];
     for bi in 0..b {
         for h in 0..nh {
             for ti in 0..t {
@@ -93,30 +163,207 @@ fn flash_forward_matches_the_reference<E: Elem>(
                 // p from the reference's lse, in f64
                 let p: Vec<f64> = (0..=ti)
                     .map(|k| {
-                        let s: f64 =
-                            (0..hs).map(|d| at(bi, ti, 0, h, d) * at(bi, k, 1, h, d)).sum::<f64>() / (hs as f64).sqrt();
-                        (s - w).exp()
+                        let s: f64 = (0..hs).map(|d| at(bi, ti, 0, h, d) * at(bi, k, 1, h, d)).sum();
+                        (s / (hs as f64).sqrt() - w).exp()
                     })
                     .collect();
                 for d in 0..hs {
-                    let i = (bi * t + ti) * c + h * hs + d;
-                    let magnitude: f64 = p.iter().enumerate().map(|(k, p)| p * at(bi, k, 2, h, d).abs()).sum();
-                    let (g, w) = (got[i].to_f32() as f64, want[i].to_f32() as f64);
-                    let bound = 4.0 * eps * magnitude + 1e-6;
-                    assert!((g - w).abs() <= bound, "out[{bi},{ti},{h},{d}] {dt}: {g} vs {w} (bound {bound:e})");
+                    magnitude[(bi * t + ti) * c + h * hs + d] =
+                        p.iter().enumerate().map(|(k, p)| p * at(bi, k, 2, h, d).abs()).sum();
                 }
             }
+        }
+    }
+    close(&format!("out {dt}"), &got, &want, &magnitude, 4.0 * eps, 0.0);
+}
+
+#[test]
+fn the_fused_attention_forward_kernel_matches_the_cpu_reference() {
+    let Some(attention) = Emulated::build("attention") else { return };
+    // T 80 and 130: a last block of queries past T, a step of keys past T, several key steps.
+    for shape in [(2, 80, 2, 64), (1, 130, 3, 32)] {
+        flash_forward_matches_the_reference::<half::bf16>(&attention, shape, 1.0 / 256.0);
+        flash_forward_matches_the_reference::<half::f16>(&attention, shape, 1.0 / 2048.0);
+    }
+}
+
+/// The cuda layernorm_backward — its row kernel, the banded partial column sums of the weight
+/// and bias gradients and the pass adding them — launched as the backend launches them,
+/// against `layers::layernorm_backward`.
+fn layernorm_backward_matches_the_reference<E: Elem>(layernorm: &Emulated, residual: &Emulated, eps: f64) {
+    // 600 rows: three bands of 256, the last short; 77 columns: a partial block of 32.
+    let (n, c) = (600, 77);
+    let dt = E::NAME.replace("fp32", "f32").replace("fp16", "f16");
+    let mut rng = Rng::new(21);
+    let (inp, weight, bias) =
+        (random::<E>(&mut rng, n * c, 2.0), random::<E>(&mut rng, c, 1.0), random::<E>(&mut rng, c, 0.5));
+    let (dout, dinp0, dw0, db0) = (
+        random::<E>(&mut rng, n * c, 1.0),
+        random::<E>(&mut rng, n * c, 1.0),
+        random::<E>(&mut rng, c, 1.0),
+        random::<E>(&mut rng, c, 1.0),
+    );
+    let (mut out, mut mean, mut rstd) = (vec![E::default(); n * c], vec![0f32; n], vec![0f32; n]);
+    layers::layernorm_forward(&mut out, &mut mean, &mut rstd, &inp, &weight, &bias, c);
+    let (mut want_dinp, mut want_dw, mut want_db) = (dinp0.clone(), dw0.clone(), db0.clone());
+    layers::layernorm_backward(&mut want_dinp, &mut want_dw, &mut want_db, &dout, &inp, &weight, &mean, &rstd, c);
+
+    let (mut dinp, mut dw, mut db) = (dinp0.clone(), dw0.clone(), db0.clone());
+    let (mut dout, mut inp, mut weight) = (dout, inp, weight);
+    let mut args = [
+        buf(&mut dinp),
+        buf(&mut dout),
+        buf(&mut inp),
+        buf(&mut weight),
+        buf(&mut mean),
+        buf(&mut rstd),
+        int(n),
+        int(c),
+    ];
+    layernorm.launch(&format!("layernorm_backward_{dt}"), warp_rows(n), &mut args);
+    let bands = cuda_column_bands(n);
+    assert_eq!(bands, 3);
+    let (mut pw, mut pb) = (vec![f32::NAN; bands * c], vec![f32::NAN; bands * c]);
+    let mut args = [
+        buf(&mut pw),
+        buf(&mut pb),
+        buf(&mut dout),
+        buf(&mut inp),
+        buf(&mut mean),
+        buf(&mut rstd),
+        int(n),
+        int(c),
+        int(n.div_ceil(bands)),
+    ];
+    layernorm.launch(&format!("layernorm_param_backward_partial_{dt}"), column_sums(c, bands), &mut args);
+    for (dst, partial) in [(&mut dw, &mut pw), (&mut db, &mut pb)] {
+        let mut args = [buf(dst), buf(partial), int(bands), int(c)];
+        residual.launch(&format!("column_partials_add_{dt}"), elementwise(c), &mut args);
+    }
+
+    // Magnitudes: a row's input gradient is made of terms of |dout·w|·rstd; a column's
+    // parameter gradients of every row's |norm·dout| and |dout|.
+    let f = |v: &E| v.to_f32() as f64;
+    let norm = |r: usize, i: usize| (f(&inp[r * c + i]) - mean[r] as f64) * rstd[r] as f64;
+    let dinp_scale: Vec<f64> = (0..n * c)
+        .map(|x| {
+            let r = x / c;
+            let row: f64 = (0..c).map(|i| (f(&weight[i]) * f(&dout[r * c + i])).abs() * (1.0 + norm(r, i).abs())).sum();
+            f(&dinp0[x]).abs() + (row / c as f64 + (f(&weight[x % c]) * f(&dout[x])).abs()) * rstd[r] as f64 * 3.0
+        })
+        .collect();
+    let dw_scale: Vec<f64> = (0..c)
+        .map(|i| f(&dw0[i]).abs() + (0..n).map(|r| (norm(r, i) * f(&dout[r * c + i])).abs()).sum::<f64>())
+        .collect();
+    let db_scale: Vec<f64> =
+        (0..c).map(|i| f(&db0[i]).abs() + (0..n).map(|r| f(&dout[r * c + i]).abs()).sum::<f64>()).collect();
+    close(&format!("dinp {dt}"), &dinp, &want_dinp, &dinp_scale, 1e-5, eps);
+    close(&format!("dweight {dt}"), &dw, &want_dw, &dw_scale, 1e-5, eps);
+    close(&format!("dbias {dt}"), &db, &want_db, &db_scale, 1e-5, eps);
+}
+
+#[test]
+fn the_layernorm_backward_kernels_match_the_cpu_reference() {
+    let (Some(layernorm), Some(residual)) = (Emulated::build("layernorm"), Emulated::build("residual")) else { return };
+    layernorm_backward_matches_the_reference::<f32>(&layernorm, &residual, 0.0);
+    layernorm_backward_matches_the_reference::<half::bf16>(&layernorm, &residual, 2.0 / 256.0);
+    layernorm_backward_matches_the_reference::<half::f16>(&layernorm, &residual, 2.0 / 2048.0);
+}
+
+/// The cuda bias gradient — banded partial column sums of dout, then the pass adding them to
+/// the stored gradient — launched as `matmul_backward` launches them, against
+/// `layers::matmul_backward`'s.
+fn bias_gradient_matches_the_reference<E: Elem>(residual: &Emulated, eps: f64) {
+    let (n, c, oc) = (600, 3, 77);
+    let dt = E::NAME.replace("fp32", "f32").replace("fp16", "f16");
+    let mut rng = Rng::new(31);
+    let (inp, weight, mut dout, db0) = (
+        random::<E>(&mut rng, n * c, 1.0),
+        random::<E>(&mut rng, oc * c, 1.0),
+        random::<E>(&mut rng, n * oc, 1.0),
+        random::<E>(&mut rng, oc, 1.0),
+    );
+    let (mut dinp, mut dw, mut want) = (vec![E::default(); n * c], vec![E::default(); oc * c], db0.clone());
+    let mut scratch = vec![0f32; layers::matmul_backward_scratch::<E>(n, c, oc)];
+    layers::matmul_backward(&mut dinp, &mut dw, Some(&mut want), &dout, &inp, &weight, n, c, oc, &mut scratch);
+
+    let bands = cuda_column_bands(n);
+    let mut partial = vec![f32::NAN; bands * oc];
+    let mut args = [buf(&mut partial), buf(&mut dout), int(n), int(oc), int(n.div_ceil(bands))];
+    residual.launch(&format!("bias_backward_partial_{dt}"), column_sums(oc, bands), &mut args);
+    let mut db = db0.clone();
+    let mut args = [buf(&mut db), buf(&mut partial), int(bands), int(oc)];
+    residual.launch(&format!("column_partials_add_{dt}"), elementwise(oc), &mut args);
+    let f = |v: &E| v.to_f32() as f64;
+    let scale: Vec<f64> =
+        (0..oc).map(|o| f(&db0[o]).abs() + (0..n).map(|r| f(&dout[r * oc + o]).abs()).sum::<f64>()).collect();
+    close(&format!("dbias {dt}"), &db, &want, &scale, 1e-5, eps);
+}
+
+#[test]
+fn the_bias_gradient_kernels_match_the_cpu_reference() {
+    let Some(residual) = Emulated::build("residual") else { return };
+    bias_gradient_matches_the_reference::<f32>(&residual, 0.0);
+    bias_gradient_matches_the_reference::<half::bf16>(&residual, 2.0 / 256.0);
+    bias_gradient_matches_the_reference::<half::f16>(&residual, 2.0 / 2048.0);
+}
+
+/// The causal softmax kernels around the cuBLAS attention products, launched as
+/// `softmax_rows` launches them over a chunk's (rows, T) scores: forward's probabilities and
+/// lse against their definition in f64, backward's recompute bitwise equal to forward's, and the
+/// softmax backward — in place over the probabilities, as the backend runs it — against its
+/// definition from those probabilities.
+fn causal_softmax_matches_its_definition<E: Elem>(attention: &Emulated, eps: f64) {
+    // 3 heads of T 45: rows past a warp's 32 lanes, and every causal length 1..=45.
+    let (t, heads) = (45, 3);
+    let rows = heads * t;
+    let dt = E::NAME.replace("fp32", "f32").replace("fp16", "f16");
+    let scale = 0.3f32;
+    let mut rng = Rng::new(41);
+    let mut scores: Vec<f32> = (0..rows * t).map(|_| rng.normal() as f32 * 4.0).collect();
+    let mut datt: Vec<f32> = (0..rows * t).map(|_| rng.normal() as f32).collect();
+    let (mut att, mut lse) = (vec![E::from_f32(f32::NAN); rows * t], vec![f32::NAN; rows]);
+    let mut args = [buf(&mut att), buf(&mut lse), buf(&mut scores), Arg::F32(scale), int(rows), int(t)];
+    attention.launch(&format!("softmax_causal_forward_{dt}"), warp_rows(rows), &mut args);
+    for r in 0..rows {
+        let (row, last) = (&scores[r * t..(r + 1) * t], r % t);
+        let s = |i: usize| row[i] as f64 * scale as f64;
+        let max = (0..=last).map(s).fold(f64::NEG_INFINITY, f64::max);
+        let want = max + (0..=last).map(|i| (s(i) - max).exp()).sum::<f64>().ln();
+        assert!((lse[r] as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()), "lse[{r}] {dt}: {} vs {want}", lse[r]);
+        for i in 0..t {
+            let (got, p) = (att[r * t + i].to_f32() as f64, if i <= last { (s(i) - want).exp() } else { 0.0 });
+            assert!((got - p).abs() <= eps * p + 1e-6, "att[{r},{i}] {dt}: {got} vs {p}");
+        }
+    }
+    let mut again = vec![E::from_f32(f32::NAN); rows * t];
+    let mut args = [buf(&mut again), buf(&mut scores), buf(&mut lse), Arg::F32(scale), int(rows), int(t)];
+    attention.launch(&format!("softmax_causal_probs_{dt}"), warp_rows(rows), &mut args);
+    let bits = |v: &[E]| bytemuck::cast_slice::<E, u8>(v).to_vec();
+    assert!(bits(&again) == bits(&att), "{dt}: backward's recomputed probabilities differ from forward's");
+
+    let probs = att.clone();
+    let mut args = [buf(&mut att), buf(&mut datt), Arg::Same(0), Arg::F32(scale), int(rows), int(t)];
+    attention.launch(&format!("softmax_causal_backward_{dt}"), warp_rows(rows), &mut args);
+    for r in 0..rows {
+        let last = r % t;
+        let p = |i: usize| probs[r * t + i].to_f32() as f64;
+        let d = |i: usize| datt[r * t + i] as f64;
+        let dot: f64 = (0..=last).map(|i| p(i) * d(i)).sum();
+        let magnitude: f64 = (0..=last).map(|i| (p(i) * d(i)).abs()).sum();
+        for i in 0..t {
+            let want = if i <= last { p(i) * (d(i) - dot) * scale as f64 } else { 0.0 };
+            let got = att[r * t + i].to_f32() as f64;
+            let bound = eps * want.abs() + 1e-6 * (1.0 + p(i) * magnitude);
+            assert!((got - want).abs() <= bound, "dpreatt[{r},{i}] {dt}: {got} vs {want} (bound {bound:e})");
         }
     }
 }
 
 #[test]
-fn the_fused_attention_forward_kernel_matches_the_cpu_reference() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(exe) = build("attention", dir.path()) else { return };
-    // T 80 and 130: a last block of queries past T, a step of keys past T, several key steps.
-    for shape in [(2, 80, 2, 64), (1, 130, 3, 32)] {
-        flash_forward_matches_the_reference::<half::bf16>(&exe, dir.path(), shape, 1.0 / 256.0);
-        flash_forward_matches_the_reference::<half::f16>(&exe, dir.path(), shape, 1.0 / 2048.0);
-    }
+fn the_causal_softmax_kernels_match_their_definition() {
+    let Some(attention) = Emulated::build("attention") else { return };
+    causal_softmax_matches_its_definition::<f32>(&attention, 1e-5);
+    causal_softmax_matches_its_definition::<half::bf16>(&attention, 1.0 / 256.0);
+    causal_softmax_matches_its_definition::<half::f16>(&attention, 1.0 / 2048.0);
 }

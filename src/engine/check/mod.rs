@@ -135,7 +135,7 @@ macro_rules! plain_call {
 pub mod bench;
 #[cfg(test)]
 pub(crate) mod device_sim;
-#[cfg(test)]
+#[cfg(all(test, feature = "cuda"))]
 mod emulated_kernels;
 pub mod estimate_check;
 #[cfg(test)]

@@ -149,7 +149,7 @@ fn long(v: usize) -> Arg {
     Arg::I64(v as i64)
 }
 
-fn elementwise(n: usize) -> LaunchConfig {
+pub(crate) fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig {
         // In usize: n itself may pass u32 (logits of B·T·V elements); the block count cannot
         // in any buffer that fits a device.
@@ -160,12 +160,12 @@ fn elementwise(n: usize) -> LaunchConfig {
 }
 
 /// One warp per row, eight rows per block.
-fn warp_rows(rows: usize) -> LaunchConfig {
+pub(crate) fn warp_rows(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows.div_ceil(8).max(1) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// Column sums' first stage: blocks of 32 columns × 16 row strides, one row of blocks per band.
-fn column_sums(cols: usize, bands: usize) -> LaunchConfig {
+pub(crate) fn column_sums(cols: usize, bands: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (cols.div_ceil(32).max(1) as u32, bands.max(1) as u32, 1),
         block_dim: (32, MAX_BLOCK_THREADS / 32, 1),

@@ -3,7 +3,7 @@
 //! and the library probes that turn "no driver" into a typed error instead of cudarc's panic.
 //! `backend` executes the `Backend` ops on a device, which `headroom train` on `cuda` runs.
 
-mod backend;
+pub(crate) mod backend;
 pub use backend::{AttentionKernels, CudaBackend};
 mod vmm;
 
