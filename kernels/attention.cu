@@ -2,7 +2,8 @@
 // the scores (the Q·Kᵀ and att·V products are strided-batched GEMMs on the host side, a chunk
 // of sequences at a time). Layouts: qkv (B,T,3,NH,HS); q, k, v, y (B,NH,T,HS); a chunk's
 // scores and att (chunk·NH,T,T); lse (B,NH,T), the only per-(head, query) state kept for
-// backward, which recomputes att from it.
+// backward, which recomputes att from it. `flash_attention_forward_*` (16-bit, HS 32 or 64) is
+// the forward pass fused into one kernel on tensor cores instead, with the same out and lse.
 #include "common.cuh"
 
 // qkv (B,T,3C) -> q, k, v (B,NH,T,HS)

@@ -1,7 +1,9 @@
 // A host emulator for this project's CUDA kernels, so CI (no GPU) runs their logic: each thread
 // of a block is a fiber (ucontext) on one OS thread, and the blocks of a grid run one after
-// another. A fiber runs until it reaches a collective (__syncthreads, __shfl_xor_sync, the mma
-// helper), which is a barrier: every live fiber of the block runs to it before any goes on. So a
+// another. A fiber runs until it reaches a collective, which is a barrier: a warp's (a shuffle,
+// the mma helper, __syncwarp) for the live fibers of its warp, __syncthreads for the block's;
+// all of them reach it before any goes on (a block whose threads wait at different kinds of
+// barrier, which the hardware would hang or garble on, is reported and stops). So a
 // kernel that is correct here is correct in its indexing, masking, fragment layouts and warp
 // exchanges; what the emulator cannot show is speed, or a race the real hardware would expose
 // between two collectives. Include it, then the kernel family's source with HEADROOM_EMULATE
@@ -15,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #define HEADROOM_EMULATE 1
@@ -31,11 +34,15 @@ struct dim3 {
 namespace emulate {
 inline dim3 threadIdx, blockIdx, blockDim, gridDim;
 
+// What a fiber waits for: nothing (runnable), its warp (a shuffle, mma), or its block.
+enum class Wait { None, Warp, Block };
+
 struct Fiber {
     ucontext_t ctx;
-    std::vector<char> stack;
+    char* stack = nullptr;  // one per thread of a block, kept across the grid's blocks
     dim3 tid;
     bool done = false;
+    Wait wait = Wait::None;
 };
 
 inline ucontext_t scheduler;
@@ -51,7 +58,11 @@ struct Slot {
 };
 inline std::vector<Slot> slots;
 
-inline void barrier() { swapcontext(&fibers[current].ctx, &scheduler); }
+// Wait until every live thread of this warp (Wait::Warp) or block (Wait::Block) is waiting too.
+inline void barrier(Wait scope) {
+    fibers[current].wait = scope;
+    swapcontext(&fibers[current].ctx, &scheduler);
+}
 
 inline void trampoline() {
     (*body)();
@@ -67,6 +78,9 @@ inline void launch(dim3 grid, dim3 block, const std::function<void()>& kernel) {
     body = &kernel;
     const int n = (int)(block.x * block.y * block.z);
     slots.assign(n, Slot{});
+    constexpr size_t STACK = 128 << 10;
+    std::vector<std::unique_ptr<char[]>> stacks;
+    for (int i = 0; i < n; i++) stacks.emplace_back(new char[STACK]);  // not zeroed: a stack
     for (unsigned bz = 0; bz < grid.z; bz++)
         for (unsigned by = 0; by < grid.y; by++)
             for (unsigned bx = 0; bx < grid.x; bx++) {
@@ -75,22 +89,46 @@ inline void launch(dim3 grid, dim3 block, const std::function<void()>& kernel) {
                 for (int i = 0; i < n; i++) {
                     Fiber& f = fibers[i];
                     f.tid = dim3{(unsigned)(i % block.x), (unsigned)(i / block.x % block.y), (unsigned)(i / (block.x * block.y))};
-                    f.stack.resize(256 << 10);
+                    f.stack = stacks[i].get();
                     getcontext(&f.ctx);
-                    f.ctx.uc_stack.ss_sp = f.stack.data();
-                    f.ctx.uc_stack.ss_size = f.stack.size();
+                    f.ctx.uc_stack.ss_sp = f.stack;
+                    f.ctx.uc_stack.ss_size = STACK;
                     f.ctx.uc_link = &scheduler;
                     makecontext(&f.ctx, trampoline, 0);
                 }
-                for (bool live = true; live;) {
-                    live = false;
+                for (;;) {
+                    // Run every runnable thread to its next barrier (or its end).
                     for (int i = 0; i < n; i++) {
-                        if (fibers[i].done) continue;
+                        if (fibers[i].done || fibers[i].wait != Wait::None) continue;
                         current = i;
                         threadIdx = fibers[i].tid;
                         swapcontext(&scheduler, &fibers[i].ctx);
-                        live = live || !fibers[i].done;
                     }
+                    // Release each warp whose live threads all wait at a warp barrier; failing
+                    // that, the block when all its live threads wait at __syncthreads.
+                    bool any_live = false, released = false, all_block = true;
+                    for (int w = 0; w * 32 < n; w++) {
+                        bool live = false, all_warp = true;
+                        for (int i = w * 32; i < std::min(n, w * 32 + 32); i++) {
+                            if (fibers[i].done) continue;
+                            live = true;
+                            all_warp = all_warp && fibers[i].wait == Wait::Warp;
+                            all_block = all_block && fibers[i].wait == Wait::Block;
+                        }
+                        any_live = any_live || live;
+                        if (live && all_warp) {
+                            for (int i = w * 32; i < std::min(n, w * 32 + 32); i++) fibers[i].wait = Wait::None;
+                            released = true;
+                        }
+                    }
+                    if (!any_live) break;
+                    if (released) continue;
+                    if (!all_block) {
+                        std::fprintf(stderr, "emulated kernel: threads of block (%u,%u,%u) wait at different barriers\n",
+                                     bx, by, bz);
+                        std::exit(3);
+                    }
+                    for (Fiber& f : fibers) f.wait = Wait::None;
                 }
             }
 }
@@ -134,14 +172,14 @@ inline long max(long a, long b) { return a > b ? a : b; }
 
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 
-inline void __syncthreads() { emulate::barrier(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { emulate::barrier(); }
+inline void __syncthreads() { emulate::barrier(emulate::Wait::Block); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emulate::barrier(emulate::Wait::Warp); }
 
 inline float __shfl_xor_sync(unsigned, float v, int offset) {
     emulate::mine().f = v;
-    emulate::barrier();
+    emulate::barrier(emulate::Wait::Warp);
     float r = emulate::of_lane(emulate::lane() ^ offset).f;
-    emulate::barrier();
+    emulate::barrier(emulate::Wait::Warp);
     return r;
 }
 
@@ -173,7 +211,7 @@ inline void emulate_mma_16x8x16(float* d, const unsigned* a, const unsigned* b) 
     Slot& s = mine();
     std::memcpy(s.a, a, sizeof s.a);
     std::memcpy(s.b, b, sizeof s.b);
-    barrier();
+    barrier(Wait::Warp);
     auto A = [](int row, int col) {  // element (row, col) of the 16×16 A
         int g = row % 8, hi_row = row / 8, q = (col % 8) / 2, hi_col = col / 8;
         unsigned reg = of_lane(4 * g + q).a[hi_row + 2 * hi_col];
@@ -192,6 +230,6 @@ inline void emulate_mma_16x8x16(float* d, const unsigned* a, const unsigned* b) 
         for (int k = 0; k < 16; k++) acc += (double)A(row, k) * (double)B(k, col);
         out[e] = (float)acc;
     }
-    barrier();
+    barrier(Wait::Warp);
     std::memcpy(d, out, sizeof out);
 }

@@ -9,10 +9,11 @@ use std::process::Command;
 
 use cudarc::driver::LaunchConfig;
 
-use crate::engine::backend::cuda::backend::{column_sums, elementwise, warp_rows};
+use crate::engine::backend::cuda::backend::{block_rows, column_sums, elementwise, warp_rows, DTYPES};
 use crate::engine::backend::cuda::entry_points;
 use crate::engine::backend::layers::{self, Elem};
-use crate::engine::backend::workspace::cuda_column_bands;
+use crate::engine::backend::optim::{self, AdamW, BETA1, BETA2, EPS};
+use crate::engine::backend::workspace::{cuda_column_bands, cuda_norm_blocks, CUDA_THREADS};
 use crate::engine::rng::Rng;
 
 /// One kernel family built for the emulator, in its own temporary directory.
@@ -28,6 +29,7 @@ enum Arg<'a> {
     /// The `k`-th buffer argument again (0-based among the buffers): an op that works in place.
     Same(usize),
     I32(i32),
+    I64(i64),
     F32(f32),
 }
 
@@ -90,6 +92,7 @@ impl Emulated {
                 }
                 Arg::Same(k) => plan += &format!("same {k}\n"),
                 Arg::I32(v) => plan += &format!("i32 {v}\n"),
+                Arg::I64(v) => plan += &format!("i64 {v}\n"),
                 Arg::F32(v) => plan += &format!("f32 {v:e}\n"),
             }
         }
@@ -102,6 +105,12 @@ impl Emulated {
             bytes.copy_from_slice(&std::fs::read(&path).unwrap());
         }
     }
+}
+
+/// The entry-point suffix of storage type `E` (`<op>_f32`, `_bf16`, `_f16`), as the backend
+/// names it.
+fn suffix<E: Elem>() -> &'static str {
+    DTYPES.iter().find(|(name, _)| *name == E::NAME).map(|&(_, suffix)| suffix).expect("a storage type with kernels")
 }
 
 fn random<E: Elem>(rng: &mut Rng, n: usize, scale: f32) -> Vec<E> {
@@ -133,7 +142,7 @@ fn flash_forward_matches_the_reference<E: Elem>(
     let mut qkv: Vec<E> = (0..b * t * 3 * c)
         .map(|i| E::from_f32(rng.normal() as f32 * if i % (3 * c) < 2 * c { 1.6 } else { 1.0 }))
         .collect();
-    let dt = if E::NAME == "bf16" { "bf16" } else { "f16" };
+    let dt = suffix::<E>();
     let mut got = vec![E::from_f32(f32::NAN); b * t * c];
     let mut got_lse = vec![f32::NAN; b * nh * t];
     let cfg = LaunchConfig {
@@ -193,7 +202,7 @@ fn the_fused_attention_forward_kernel_matches_the_cpu_reference() {
 fn layernorm_backward_matches_the_reference<E: Elem>(layernorm: &Emulated, residual: &Emulated, eps: f64) {
     // 600 rows: three bands of 256, the last short; 77 columns: a partial block of 32.
     let (n, c) = (600, 77);
-    let dt = E::NAME.replace("fp32", "f32").replace("fp16", "f16");
+    let dt = suffix::<E>();
     let mut rng = Rng::new(21);
     let (inp, weight, bias) =
         (random::<E>(&mut rng, n * c, 2.0), random::<E>(&mut rng, c, 1.0), random::<E>(&mut rng, c, 0.5));
@@ -275,7 +284,7 @@ fn the_layernorm_backward_kernels_match_the_cpu_reference() {
 /// `layers::matmul_backward`'s.
 fn bias_gradient_matches_the_reference<E: Elem>(residual: &Emulated, eps: f64) {
     let (n, c, oc) = (600, 3, 77);
-    let dt = E::NAME.replace("fp32", "f32").replace("fp16", "f16");
+    let dt = suffix::<E>();
     let mut rng = Rng::new(31);
     let (inp, weight, mut dout, db0) = (
         random::<E>(&mut rng, n * c, 1.0),
@@ -317,7 +326,7 @@ fn causal_softmax_matches_its_definition<E: Elem>(attention: &Emulated, eps: f64
     // 3 heads of T 45: rows past a warp's 32 lanes, and every causal length 1..=45.
     let (t, heads) = (45, 3);
     let rows = heads * t;
-    let dt = E::NAME.replace("fp32", "f32").replace("fp16", "f16");
+    let dt = suffix::<E>();
     let scale = 0.3f32;
     let mut rng = Rng::new(41);
     let mut scores: Vec<f32> = (0..rows * t).map(|_| rng.normal() as f32 * 4.0).collect();
@@ -366,4 +375,162 @@ fn the_causal_softmax_kernels_match_their_definition() {
     causal_softmax_matches_its_definition::<f32>(&attention, 1e-5);
     causal_softmax_matches_its_definition::<half::bf16>(&attention, 1.0 / 256.0);
     causal_softmax_matches_its_definition::<half::f16>(&attention, 1.0 / 2048.0);
+}
+
+/// The element-wise and row kernels with a per-element CPU twin — GELU, the token and position
+/// embedding (its backward adds with atomics: 16-bit words by compare-and-swap), the softmax
+/// cross-entropy — launched as the backend launches them, against `layers`.
+fn elementwise_kernels_match_the_reference<E: Elem>(families: &Families, eps: f64) {
+    let dt = suffix::<E>();
+    let mut rng = Rng::new(51);
+    let f = |v: &E| v.to_f32() as f64;
+
+    // GELU forward and backward (in place over dout), N not a multiple of the block.
+    let n = 1000;
+    let (mut inp, mut dinout) = (random::<E>(&mut rng, n, 3.0), random::<E>(&mut rng, n, 1.0));
+    let (mut want, mut want_d) = (vec![E::default(); n], dinout.clone());
+    layers::gelu_forward(&mut want, &inp);
+    layers::gelu_backward_inplace(&mut want_d, &inp);
+    let mut out = vec![E::from_f32(f32::NAN); n];
+    let mut args = [buf(&mut out), buf(&mut inp), Arg::I64(n as i64)];
+    families.gelu.launch(&format!("gelu_forward_{dt}"), elementwise(n), &mut args);
+    let scale: Vec<f64> = inp.iter().map(|x| f(x).abs()).collect();
+    close(&format!("gelu {dt}"), &out, &want, &scale, 1e-6, eps);
+    // gelu' from tanh: the CPU's polynomial and the device's tanhf differ by ~4e-7.
+    let scale: Vec<f64> = dinout.iter().zip(&inp).map(|(d, x)| f(d).abs() * (1.0 + f(x).abs())).collect();
+    let mut args = [buf(&mut dinout), buf(&mut inp), Arg::I64(n as i64)];
+    families.gelu.launch(&format!("gelu_backward_{dt}"), elementwise(n), &mut args);
+    close(&format!("gelu backward {dt}"), &dinout, &want_d, &scale, 1e-5, eps);
+
+    // Embedding: 3 sequences of T 20 over a vocabulary of 7 (tokens repeat: atomics collide).
+    let (b, t, c, v) = (3, 20, 24, 7);
+    let mut tokens: Vec<u32> = (0..b * t).map(|i| (i * 5 % v) as u32).collect();
+    let (mut wte, mut wpe) = (random::<E>(&mut rng, v * c, 1.0), random::<E>(&mut rng, t * c, 1.0));
+    let mut want = vec![E::default(); b * t * c];
+    layers::encoder_forward(&mut want, &tokens, &wte, &wpe, t, c);
+    let mut out = vec![E::from_f32(f32::NAN); b * t * c];
+    let mut args = [buf(&mut out), buf(&mut tokens), buf(&mut wte), buf(&mut wpe), int(b * t), int(t), int(c)];
+    families.encoder.launch(&format!("encoder_forward_{dt}"), elementwise(b * t * c), &mut args);
+    let scale: Vec<f64> = want.iter().map(|x| f(x).abs()).collect();
+    close(&format!("encoder {dt}"), &out, &want, &scale, 1e-6, eps);
+    let mut dout = random::<E>(&mut rng, b * t * c, 1.0);
+    let (dwte0, dwpe0) = (random::<E>(&mut rng, v * c, 1.0), random::<E>(&mut rng, t * c, 1.0));
+    let (mut want_wte, mut want_wpe) = (dwte0.clone(), dwpe0.clone());
+    layers::encoder_backward(&mut want_wte, &mut want_wpe, &dout, &tokens, t, c);
+    let (mut dwte, mut dwpe) = (dwte0.clone(), dwpe0.clone());
+    let mut args = [buf(&mut dwte), buf(&mut dwpe), buf(&mut dout), buf(&mut tokens), int(b * t), int(t), int(c)];
+    families.encoder.launch(&format!("encoder_backward_{dt}"), elementwise(b * t * c), &mut args);
+    // Each gradient element is its start plus one term per use, rounded per add in 16 bits
+    // (in the order the threads run, here and on the device alike: not the CPU's order).
+    let uses = |w: &[E], at: &dyn Fn(usize) -> Vec<usize>| -> Vec<f64> {
+        (0..w.len()).map(|i| f(&w[i]).abs() + at(i).iter().map(|&j| f(&dout[j]).abs()).sum::<f64>()).collect()
+    };
+    let wte_terms = |i: usize| (0..b * t).filter(|&r| tokens[r] as usize == i / c).map(|r| r * c + i % c).collect();
+    let wpe_terms = |i: usize| (0..b).map(|s| (s * t + i / c) * c + i % c).collect();
+    let count = (b * t).div_ceil(v) as f64;
+    close(&format!("encoder dwte {dt}"), &dwte, &want_wte, &uses(&dwte0, &wte_terms), 1e-6 + count * eps, eps);
+    close(&format!("encoder dwpe {dt}"), &dwpe, &want_wpe, &uses(&dwpe0, &wpe_terms), 1e-6 + b as f64 * eps, eps);
+
+    // Softmax cross-entropy over rows of V 1000 (past a block's 512 threads), then its backward.
+    let (rows, v) = (5, 1000);
+    let mut logits = random::<E>(&mut rng, rows * v, 3.0);
+    let mut targets: Vec<u32> = (0..rows).map(|r| (r * 211 % v) as u32).collect();
+    let (mut want, mut want_losses) = (logits.clone(), vec![0f32; rows]);
+    layers::crossentropy_forward(&mut want, &mut want_losses, &targets, v);
+    let mut losses = vec![f32::NAN; rows];
+    let mut args = [buf(&mut logits), buf(&mut losses), buf(&mut targets), int(rows), int(v)];
+    families.classifier.launch(&format!("crossentropy_forward_{dt}"), block_rows(rows), &mut args);
+    for (r, (g, w)) in losses.iter().zip(&want_losses).enumerate() {
+        assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "loss[{r}] {dt}: {g} vs {w}");
+    }
+    let ones = vec![1.0; rows * v];
+    close(&format!("probabilities {dt}"), &logits, &want, &ones, 1e-6, eps);
+    let dloss = 0.25f32;
+    let mut want_d = logits.clone();
+    layers::crossentropy_backward_inplace(&mut want_d, &targets, dloss, v);
+    let mut args = [buf(&mut logits), buf(&mut targets), Arg::F32(dloss), int(rows), int(v)];
+    families.classifier.launch(&format!("crossentropy_backward_{dt}"), elementwise(rows * v), &mut args);
+    close(&format!("dlogits {dt}"), &logits, &want_d, &ones, 1e-7, eps);
+}
+
+struct Families {
+    gelu: Emulated,
+    encoder: Emulated,
+    classifier: Emulated,
+}
+
+#[test]
+fn the_gelu_embedding_and_cross_entropy_kernels_match_the_cpu_reference() {
+    let (Some(gelu), Some(encoder), Some(classifier)) =
+        (Emulated::build("gelu"), Emulated::build("encoder"), Emulated::build("classifier"))
+    else {
+        return;
+    };
+    let families = Families { gelu, encoder, classifier };
+    elementwise_kernels_match_the_reference::<f32>(&families, 0.0);
+    elementwise_kernels_match_the_reference::<half::bf16>(&families, 2.0 / 256.0);
+    elementwise_kernels_match_the_reference::<half::f16>(&families, 2.0 / 2048.0);
+}
+
+/// AdamW over fp32 master weights from gradients in the storage type — the compute copy
+/// written in the same pass (in place over the master in f32, as the backend passes it) — and
+/// the gradient norm's per-block partial sums, against `optim`.
+fn optimizer_kernels_match_the_reference<E: Elem>(adamw: &Emulated, norm: &Emulated, eps: f64) {
+    let dt = suffix::<E>();
+    let n = 1000;
+    let mut rng = Rng::new(61);
+    let mut master: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+    let mut grads = random::<E>(&mut rng, n, 0.1);
+    let mut m: Vec<f32> = (0..n).map(|_| rng.normal() as f32 * 0.01).collect();
+    let mut v: Vec<f32> = (0..n).map(|_| (rng.normal() as f32 * 0.01).powi(2)).collect();
+    let step = AdamW { lr: 1e-3, weight_decay: 0.1, t: 7 };
+    let grad_mult = 0.5f32;
+    let (mut want_w, mut want_m, mut want_v) = (master.clone(), m.clone(), v.clone());
+    step.update::<E>([(0..n, true)], &mut want_w, &grads, grad_mult, &mut want_m, &mut want_v);
+    let (bc1, bc2) = step.bias_corrections();
+    let mut params = vec![E::from_f32(f32::NAN); n];
+    let scalars = [step.lr, BETA1, BETA2, EPS, step.weight_decay, bc1, bc2, grad_mult].map(Arg::F32);
+    let mut args: Vec<Arg> = if E::is_f32() {
+        vec![buf(&mut master), Arg::Same(0), buf(&mut grads), buf(&mut m), buf(&mut v), Arg::I64(n as i64)]
+    } else {
+        vec![buf(&mut master), buf(&mut params), buf(&mut grads), buf(&mut m), buf(&mut v), Arg::I64(n as i64)]
+    };
+    args.extend(scalars);
+    adamw.launch(&format!("adamw_{dt}"), elementwise(n), &mut args);
+    drop(args);
+    let near = |what: &str, got: &[f32], want: &[f32]| {
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs()), "{what}[{i}] {dt}: {g} vs {w}");
+        }
+    };
+    near("master", &master, &want_w);
+    near("m", &m, &want_m);
+    near("v", &v, &want_v);
+    if !E::is_f32() {
+        let narrowed: Vec<E> = want_w.iter().map(|&w| E::from_f32(w)).collect();
+        let scale: Vec<f64> = want_w.iter().map(|w| w.abs() as f64).collect();
+        close(&format!("params {dt}"), &params, &narrowed, &scale, 1e-6, eps);
+    }
+
+    // The norm: 300,000 elements, more than the most blocks' threads (1024 × 256) cover in one
+    // sweep, so the grid-stride loop comes round again.
+    let n = 300_000;
+    assert!(n > cuda_norm_blocks(n) * CUDA_THREADS);
+    let mut x = random::<E>(&mut rng, n, 1.0);
+    let blocks = cuda_norm_blocks(n);
+    let mut partial = vec![f32::NAN; blocks];
+    let cfg =
+        LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (CUDA_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
+    let mut args = [buf(&mut partial), buf(&mut x), Arg::I64(n as i64)];
+    norm.launch(&format!("sum_squares_{dt}"), cfg, &mut args);
+    let (got, want) = (partial.iter().map(|&p| p as f64).sum::<f64>(), optim::sum_squares(&x));
+    assert!((got - want).abs() <= 1e-5 * want, "sum of squares {dt}: {got} vs {want}");
+}
+
+#[test]
+fn the_adamw_and_norm_kernels_match_the_cpu_reference() {
+    let (Some(adamw), Some(norm)) = (Emulated::build("adamw"), Emulated::build("norm")) else { return };
+    optimizer_kernels_match_the_reference::<f32>(&adamw, &norm, 0.0);
+    optimizer_kernels_match_the_reference::<half::bf16>(&adamw, &norm, 2.0 / 256.0);
+    optimizer_kernels_match_the_reference::<half::f16>(&adamw, &norm, 2.0 / 2048.0);
 }

@@ -117,7 +117,7 @@ impl Arg {
 }
 
 /// The storage types the kernels are compiled for: (`Elem::NAME`, entry-point suffix).
-const DTYPES: &[(&str, &str)] = &[("fp32", "f32"), ("bf16", "bf16"), ("fp16", "f16")];
+pub(crate) const DTYPES: &[(&str, &str)] = &[("fp32", "f32"), ("bf16", "bf16"), ("fp16", "f16")];
 
 /// The entry-point suffix of `E`, or the op's "unsupported" error.
 fn suffix<E: Elem>(backend: &CudaBackend, op: &'static str) -> BackendResult<&'static str> {
@@ -147,6 +147,11 @@ fn int(op: &'static str, what: &str, v: usize) -> BackendResult<Arg> {
 
 fn long(v: usize) -> Arg {
     Arg::I64(v as i64)
+}
+
+/// One block of `MAX_BLOCK_THREADS` per row (the cross-entropy's rows of V logits).
+pub(crate) fn block_rows(rows: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (MAX_BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
 pub(crate) fn elementwise(n: usize) -> LaunchConfig {
@@ -1138,8 +1143,7 @@ impl Backend for CudaBackend {
         const OP: &str = "crossentropy_forward";
         let dt = suffix::<E>(self, OP)?;
         let n = shapes::crossentropy_forward(logits.len(), losses.len(), targets, v)?;
-        let cfg =
-            LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (MAX_BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let cfg = block_rows(n);
         let args = [
             Arg::Ptr(logits.address()),
             Arg::Ptr(losses.address()),
