@@ -534,3 +534,108 @@ fn the_adamw_and_norm_kernels_match_the_cpu_reference() {
     optimizer_kernels_match_the_reference::<half::bf16>(&adamw, &norm, 2.0 / 256.0);
     optimizer_kernels_match_the_reference::<half::f16>(&adamw, &norm, 2.0 / 2048.0);
 }
+
+/// The storage casts (`widen` / `narrow` on cuda) against `Elem`'s conversions, bit for bit:
+/// every 16-bit pattern widened, and f32 values narrowed — ties, rounding carries into the
+/// exponent, overflow, subnormals, infinities and NaNs among them.
+fn casts_match_elem_bit_for_bit<E: Elem>(cast: &Emulated) {
+    let dt = suffix::<E>();
+    let mut words: Vec<u16> = (0..=u16::MAX).collect();
+    let n = words.len();
+    let mut wide = vec![f32::NAN; n];
+    let mut args = [buf(&mut wide), buf(&mut words), Arg::I64(n as i64)];
+    cast.launch(&format!("cast_{dt}_to_f32"), elementwise(n), &mut args);
+    for (w, got) in words.iter().zip(&wide) {
+        let want = bytemuck::cast::<u16, E>(*w).to_f32();
+        assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{dt} {w:#06x}: {got} vs {want}");
+    }
+    let mut rng = Rng::new(71);
+    let mut values: Vec<f32> =
+        (0..20_000).map(|_| (rng.normal() * 10f64.powi((rng.normal() * 6.0) as i32)) as f32).collect();
+    // Exact ties and near-ties of both types, and the edges.
+    values.extend(
+        (0..2000u32)
+            .flat_map(|i| [0x3f80_8000 + (i << 16), 0x3f80_1000 + (i << 13), 0x3f80_0fff + (i << 13)])
+            .map(f32::from_bits),
+    );
+    values.extend([
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        1e-42,
+        65519.0,
+        65520.0,
+        6e-8,
+        3e-8,
+    ]);
+    let n = values.len();
+    let mut narrow = vec![E::from_f32(f32::NAN); n];
+    let mut args = [buf(&mut narrow), buf(&mut values), Arg::I64(n as i64)];
+    cast.launch(&format!("cast_f32_to_{dt}"), elementwise(n), &mut args);
+    for (x, got) in values.iter().zip(&narrow) {
+        let want = E::from_f32(*x);
+        let (g, w) = (bytemuck::cast::<E, u16>(*got), bytemuck::cast::<E, u16>(want));
+        assert!(
+            g == w || (got.to_f32().is_nan() && want.to_f32().is_nan()),
+            "{dt} {x:e} ({:#010x}): {g:#06x} vs {w:#06x}",
+            x.to_bits()
+        );
+    }
+}
+
+#[test]
+fn the_cast_kernels_convert_as_the_cpu_does() {
+    let Some(cast) = Emulated::build("cast") else { return };
+    casts_match_elem_bit_for_bit::<half::bf16>(&cast);
+    casts_match_elem_bit_for_bit::<half::f16>(&cast);
+}
+
+/// Incremental decoding — the new tokens' keys and values appended to the cache, then each new
+/// token attending to every cached position up to its own — launched as `attention_cached`
+/// launches it, against `layers::attention_cached`.
+fn cached_attention_matches_the_reference<E: Elem>(attention: &Emulated, eps: f64) {
+    use crate::engine::backend::layers::CachedAttention;
+    let dt = suffix::<E>();
+    let d = CachedAttention { b: 2, tn: 3, start: 37, context: 48, c: 64, nh: 4 };
+    let (hs, mut rng) = (d.c / d.nh, Rng::new(81));
+    let mut cache = random::<E>(&mut rng, 2 * d.b * d.context * d.c, 1.0);
+    let mut qkv = random::<E>(&mut rng, d.b * d.tn * 3 * d.c, 1.5);
+    let (mut want, mut want_cache) = (vec![E::default(); d.b * d.tn * d.c], cache.clone());
+    let mut scratch = vec![0f32; layers::attention_cached_scratch(d.b, d.context, d.nh)];
+    layers::attention_cached(&mut want, &mut want_cache, &qkv, &mut scratch, d);
+
+    let mut args = [buf(&mut cache), buf(&mut qkv), int(d.b), int(d.tn), int(d.start), int(d.context), int(d.c)];
+    attention.launch(&format!("kv_append_{dt}"), elementwise(d.b * d.tn * d.c), &mut args);
+    let bits = |v: &[E]| bytemuck::cast_slice::<E, u8>(v).to_vec();
+    assert!(bits(&cache) == bits(&want_cache), "{dt}: the appended cache differs");
+    let mut out = vec![E::from_f32(f32::NAN); d.b * d.tn * d.c];
+    let mut scores = vec![f32::NAN; d.b * d.nh * d.tn * d.context];
+    let mut args = [
+        buf(&mut out),
+        buf(&mut scores),
+        buf(&mut cache),
+        buf(&mut qkv),
+        int(d.b),
+        int(d.tn),
+        int(d.start),
+        int(d.context),
+        int(d.nh),
+        int(hs),
+    ];
+    attention.launch(&format!("attention_cached_{dt}"), warp_rows(d.b * d.nh * d.tn), &mut args);
+    // Outputs are convex combinations of values: within a few roundings of max |v|.
+    let scale = vec![4.0; out.len()];
+    close(&format!("cached attention {dt}"), &out, &want, &scale, 1e-5 + eps, eps);
+}
+
+#[test]
+fn the_cached_attention_kernels_match_the_cpu_reference() {
+    let Some(attention) = Emulated::build("attention") else { return };
+    cached_attention_matches_the_reference::<f32>(&attention, 0.0);
+    cached_attention_matches_the_reference::<half::bf16>(&attention, 2.0 / 256.0);
+    cached_attention_matches_the_reference::<half::f16>(&attention, 2.0 / 2048.0);
+}
