@@ -65,14 +65,23 @@ pub fn source(family: &str) -> Result<String, CudaError> {
 /// name), if it declares one.
 pub fn launch_bound(family: &str, entry: &str) -> Result<Option<u32>, CudaError> {
     let src = source(family)?;
-    for rest in src.split("extern \"C\" __global__ void __launch_bounds__(").skip(1) {
-        if let Some((n, tail)) = rest.split_once(')') {
-            if tail.trim_start().strip_prefix(entry).is_some_and(|t| t.starts_with('(')) {
-                return Ok(n.trim().parse().ok());
-            }
+    for (bound, rest) in declarations(&src) {
+        if rest.strip_prefix(entry).is_some_and(|t| t.starts_with('(')) {
+            return Ok(bound.and_then(|n| n.parse().ok()));
         }
     }
     Ok(None)
+}
+
+/// Each entry point's declaration in `src` (`extern "C" __global__ void …`): the largest block
+/// it declares (`__launch_bounds__(N)` before its name), if any, and its text from the name on.
+fn declarations(src: &str) -> impl Iterator<Item = (Option<&str>, &str)> {
+    src.split("extern \"C\" __global__ void ").skip(1).map(|rest| {
+        match rest.strip_prefix("__launch_bounds__(").and_then(|bounded| bounded.split_once(')')) {
+            Some((bound, tail)) => (Some(bound.trim()), tail.trim_start()),
+            None => (None, rest),
+        }
+    })
 }
 
 /// Entry points (`extern "C" __global__`) a family declares.
@@ -102,12 +111,7 @@ pub fn signatures(family: &str) -> Result<Vec<(String, Vec<Param>)>, CudaError> 
 fn parse_signatures(family: &str, src: &str) -> Result<Vec<(String, Vec<Param>)>, CudaError> {
     let bad = |detail: String| CudaError::Signature { family: family.into(), detail };
     let mut entries = Vec::new();
-    for rest in src.split("extern \"C\" __global__ void ").skip(1) {
-        // An entry point may declare its largest block: `__launch_bounds__(N) name(…)`.
-        let rest = match rest.strip_prefix("__launch_bounds__(") {
-            Some(bounded) => bounded.split_once(')').map_or(rest, |(_, tail)| tail.trim_start()),
-            None => rest,
-        };
+    for (_, rest) in declarations(src) {
         let (name, tail) = rest.split_once('(').ok_or_else(|| bad("an entry point without parameters".into()))?;
         let params = tail.split_once(')').map(|(p, _)| p).ok_or_else(|| bad(format!("{name}: unclosed (")))?;
         let mut types = Vec::new();
