@@ -2,8 +2,9 @@
 // the scores (the Q·Kᵀ and att·V products are strided-batched GEMMs on the host side, a chunk
 // of sequences at a time). Layouts: qkv (B,T,3,NH,HS); q, k, v, y (B,NH,T,HS); a chunk's
 // scores and att (chunk·NH,T,T); lse (B,NH,T), the only per-(head, query) state kept for
-// backward, which recomputes att from it. `flash_attention_forward_*` (16-bit, HS 32 or 64) is
-// the forward pass fused into one kernel on tensor cores instead, with the same out and lse.
+// backward, which recomputes att from it. `flash_attention_*` (16-bit, HS 32 or 64) is the
+// same forward and backward fused into kernels on tensor cores instead, with the same out, lse
+// and dqkv, and no (T,T) buffer.
 #include "common.cuh"
 
 // qkv (B,T,3C) -> q, k, v (B,NH,T,HS)
@@ -114,61 +115,160 @@ extern "C" __global__ void softmax_causal_backward_f32(float* dp, const float* d
 extern "C" __global__ void softmax_causal_backward_bf16(bf16_t* dp, const float* da, const bf16_t* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }
 extern "C" __global__ void softmax_causal_backward_f16(f16_t* dp, const float* da, const f16_t* a, float s, int rows, int T) { softmax_causal_backward(dp, da, a, s, rows, T); }
 
-// Fused ("flash") causal attention forward for 16-bit storage on tensor cores: no (T,T) buffer.
-// A block of 4 warps takes 64 query rows of one (batch, head), each warp 16 of them, reading q,
-// k and v in place from qkv (B,T,3,NH,HS). Per step of 64 keys (up to the block's last query)
-// a warp computes its scores S (16×64) = q·kᵀ with mma, scales and masks them (key > query or
-// key ≥ T), keeps each row's running maximum m and sum l of exp(s − m) in f32 (rescaling its
-// output when m grows), and adds P·v with P = exp(s − m) rounded to the storage type. At the end
-// out = O / l, rounded once, and lse = m + log l, as `softmax_causal_forward` defines it (the
-// backward pass recomputes the probabilities from it). HS is 32 or 64; qkv 4-byte aligned (the
-// launch checks), so each pair of q or k elements at an even index is one 32-bit load.
+// The value `store_f32` would leave in a T, read back (the CPU reference rounds the
+// probabilities to the storage type before they weight the values).
+template <typename T>
+__device__ __forceinline__ float rounded(float v) {
+    T tmp;
+    store_f32(&tmp, 0, v);
+    return load_f32(&tmp, 0);
+}
+
+// Fused ("flash") causal attention for 16-bit storage on tensor cores: no (T,T) buffer, q, k, v
+// and dout read in place. A block of 4 warps takes 64 rows (queries, or keys in dkv below) of
+// one (batch, head), each warp 16 of them, held as mma A fragments for the whole kernel; the
+// other side streams through in tiles of N rows straight from global memory. The helpers below
+// are the two products every pass is made of. Rows are T-bounded: a row at or past T reads as
+// zero (row T − 1 is loaded and the value dropped: a select, not a branch around the load —
+// with branches ptxas spilled). All 16-bit pointers are 4-byte aligned with even row strides
+// (the launch checks), so a pair of elements at an even column is one 32-bit load.
+
+// a: the A fragments of rows row0..row0+16 (columns 0..HS) of x (row stride rs).
 template <typename T, int HS>
-__device__ void flash_attention_forward(T* out, float* lse, const T* qkv, int B, int T_, int NH, float scale) {
-    constexpr int KEYS = 64;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
-    const int b = blockIdx.y / NH, h = blockIdx.y % NH;
-    const int row0 = blockIdx.x * 64 + warp * 16;  // this warp's first query
-    const long C = (long)NH * HS, rs = 3 * C;       // qkv's row stride
-    const T* q = qkv + (long)b * T_ * rs + h * HS;
-    const T* k = q + C;
-    const T* v = q + 2 * C;
-    const int rows[2] = {row0 + g, row0 + g + 8};  // the two query rows this lane holds
-    // q's fragments (rows past T are zero)
-    unsigned qa[HS / 16][4];
+__device__ __forceinline__ void flash_rows(unsigned (&a)[HS / 16][4], const T* x, long rs, int row0, int T_) {
+    const int lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
     UNROLL
     for (int ks = 0; ks < HS / 16; ks++) {
         UNROLL
         for (int r = 0; r < 2; r++) {
             UNROLL
             for (int half = 0; half < 2; half++) {
-                long col = ks * 16 + 2 * q4 + 8 * half;
-                long at = (long)rows[r] * rs + col;
-                qa[ks][r + 2 * half] = rows[r] < T_ ? load_pair_aligned(q, at) : 0u;
+                const int row = row0 + g + 8 * r;
+                const long col = ks * 16 + 2 * q4 + 8 * half;
+                const unsigned pair = load_pair_aligned(x, (long)min(row, T_ - 1) * rs + col);
+                a[ks][r + 2 * half] = row < T_ ? pair : 0u;
             }
         }
     }
+}
+
+// s (16×N, f32) = a · yᵀ over HS, y's rows y0..y0+N (row stride rs): column n of tile j is
+// row y0 + 8j + n of y. Forward's scores q·kᵀ, backward's dout·vᵀ, and transposed k·qᵀ, v·doutᵀ.
+template <typename T, int HS, int N>
+__device__ __forceinline__ void flash_products(float (&s)[N / 8][4], const unsigned (&a)[HS / 16][4], const T* y, long rs, int y0, int T_) {
+    const int lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
+    UNROLL
+    for (int j = 0; j < N / 8; j++) {
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        const int row = y0 + 8 * j + g;
+        UNROLL
+        for (int ks = 0; ks < HS / 16; ks++) {
+            const long at = (long)min(row, T_ - 1) * rs + ks * 16 + 2 * q4;
+            const unsigned lo = load_pair_aligned(y, at), hi = load_pair_aligned(y, at + 8);
+            unsigned b[2];
+            b[0] = row < T_ ? lo : 0u;
+            b[1] = row < T_ ? hi : 0u;
+            mma_16x8x16(s[j], a[ks], b, T());
+        }
+    }
+}
+
+// o (16×HS, f32) += p · x, p (16×N) in the C layout `flash_products` leaves (rounded to T
+// here: each 16 columns of it are an A fragment), x's rows x0..x0+N (row stride rs).
+// Forward's P·v, backward's ds·k, Pᵀ·dout and dsᵀ·q.
+template <typename T, int HS, int N>
+__device__ __forceinline__ void flash_accumulate(float (&o)[HS / 8][4], const float (&p)[N / 8][4], const T* x, long rs, int x0, int T_) {
+    const int lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
+    UNROLL
+    for (int kk = 0; kk < N / 16; kk++) {
+        unsigned pa[4];
+        pa[0] = pack_pair<T>(p[2 * kk][0], p[2 * kk][1]);
+        pa[1] = pack_pair<T>(p[2 * kk][2], p[2 * kk][3]);
+        pa[2] = pack_pair<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+        pa[3] = pack_pair<T>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+        const int row = x0 + 16 * kk + 2 * q4;  // rows row, row+1, row+8, row+9 of x
+        UNROLL
+        for (int n = 0; n < HS / 8; n++) {
+            const long col = 8 * n + g;
+            unsigned b[2];
+            UNROLL
+            for (int half = 0; half < 2; half++) {
+                const int lo = row + 8 * half, hi = lo + 1;  // rows past T are zero
+                const unsigned x_lo = bits_of(x[(long)min(lo, T_ - 1) * rs + col]);
+                const unsigned x_hi = bits_of(x[(long)min(hi, T_ - 1) * rs + col]);
+                b[half] = (lo < T_ ? x_lo : 0u) | ((hi < T_ ? x_hi : 0u) << 16);
+            }
+            mma_16x8x16(o[n], pa, b, T());
+        }
+    }
+}
+
+// Rows row0 + g and row0 + g + 8 (the lane's two rows in a C fragment) of a (16×HS) f32
+// accumulator, times `factor[r]`, rounded into dst (row stride rs); rows past T are skipped.
+template <typename T, int HS>
+__device__ __forceinline__ void flash_store(T* dst, long rs, const float (&o)[HS / 8][4], const float (&factor)[2], int row0, int T_) {
+    const int lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
+    UNROLL
+    for (int r = 0; r < 2; r++) {
+        const int row = row0 + g + 8 * r;
+        if (row >= T_) continue;
+        T* y = dst + (long)row * rs;
+        UNROLL
+        for (int n = 0; n < HS / 8; n++) {
+            store_f32(y, 8 * n + 2 * q4, o[n][2 * r] * factor[r]);
+            store_f32(y, 8 * n + 2 * q4 + 1, o[n][2 * r + 1] * factor[r]);
+        }
+    }
+}
+
+// Sum over the 4 lanes that hold one row of a C fragment (lanes 4g..4g+3).
+__device__ __forceinline__ float row_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Where a fused kernel's block works: (batch, head) blockIdx.y, rows 64·blockIdx.x.. of it.
+template <int HS>
+struct FlashHead {
+    long C, rs;  // the model width; qkv's row stride (3C)
+    long qkv;    // the head's first q element in qkv (its k and v follow at +C and +2C)
+    long btc;    // its first element in a (B,T,C) tensor: out, dout
+    long bh;     // its first row in a (B,NH,T) tensor: lse, delta
+    int row0;    // this warp's first row (a query, or a key in the dk/dv kernel)
+    __device__ FlashHead(int T_, int NH) : C((long)NH * HS), rs(3 * C) {
+        const int b = blockIdx.y / NH, h = blockIdx.y % NH;
+        qkv = (long)b * T_ * rs + h * HS;
+        btc = (long)b * T_ * C + h * HS;
+        bh = ((long)b * NH + h) * T_;
+        row0 = blockIdx.x * 64 + threadIdx.x / 32 * 16;
+    }
+};
+
+// Forward. Block blockIdx.x takes queries 64·x.. of (batch, head) blockIdx.y. Per step of 64
+// keys (up to the block's last query) a warp computes its scores S (16×64) = q·kᵀ, scales and
+// masks them (key > query or key ≥ T), keeps each row's running maximum m and sum l of
+// exp(s − m) in f32 (rescaling its output when m grows), and adds P·v with P = exp(s − m)
+// rounded to the storage type. At the end out = O / l, rounded once, and lse = m + log l, as
+// `softmax_causal_forward` defines it (backward recomputes the probabilities from it).
+template <typename T, int HS>
+__device__ void flash_attention_forward(T* out, float* lse, const T* qkv, int B, int T_, int NH, float scale) {
+    constexpr int KEYS = 64;
+    const int lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
+    const FlashHead<HS> at(T_, NH);
+    const long C = at.C, rs = at.rs;
+    const int row0 = at.row0;  // this warp's first query
+    const T *q = qkv + at.qkv, *k = q + C, *v = q + 2 * C;
+    const int rows[2] = {row0 + g, row0 + g + 8};  // the two query rows this lane holds
+    unsigned qa[HS / 16][4];
+    flash_rows<T, HS>(qa, q, rs, row0, T_);
     float o[HS / 8][4];
     UNROLL
     for (int n = 0; n < HS / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // l: this lane's share of the row sums
     const int keys_end = min(T_, (int)blockIdx.x * 64 + 64);
     for (int k0 = 0; k0 < keys_end; k0 += KEYS) {
-        // S = q · kᵀ: column n of tile j is key k0 + 8j + n
         float s[KEYS / 8][4];
-        UNROLL
-        for (int j = 0; j < KEYS / 8; j++) {
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-            const int key = k0 + 8 * j + g;
-            UNROLL
-            for (int ks = 0; ks < HS / 16; ks++) {
-                long at = (long)key * rs + ks * 16 + 2 * q4;
-                unsigned kb[2];
-                kb[0] = key < T_ ? load_pair_aligned(k, at) : 0u;
-                kb[1] = key < T_ ? load_pair_aligned(k, at + 8) : 0u;
-                mma_16x8x16(s[j], qa[ks], kb, T());
-            }
-        }
+        flash_products<T, HS, KEYS>(s, qa, k, rs, k0, T_);
         // scale, mask, and the rows' new maxima (over the 4 lanes of a row)
         float mx[2] = {NEG_INF, NEG_INF};
         UNROLL
@@ -205,49 +305,152 @@ __device__ void flash_attention_forward(T* out, float* lse, const T* qkv, int B,
                 l[e / 2] += s[j][e];
             }
         }
-        // O += P · v, 16 keys at a time: P's score tiles 2kk and 2kk+1 are the A fragment
+        flash_accumulate<T, HS, KEYS>(o, s, v, rs, k0, T_);
+    }
+    float inv[2];
+    UNROLL
+    for (int r = 0; r < 2; r++) {
+        l[r] = row_sum(l[r]);
+        inv[r] = 1.f / l[r];
+        if (rows[r] < T_ && q4 == 0) lse[at.bh + rows[r]] = m[r] + logf(l[r]);
+    }
+    flash_store<T, HS>(out + at.btc, C, o, inv, row0, T_);
+}
+
+// Backward, in two kernels with no atomics (each gradient row is one warp's), recomputing the
+// probabilities p = exp(s·scale − lse) rounded to the storage type as forward made them, as
+// `attention_backward`'s CPU reference defines the rest: datt = dout·vᵀ, the row dot
+// D = Σ p·datt, ds = p · (datt − D) · scale rounded to the storage type, dq = ds·k,
+// dk = dsᵀ·q, dv = pᵀ·dout, each accumulated in f32 and rounded once into dqkv (B,T,3C).
+//
+// flash_attention_backward_dq: queries 64·x.. of (batch, head) y, as forward; a first pass over
+// the keys makes each row's D (written to delta (B,NH,T) for the second kernel), a second its dq.
+// The dq kernel's tile of N keys from k0: s = p (rounded to T, zero where masked) and
+// dp = datt = dout·vᵀ, for the lane's query rows `rows`.
+template <typename T, int HS, int N>
+__device__ __forceinline__ void flash_dq_tile(float (&s)[N / 8][4], float (&dp)[N / 8][4], const unsigned (&qa)[HS / 16][4], const unsigned (&da)[HS / 16][4], const T* k, const T* v, long rs, int k0, const int (&rows)[2], const float (&row_lse)[2], float scale, int T_) {
+    const int q4 = threadIdx.x % 4;
+    flash_products<T, HS, N>(s, qa, k, rs, k0, T_);
+    flash_products<T, HS, N>(dp, da, v, rs, k0, T_);
+    UNROLL
+    for (int j = 0; j < N / 8; j++) {
         UNROLL
-        for (int kk = 0; kk < KEYS / 16; kk++) {
-            unsigned pa[4];
-            pa[0] = pack_pair<T>(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = pack_pair<T>(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = pack_pair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            const int key = k0 + 16 * kk + 2 * q4;  // rows key, key+1, key+8, key+9 of v
+        for (int e = 0; e < 4; e++) {
+            const int key = k0 + 8 * j + 2 * q4 + (e & 1), r = e / 2;
+            s[j][e] = key <= rows[r] && rows[r] < T_ ? rounded<T>(expf(s[j][e] * scale - row_lse[r])) : 0.f;
+        }
+    }
+}
+
+template <typename T, int HS>
+__device__ void flash_attention_backward_dq(T* dqkv, float* delta, const T* dout, const T* qkv, const float* lse, int B, int T_, int NH, float scale) {
+    constexpr int KEYS = 64;
+    const int g = threadIdx.x % 32 / 4, q4 = threadIdx.x % 4;
+    const FlashHead<HS> at(T_, NH);
+    const long C = at.C, rs = at.rs, bh = at.bh;
+    const int row0 = at.row0;  // this warp's first query
+    const T *q = qkv + at.qkv, *k = q + C, *v = q + 2 * C, *dy = dout + at.btc;
+    const int rows[2] = {row0 + g, row0 + g + 8};
+    unsigned qa[HS / 16][4], da[HS / 16][4];
+    flash_rows<T, HS>(qa, q, rs, row0, T_);
+    flash_rows<T, HS>(da, dy, C, row0, T_);
+    const float row_lse[2] = {rows[0] < T_ ? lse[bh + rows[0]] : 0.f, rows[1] < T_ ? lse[bh + rows[1]] : 0.f};
+    const int keys_end = min(T_, (int)blockIdx.x * 64 + 64);
+    float d[2] = {0.f, 0.f};
+    for (int k0 = 0; k0 < keys_end; k0 += KEYS) {
+        float s[KEYS / 8][4], dp[KEYS / 8][4];
+        flash_dq_tile<T, HS, KEYS>(s, dp, qa, da, k, v, rs, k0, rows, row_lse, scale, T_);
+        UNROLL
+        for (int j = 0; j < KEYS / 8; j++) {
             UNROLL
-            for (int n = 0; n < HS / 8; n++) {
-                const long col = 8 * n + g;
-                unsigned vb[2];
-                UNROLL
-                for (int half = 0; half < 2; half++) {
-                    const int lo = key + 8 * half, hi = lo + 1;  // keys past T are zero
-                    vb[half] = (lo < T_ ? (unsigned)bits_of(v[(long)lo * rs + col]) : 0u) |
-                               ((hi < T_ ? (unsigned)bits_of(v[(long)hi * rs + col]) : 0u) << 16);
-                }
-                mma_16x8x16(o[n], pa, vb, T());
-            }
+            for (int e = 0; e < 4; e++) d[e / 2] += s[j][e] * dp[j][e];
         }
     }
     UNROLL
     for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        if (rows[r] >= T_) continue;
-        const float inv = 1.f / l[r];
-        T* y = out + ((long)b * T_ + rows[r]) * C + h * HS;
-        UNROLL
-        for (int n = 0; n < HS / 8; n++) {
-            store_f32(y, 8 * n + 2 * q4, o[n][2 * r] * inv);
-            store_f32(y, 8 * n + 2 * q4 + 1, o[n][2 * r + 1] * inv);
-        }
-        if (q4 == 0) lse[((long)b * NH + h) * T_ + rows[r]] = m[r] + logf(l[r]);
+        d[r] = row_sum(d[r]);
+        if (rows[r] < T_ && q4 == 0) delta[bh + rows[r]] = d[r];
     }
+    float dq[HS / 8][4];
+    UNROLL
+    for (int n = 0; n < HS / 8; n++) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+    for (int k0 = 0; k0 < keys_end; k0 += KEYS) {
+        float s[KEYS / 8][4], dp[KEYS / 8][4];
+        flash_dq_tile<T, HS, KEYS>(s, dp, qa, da, k, v, rs, k0, rows, row_lse, scale, T_);
+        UNROLL
+        for (int j = 0; j < KEYS / 8; j++) {
+            UNROLL
+            for (int e = 0; e < 4; e++) s[j][e] *= (dp[j][e] - d[e / 2]) * scale;  // ds
+        }
+        flash_accumulate<T, HS, KEYS>(dq, s, k, rs, k0, T_);
+    }
+    const float one[2] = {1.f, 1.f};
+    flash_store<T, HS>(dqkv + at.qkv, rs, dq, one, row0, T_);
+}
+
+// flash_attention_backward_dkv: keys 64·x.. of (batch, head) y, each warp 16 of them, over the
+// queries that see them (from the block's first key to T) in steps of 16: the transposed
+// scores sᵀ = k·qᵀ and datt ᵀ = v·doutᵀ, pᵀ and dsᵀ from lse and delta, then dv += pᵀ·dout and
+// dk += dsᵀ·q. Runs after the dq kernel (delta).
+template <typename T, int HS>
+__device__ void flash_attention_backward_dkv(T* dqkv, const T* dout, const T* qkv, const float* lse, const float* delta, int B, int T_, int NH, float scale) {
+    constexpr int QUERIES = 16;  // 32 needs 255 registers for fp16 HS 64 (ptxas), 16 needs 168
+    const int g = threadIdx.x % 32 / 4, q4 = threadIdx.x % 4;
+    const FlashHead<HS> at(T_, NH);
+    const long C = at.C, rs = at.rs, bh = at.bh;
+    const int row0 = at.row0;  // this warp's first key
+    const T *q = qkv + at.qkv, *k = q + C, *v = q + 2 * C, *dy = dout + at.btc;
+    const int keys[2] = {row0 + g, row0 + g + 8};
+    unsigned ka[HS / 16][4], va[HS / 16][4];
+    flash_rows<T, HS>(ka, k, rs, row0, T_);
+    flash_rows<T, HS>(va, v, rs, row0, T_);
+    float dk[HS / 8][4], dv[HS / 8][4];
+    UNROLL
+    for (int n = 0; n < HS / 8; n++) {
+        dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.f;
+        dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.f;
+    }
+    for (int q0 = blockIdx.x * 64; q0 < T_; q0 += QUERIES) {
+        float s[QUERIES / 8][4], dp[QUERIES / 8][4];
+        flash_products<T, HS, QUERIES>(s, ka, q, rs, q0, T_);
+        flash_products<T, HS, QUERIES>(dp, va, dy, C, q0, T_);
+        UNROLL
+        for (int j = 0; j < QUERIES / 8; j++) {
+            UNROLL
+            for (int c = 0; c < 2; c++) {
+                const int query = q0 + 8 * j + 2 * q4 + c;
+                const bool live = query < T_;
+                const float l = live ? lse[bh + query] : 0.f, d = live ? delta[bh + query] : 0.f;
+                UNROLL
+                for (int r = 0; r < 2; r++) {
+                    const int e = 2 * r + c;
+                    const float p = keys[r] <= query && live ? rounded<T>(expf(s[j][e] * scale - l)) : 0.f;
+                    s[j][e] = p;
+                    dp[j][e] = p * (dp[j][e] - d) * scale;
+                }
+            }
+        }
+        flash_accumulate<T, HS, QUERIES>(dv, s, dy, C, q0, T_);
+        flash_accumulate<T, HS, QUERIES>(dk, dp, q, rs, q0, T_);
+    }
+    const float one[2] = {1.f, 1.f};
+    T* base = dqkv + at.qkv;
+    flash_store<T, HS>(base + C, rs, dk, one, row0, T_);
+    flash_store<T, HS>(base + 2 * C, rs, dv, one, row0, T_);
 }
 
 extern "C" __global__ void __launch_bounds__(128) flash_attention_forward_hs64_bf16(bf16_t* o, float* l, const bf16_t* x, int B, int T, int NH, float s) { flash_attention_forward<bf16_t, 64>(o, l, x, B, T, NH, s); }
 extern "C" __global__ void __launch_bounds__(128) flash_attention_forward_hs64_f16(f16_t* o, float* l, const f16_t* x, int B, int T, int NH, float s) { flash_attention_forward<f16_t, 64>(o, l, x, B, T, NH, s); }
 extern "C" __global__ void __launch_bounds__(128) flash_attention_forward_hs32_bf16(bf16_t* o, float* l, const bf16_t* x, int B, int T, int NH, float s) { flash_attention_forward<bf16_t, 32>(o, l, x, B, T, NH, s); }
 extern "C" __global__ void __launch_bounds__(128) flash_attention_forward_hs32_f16(f16_t* o, float* l, const f16_t* x, int B, int T, int NH, float s) { flash_attention_forward<f16_t, 32>(o, l, x, B, T, NH, s); }
+extern "C" __global__ void __launch_bounds__(128) flash_attention_backward_dq_hs64_bf16(bf16_t* dx, float* delta, const bf16_t* dy, const bf16_t* x, const float* l, int B, int T, int NH, float s) { flash_attention_backward_dq<bf16_t, 64>(dx, delta, dy, x, l, B, T, NH, s); }
+extern "C" __global__ void __launch_bounds__(128) flash_attention_backward_dq_hs64_f16(f16_t* dx, float* delta, const f16_t* dy, const f16_t* x, const float* l, int B, int T, int NH, float s) { flash_attention_backward_dq<f16_t, 64>(dx, delta, dy, x, l, B, T, NH, s); }
+extern "C" __global__ void __launch_bounds__(128) flash_attention_backward_dq_hs32_bf16(bf16_t* dx, float* delta, const bf16_t* dy, const bf16_t* x, const float* l, int B, int T, int NH, float s) { flash_attention_backward_dq<bf16_t, 32>(dx, delta, dy, x, l, B, T, NH, s); }
+extern "C" __global__ void __launch_bounds__(128) flash_attention_backward_dq_hs32_f16(f16_t* dx, float* delta, const f16_t* dy, const f16_t* x, const float* l, int B, int T, int NH, float s) { flash_attention_backward_dq<f16_t, 32>(dx, delta, dy, x, l, B, T, NH, s); }
+extern "C" __global__ void __launch_bounds__(128) flash_attention_backward_dkv_hs64_bf16(bf16_t* dx, const bf16_t* dy, const bf16_t* x, const float* l, const float* delta, int B, int T, int NH, float s) { flash_attention_backward_dkv<bf16_t, 64>(dx, dy, x, l, delta, B, T, NH, s); }
+extern "C" __global__ void __launch_bounds__(128) flash_attention_backward_dkv_hs64_f16(f16_t* dx, const f16_t* dy, const f16_t* x, const float* l, const float* delta, int B, int T, int NH, float s) { flash_attention_backward_dkv<f16_t, 64>(dx, dy, x, l, delta, B, T, NH, s); }
+extern "C" __global__ void __launch_bounds__(128) flash_attention_backward_dkv_hs32_bf16(bf16_t* dx, const bf16_t* dy, const bf16_t* x, const float* l, const float* delta, int B, int T, int NH, float s) { flash_attention_backward_dkv<bf16_t, 32>(dx, dy, x, l, delta, B, T, NH, s); }
+extern "C" __global__ void __launch_bounds__(128) flash_attention_backward_dkv_hs32_f16(f16_t* dx, const f16_t* dy, const f16_t* x, const float* l, const float* delta, int B, int T, int NH, float s) { flash_attention_backward_dkv<f16_t, 32>(dx, dy, x, l, delta, B, T, NH, s); }
 
 // Incremental decoding. cache (2,B,context,C): keys then values. kv_append writes the keys and
 // values of the Tn new tokens of qkv (B,Tn,3C) at positions start..start+Tn.
@@ -260,15 +463,6 @@ __device__ void kv_append(T* cache, const T* qkv, int B, int Tn, int start, int 
     long dst = (long)(b * context + start + i) * C + c;
     cache[dst] = qkv[src + C];
     cache[(long)B * context * C + dst] = qkv[src + 2 * C];
-}
-
-// The value `store_f32` would leave in a T, read back (the CPU reference rounds the
-// probabilities to the storage type before they weight the values).
-template <typename T>
-__device__ __forceinline__ float rounded(float v) {
-    T tmp;
-    store_f32(&tmp, 0, v);
-    return load_f32(&tmp, 0);
 }
 
 // One warp per (b, h, new token i): scores against positions 0..=start+i into its row of

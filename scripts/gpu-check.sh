@@ -23,8 +23,9 @@
 #      measured peaks side by side;
 #    - the GPT-2 124M benchmark: tokens/s at B=16, T=1024, bf16, resident and with the weights
 #      in host memory (offload params over the copy stream: the step-time ratio).
-# 3. `headroom gpu-check` again with HEADROOM_CUDA_ATTENTION=fused: the fused attention forward
-#    kernel's parity, training parity and benchmark beside the cuBLAS path's.
+# 3. `headroom gpu-check` again with HEADROOM_CUDA_ATTENTION=fused: the fused attention
+#    kernels' (forward and backward) parity, training parity and benchmark beside the cuBLAS
+#    path's.
 # Exit status: that of gpu-check (1 if any check failed), or 1 if a training run failed.
 set -uo pipefail
 BIN=${1:-target/release/headroom}
@@ -174,9 +175,10 @@ echo "== headroom gpu-check"
 "$BIN" gpu-check --estimate-grid --profile "${@:2}"
 status=$?
 
-# The fused attention forward (16-bit, head sizes 32 and 64; off unless asked for): the op
-# parity, the training parity and the GPT-2 benchmark and profile again with it, to compare with
-# the cuBLAS path's above (attention_forward's row of each profile).
+# The fused attention kernels (16-bit, head sizes 32 and 64; off unless asked for): the op
+# parity, the training parity and the GPT-2 benchmark and profile again with them, to compare
+# with the cuBLAS path's above (attention_forward's and attention_backward's rows of each
+# profile, and the benchmark's peak: no (T, T) scratch).
 echo
 echo "== HEADROOM_CUDA_ATTENTION=fused headroom gpu-check"
 HEADROOM_CUDA_ATTENTION=fused "$BIN" gpu-check --xl-offload-steps 0 --profile "${@:2}"

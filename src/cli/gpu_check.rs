@@ -82,7 +82,7 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
     print_libraries();
     let attention = device.attention_kernels();
     println!(
-        "attention forward in 16-bit storage: {attention:?} ({}=gemm|fused)",
+        "attention in 16-bit storage: {attention:?} ({}=gemm|fused)",
         crate::engine::backend::cuda::AttentionKernels::VARIABLE
     );
     println!("seed: {seed}");
@@ -198,8 +198,8 @@ fn checks<B: crate::engine::backend::Backend>(
     drop(reference);
 
     // 1b. Every op's scratch, measured by the device's pool, against what the estimator sums
-    // (not with the fused attention forward: it allocates nothing, under the cuBLAS path's
-    // declaration, which the estimator keeps).
+    // (not with the fused attention kernels: they allocate less — backward's D only — than the
+    // cuBLAS path's declaration, which the estimator keeps).
     if exact_workspace {
         let mut rows = Vec::new();
         let mut failure = None;

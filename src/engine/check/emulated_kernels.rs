@@ -9,7 +9,7 @@ use std::process::Command;
 
 use cudarc::driver::LaunchConfig;
 
-use crate::engine::backend::cuda::backend::{block_rows, column_sums, elementwise, warp_rows, DTYPES};
+use crate::engine::backend::cuda::backend::{block_rows, column_sums, elementwise, flash_blocks, warp_rows, DTYPES};
 use crate::engine::backend::cuda::entry_points;
 use crate::engine::backend::layers::{self, Elem};
 use crate::engine::backend::optim::{self, AdamW, BETA1, BETA2, EPS};
@@ -145,11 +145,7 @@ fn flash_forward_matches_the_reference<E: Elem>(
     let dt = suffix::<E>();
     let mut got = vec![E::from_f32(f32::NAN); b * t * c];
     let mut got_lse = vec![f32::NAN; b * nh * t];
-    let cfg = LaunchConfig {
-        grid_dim: (t.div_ceil(64) as u32, (b * nh) as u32, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = flash_blocks(b, t, nh);
     let scale = 1.0 / (hs as f32).sqrt();
     let mut args = [buf(&mut got), buf(&mut got_lse), buf(&mut qkv), int(b), int(t), int(nh), Arg::F32(scale)];
     attention.launch(&format!("flash_attention_forward_hs{hs}_{dt}"), cfg, &mut args);
@@ -193,6 +189,90 @@ fn the_fused_attention_forward_kernel_matches_the_cpu_reference() {
     for shape in [(2, 80, 2, 64), (1, 130, 3, 32)] {
         flash_forward_matches_the_reference::<half::bf16>(&attention, shape, 1.0 / 256.0);
         flash_forward_matches_the_reference::<half::f16>(&attention, shape, 1.0 / 2048.0);
+    }
+}
+
+/// The fused attention backward — its dq kernel (which also writes each row's D = Σ p·datt)
+/// then its dk/dv kernel, launched as the backend launches them — against
+/// `layers::attention_backward` for one storage type and shape. Both round p and ds to the
+/// storage type, so a value near a rounding boundary may round apart: each gradient is held
+/// within four roundings of the magnitudes its sum is made of (ds's error scales with
+/// p · (|datt| + Σ p·|datt|), not with ds, which is a difference), plus its own rounding.
+fn flash_backward_matches_the_reference<E: Elem>(
+    attention: &Emulated,
+    (b, t, nh, hs): (usize, usize, usize, usize),
+    eps: f64,
+) {
+    let c = nh * hs;
+    let mut rng = Rng::new(23 + t as u64);
+    let mut qkv: Vec<E> = (0..b * t * 3 * c)
+        .map(|i| E::from_f32(rng.normal() as f32 * if i % (3 * c) < 2 * c { 1.6 } else { 1.0 }))
+        .collect();
+    let mut dout: Vec<E> = random(&mut rng, b * t * c, 1.0);
+    let mut out = vec![E::default(); b * t * c];
+    let mut lse = vec![0f32; b * nh * t];
+    let mut scratch = vec![0f32; layers::attention_forward_scratch::<E>(b, t, c, nh)];
+    layers::attention_forward(&mut out, &mut lse, &qkv, &mut scratch, b, t, c, nh);
+    let mut want = vec![E::default(); b * t * 3 * c];
+    let mut scratch = vec![0f32; layers::attention_backward_scratch::<E>(b, t, c, nh)];
+    layers::attention_backward(&mut want, &mut scratch, &dout, &qkv, &lse, b, t, c, nh);
+
+    let dt = suffix::<E>();
+    let mut got = vec![E::from_f32(f32::NAN); b * t * 3 * c];
+    let mut delta = vec![f32::NAN; b * nh * t];
+    let cfg = flash_blocks(b, t, nh);
+    let scale = 1.0 / (hs as f32).sqrt();
+    let dims = || [int(b), int(t), int(nh), Arg::F32(scale)];
+    let mut args = vec![buf(&mut got), buf(&mut delta), buf(&mut dout), buf(&mut qkv), buf(&mut lse)];
+    args.extend(dims());
+    attention.launch(&format!("flash_attention_backward_dq_hs{hs}_{dt}"), cfg, &mut args);
+    let mut args = vec![buf(&mut got), buf(&mut dout), buf(&mut qkv), buf(&mut lse), buf(&mut delta)];
+    args.extend(dims());
+    attention.launch(&format!("flash_attention_backward_dkv_hs{hs}_{dt}"), cfg, &mut args);
+
+    // In f64 from the same inputs: p as the reference rounds it, datt, D, and the magnitudes.
+    let x = |bi: usize, ti: usize, which: usize, h: usize, d: usize| {
+        qkv[(bi * t + ti) * 3 * c + which * c + h * hs + d].to_f32() as f64
+    };
+    let dy = |bi: usize, ti: usize, h: usize, d: usize| dout[(bi * t + ti) * c + h * hs + d].to_f32() as f64;
+    let mut magnitude = vec![0f64; b * t * 3 * c];
+    for bi in 0..b {
+        for h in 0..nh {
+            for i in 0..t {
+                let row = (bi * nh + h) * t + i;
+                let (p, datt): (Vec<f64>, Vec<f64>) = (0..=i)
+                    .map(|j| {
+                        let s: f64 = (0..hs).map(|d| x(bi, i, 0, h, d) * x(bi, j, 1, h, d)).sum();
+                        let p = E::from_f32((s * scale as f64 - lse[row] as f64).exp() as f32).to_f32() as f64;
+                        (p, (0..hs).map(|d| dy(bi, i, h, d) * x(bi, j, 2, h, d)).sum::<f64>())
+                    })
+                    .unzip();
+                let d: f64 = p.iter().zip(&datt).map(|(p, a)| p * a).sum();
+                let d_abs: f64 = p.iter().zip(&datt).map(|(p, a)| p * a.abs()).sum();
+                let got_d = delta[row] as f64;
+                assert!((got_d - d).abs() <= 4.0 * eps * d_abs + 1e-6, "delta[{bi},{h},{i}] {dt}: {got_d} vs {d}");
+                for j in 0..=i {
+                    let ds = p[j] * (datt[j].abs() + d_abs) * scale as f64;
+                    for dd in 0..hs {
+                        let at = |ti: usize, which: usize| (bi * t + ti) * 3 * c + which * c + h * hs + dd;
+                        magnitude[at(i, 0)] += ds * x(bi, j, 1, h, dd).abs();
+                        magnitude[at(j, 1)] += ds * x(bi, i, 0, h, dd).abs();
+                        magnitude[at(j, 2)] += p[j] * dy(bi, i, h, dd).abs();
+                    }
+                }
+            }
+        }
+    }
+    close(&format!("dqkv {dt}"), &got, &want, &magnitude, 4.0 * eps, 2.0 * eps);
+}
+
+#[test]
+fn the_fused_attention_backward_kernels_match_the_cpu_reference() {
+    let Some(attention) = Emulated::build("attention") else { return };
+    // As forward's: T 80 and 130 leave a block of queries and of keys partly past T.
+    for shape in [(2, 80, 2, 64), (1, 130, 3, 32)] {
+        flash_backward_matches_the_reference::<half::bf16>(&attention, shape, 1.0 / 256.0);
+        flash_backward_matches_the_reference::<half::f16>(&attention, shape, 1.0 / 2048.0);
     }
 }
 

@@ -202,7 +202,9 @@ impl<B: Backend> Backend for Profiled<B> {
         })
     }
     // Scores q·kᵀ and the weighted sum p·v over every (query, key) pair: 2 · 2·b·t²·c FLOPs
-    // as computed (the causal half is masked, not skipped).
+    // as the cuBLAS path computes them (the causal half masked, not skipped). A nominal figure
+    // for the fused kernels, which skip most of the masked half (and recompute more in
+    // backward): compare those rows by time.
     fn attention_forward<E: Elem>(
         &self,
         out: ViewMut<E>,

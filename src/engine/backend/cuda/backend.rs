@@ -169,6 +169,12 @@ pub(crate) fn warp_rows(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows.div_ceil(8).max(1) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// The fused attention kernels: 64 rows (queries, or keys) of one (batch, head) per block of
+/// 4 warps, grid (⌈T/64⌉, B·NH).
+pub(crate) fn flash_blocks(b: usize, t: usize, nh: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (t.div_ceil(64) as u32, (b * nh) as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
+}
+
 /// Column sums' first stage: blocks of 32 columns × 16 row strides, one row of blocks per band.
 pub(crate) fn column_sums(cols: usize, bands: usize) -> LaunchConfig {
     LaunchConfig {
@@ -300,15 +306,16 @@ pub struct CudaBackend {
     /// Every entry point, with its parameters' C types (each launch is checked against them).
     functions: HashMap<String, (CudaFunction, Vec<Param>)>,
     pool: Pool,
-    /// Which kernels run attention forward in 16-bit storage (`HEADROOM_CUDA_ATTENTION`).
+    /// Which kernels run attention in 16-bit storage (`HEADROOM_CUDA_ATTENTION`).
     attention: AttentionKernels,
 }
 
-/// Attention forward's kernels in 16-bit storage: cuBLAS products around a (T, T) softmax, the
-/// default, or the fused kernel (`flash_attention_forward_*`: no (T, T) buffer) for head sizes
-/// 32 and 64. Chosen by `HEADROOM_CUDA_ATTENTION=gemm|fused` until the fused kernel's speed is
-/// measured on a GPU (its results are checked on the host emulator in CI and against the CPU
-/// reference by gpu-check); backward recomputes the probabilities from lse either way.
+/// The attention's kernels in 16-bit storage: cuBLAS products around a (T, T) softmax, the
+/// default, or the fused kernels (`flash_attention_{forward,backward_dq,backward_dkv}_*`: no
+/// (T, T) buffer, no head copies) for head sizes 32 and 64. Chosen by
+/// `HEADROOM_CUDA_ATTENTION=gemm|fused` until the fused kernels' speed is measured on a GPU
+/// (their results are checked on the host emulator in CI and against the CPU reference by
+/// gpu-check); both keep only lse between the passes, so either backward follows either forward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionKernels {
     Gemm,
@@ -329,10 +336,11 @@ impl AttentionKernels {
         }
     }
 
-    /// The fused kernel's entry point for head size `hs` in storage `dt`, if it has one.
-    pub(super) fn fused_entry(self, hs: usize, dt: &str) -> Option<String> {
+    /// The fused `kernel`'s entry point (`forward`, `backward_dq`, `backward_dkv`) for head size
+    /// `hs` in storage `dt`, if it has one.
+    pub(super) fn fused_entry(self, kernel: &str, hs: usize, dt: &str) -> Option<String> {
         (self == AttentionKernels::Fused && dt != "f32" && matches!(hs, 32 | 64))
-            .then(|| format!("flash_attention_forward_hs{hs}_{dt}"))
+            .then(|| format!("flash_attention_{kernel}_hs{hs}_{dt}"))
     }
 }
 
@@ -419,7 +427,7 @@ impl CudaBackend {
     }
 
     /// The device's marketing name, e.g. "NVIDIA H200".
-    /// Which kernels run attention forward in 16-bit storage.
+    /// Which kernels run attention in 16-bit storage.
     pub fn attention_kernels(&self) -> AttentionKernels {
         self.attention
     }
@@ -993,17 +1001,13 @@ impl Backend for CudaBackend {
         let dims = [int(OP, "B", b)?, int(OP, "T", t)?, int(OP, "NH", nh)?, int(OP, "HS", hs)?];
         let scale = 1.0 / (hs as f32).sqrt();
         // The fused kernel reads q and k in 32-bit pairs: qkv 4-byte aligned (pool memory is).
-        if let Some(kernel) = self.attention.fused_entry(hs, dt).filter(|_| qkv.address().is_multiple_of(4)) {
-            // 64 queries of one (batch, head) per block of 4 warps; no scratch.
-            let cfg = LaunchConfig {
-                grid_dim: (t.div_ceil(64) as u32, (b * nh) as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
+        if let Some(kernel) = self.attention.fused_entry("forward", hs, dt).filter(|_| qkv.address().is_multiple_of(4))
+        {
+            // No scratch.
             let mut args = vec![Arg::Ptr(out.address()), Arg::Ptr(lse.address()), Arg::Ptr(qkv.address())];
             args.extend([dims[0], dims[1], dims[2]]);
             args.push(Arg::F32(scale));
-            return self.launch(OP, &kernel, cfg, &args);
+            return self.launch(OP, &kernel, flash_blocks(b, t, nh), &args);
         }
         // Scratch sized by the declaration the estimator sums (`workspace::CudaAttention`).
         let ws = CudaAttention::of::<E>(b, t, c, nh);
@@ -1079,6 +1083,25 @@ impl Backend for CudaBackend {
         let hs = c / nh;
         let elems = b * t * c;
         let dims = [int(OP, "B", b)?, int(OP, "T", t)?, int(OP, "NH", nh)?, int(OP, "HS", hs)?];
+        let scale = 1.0 / (hs as f32).sqrt();
+        // The fused kernels read q, k, v and dout in 32-bit pairs: both 4-byte aligned.
+        let aligned = qkv.address().is_multiple_of(4) && dout.address().is_multiple_of(4);
+        if let (Some(dq_kernel), Some(dkv_kernel), true) = (
+            self.attention.fused_entry("backward_dq", hs, dt),
+            self.attention.fused_entry("backward_dkv", hs, dt),
+            aligned,
+        ) {
+            // The one scratch: each row's D = Σ p·datt (B,NH,T) f32, from the dq kernel to the
+            // dk/dv kernel (the compute stream orders them).
+            let delta = self.scratch(lse.len() * 4)?;
+            let (dx, d, dy, x, l) = (dqkv.address(), delta.address(), dout.address(), qkv.address(), lse.address());
+            let mut args = vec![Arg::Ptr(dx), Arg::Ptr(d), Arg::Ptr(dy), Arg::Ptr(x), Arg::Ptr(l)];
+            args.extend([dims[0], dims[1], dims[2], Arg::F32(scale)]);
+            self.launch(OP, &dq_kernel, flash_blocks(b, t, nh), &args)?;
+            let mut args = vec![Arg::Ptr(dx), Arg::Ptr(dy), Arg::Ptr(x), Arg::Ptr(l), Arg::Ptr(d)];
+            args.extend([dims[0], dims[1], dims[2], Arg::F32(scale)]);
+            return self.launch(OP, &dkv_kernel, flash_blocks(b, t, nh), &args);
+        }
         // Scratch sized by the declaration the estimator sums, allocated in the order
         // `CudaAttention::backward_peak` lists it.
         let ws = CudaAttention::of::<E>(b, t, c, nh);
@@ -1096,7 +1119,6 @@ impl Backend for CudaBackend {
         let (dq, dk, dv) = (self.scratch(ws.heads_f32)?, self.scratch(ws.heads_f32)?, self.scratch(ws.heads_f32)?);
         let (scores, probs) = (self.scratch(ws.scores)?, self.scratch(ws.probs)?);
         let heads = HeadChunks::<E>::new(b, t, c, nh, ws.chunk);
-        let scale = 1.0 / (hs as f32).sqrt();
         for chunk in heads.chunks() {
             // The probabilities forward used: the same scores product, exp(s − lse) in E.
             self.gemm(OP, heads.scores(&chunk, k.address(), q.address(), scores.address()))?;

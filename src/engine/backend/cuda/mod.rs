@@ -446,19 +446,23 @@ mod tests {
         assert_eq!(AttentionKernels::parse(Some("fused")).unwrap(), AttentionKernels::Fused);
         let e = AttentionKernels::parse(Some("flash")).unwrap_err().to_string();
         assert!(e.contains("HEADROOM_CUDA_ATTENTION") && e.contains("`flash`") && e.contains("gemm or fused"), "{e}");
-        // (kernels, head size, storage suffix) → the fused entry point, or the cuBLAS path
+        // (kernels, pass, head size, storage suffix) → the fused entry point, or the cuBLAS path
         let table = [
-            (AttentionKernels::Fused, 64, "bf16", Some("flash_attention_forward_hs64_bf16")),
-            (AttentionKernels::Fused, 32, "f16", Some("flash_attention_forward_hs32_f16")),
-            (AttentionKernels::Fused, 64, "f32", None),
-            (AttentionKernels::Fused, 48, "bf16", None),
-            (AttentionKernels::Fused, 128, "bf16", None),
-            (AttentionKernels::Gemm, 64, "bf16", None),
+            (AttentionKernels::Fused, "forward", 64, "bf16", Some("flash_attention_forward_hs64_bf16")),
+            (AttentionKernels::Fused, "forward", 32, "f16", Some("flash_attention_forward_hs32_f16")),
+            (AttentionKernels::Fused, "backward_dq", 64, "f16", Some("flash_attention_backward_dq_hs64_f16")),
+            (AttentionKernels::Fused, "backward_dkv", 32, "bf16", Some("flash_attention_backward_dkv_hs32_bf16")),
+            (AttentionKernels::Fused, "forward", 64, "f32", None),
+            (AttentionKernels::Fused, "backward_dq", 64, "f32", None),
+            (AttentionKernels::Fused, "forward", 48, "bf16", None),
+            (AttentionKernels::Fused, "backward_dkv", 128, "bf16", None),
+            (AttentionKernels::Gemm, "forward", 64, "bf16", None),
+            (AttentionKernels::Gemm, "backward_dq", 64, "bf16", None),
         ];
         let entries = entry_points("attention").unwrap();
-        for (kernels, hs, dt, want) in table {
-            let got = kernels.fused_entry(hs, dt);
-            assert_eq!(got.as_deref(), want, "{kernels:?} hs {hs} {dt}");
+        for (kernels, pass, hs, dt, want) in table {
+            let got = kernels.fused_entry(pass, hs, dt);
+            assert_eq!(got.as_deref(), want, "{kernels:?} {pass} hs {hs} {dt}");
             if let Some(entry) = got {
                 assert!(entries.contains(&entry), "{entry} is not in kernels/attention.cu");
                 assert_eq!(launch_bound("attention", &entry).unwrap(), Some(128), "{entry}");
