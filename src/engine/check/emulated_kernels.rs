@@ -719,3 +719,203 @@ fn the_cached_attention_kernels_match_the_cpu_reference() {
     cached_attention_matches_the_reference::<half::bf16>(&attention, 2.0 / 256.0);
     cached_attention_matches_the_reference::<half::f16>(&attention, 2.0 / 2048.0);
 }
+
+/// int8 transfer packing (activation offload) and 4-bit weight unpacking against `layers`, bit
+/// for bit: the same f32 operations in the same order (absmax, absmax / 127, round half away
+/// from zero, clamp; q · scale rounded once). Rows of 77 (a warp's stride comes round three
+/// times, the last time partly), one row all zeros (scale 1), one whose absmax is its last
+/// element, and exact halves of the scale.
+fn int8_kernels_match_the_reference<E: Elem>(int8: &Emulated) {
+    let dt = suffix::<E>();
+    let (rows, c) = (37, 77);
+    let mut rng = Rng::new(83);
+    let mut x: Vec<E> = random(&mut rng, rows * c, 2.0);
+    x[5 * c..6 * c].fill(E::from_f32(0.0));
+    // Row 11's largest magnitude in its last column (the warp's last, partial stride), negative.
+    x[12 * c - 1] = E::from_f32(-9.0);
+    // Row 7: amax 127 (scale 1), so its halves are ties the rounding must break away from 0.
+    for (i, v) in x[7 * c..8 * c].iter_mut().enumerate() {
+        *v = E::from_f32(if i == 0 { 127.0 } else { (i as f32 - 38.0) + 0.5 });
+    }
+    let (mut q, mut scales) = (vec![i8::MIN; rows * c], vec![f32::NAN; rows]);
+    let mut args = [buf(&mut q), buf(&mut scales), buf(&mut x), int(rows), int(c)];
+    int8.launch(&format!("pack_int8_{dt}"), warp_rows(rows), &mut args);
+    let (mut want_q, mut want_scales) = (vec![0i8; rows * c], vec![0f32; rows]);
+    layers::pack_int8(&mut want_q, &mut want_scales, &x, c);
+    assert_eq!(q, want_q, "pack_int8 {dt}: q");
+    assert_eq!(bytemuck::cast_slice::<f32, u32>(&scales), bytemuck::cast_slice::<f32, u32>(&want_scales), "{dt}");
+    // −36.5 and 38.5: ties, broken away from zero
+    assert_eq!((q[7 * c + 1], q[8 * c - 1]), (-37, 39), "pack_int8 {dt}: ties");
+
+    let mut back = vec![E::from_f32(f32::NAN); rows * c];
+    let mut args = [buf(&mut back), buf(&mut q), buf(&mut scales), int(rows), int(c)];
+    int8.launch(&format!("unpack_int8_{dt}"), elementwise(rows * c), &mut args);
+    let mut want = vec![E::default(); rows * c];
+    layers::unpack_int8(&mut want, &want_q, &want_scales, c);
+    assert_eq!(bytemuck::cast_slice::<E, u8>(&back), bytemuck::cast_slice::<E, u8>(&want), "unpack_int8 {dt}");
+
+    // 4-bit: every byte value, groups of 8 values (4 bytes), each group its own scale.
+    let (n, group) = (512, 8);
+    let mut packed: Vec<u8> = (0..n / 2).map(|i| i as u8).collect();
+    let mut scales: Vec<f32> = (0..n / group).map(|g| 0.01 + 0.37 * g as f32).collect();
+    let mut got = vec![E::from_f32(f32::NAN); n];
+    let mut args = [buf(&mut got), buf(&mut packed), buf(&mut scales), Arg::I64(n as i64), int(group)];
+    int8.launch(&format!("unpack_int4_{dt}"), elementwise(n), &mut args);
+    let mut want = vec![E::default(); n];
+    layers::unpack_int4(&mut want, &packed, &scales, group);
+    assert_eq!(bytemuck::cast_slice::<E, u8>(&got), bytemuck::cast_slice::<E, u8>(&want), "unpack_int4 {dt}");
+}
+
+#[test]
+fn the_int8_and_int4_kernels_match_the_cpu_reference_bit_for_bit() {
+    let Some(int8) = Emulated::build("int8") else { return };
+    int8_kernels_match_the_reference::<f32>(&int8);
+    int8_kernels_match_the_reference::<half::bf16>(&int8);
+    int8_kernels_match_the_reference::<half::f16>(&int8);
+}
+
+/// The cuBLAS attention path's head permutes against their definitions, bit for bit: qkv
+/// (B,T,3,NH,HS) split into q, k, v (B,NH,T,HS); (B,NH,T,HS) merged into (B,T,C) and split back;
+/// f32 dq, dk, dv gathered into dqkv, each rounded once to the storage type.
+fn head_permutes_match_their_definitions<E: Elem>(attention: &Emulated) {
+    let dt = suffix::<E>();
+    let (b, t, nh, hs) = (2, 37, 3, 12);
+    let c = nh * hs;
+    let n = b * t * c;
+    let mut rng = Rng::new(89);
+    let mut qkv: Vec<E> = random(&mut rng, 3 * n, 1.0);
+    let dims = || [int(b), int(t), int(nh), int(hs)];
+    // (B,NH,T,HS) index of (b, h, t, d) and its (B,T,C) / (B,T,3C) twins
+    let head = |bi: usize, h: usize, ti: usize, d: usize| ((bi * nh + h) * t + ti) * hs + d;
+    let row = |bi: usize, ti: usize, part: usize, h: usize, d: usize, width: usize| {
+        (bi * t + ti) * width + part * c + h * hs + d
+    };
+    let every = || {
+        (0..b).flat_map(move |bi| {
+            (0..nh).flat_map(move |h| (0..t).flat_map(move |ti| (0..hs).map(move |d| (bi, h, ti, d))))
+        })
+    };
+    let bits = |v: E| v.to_f32().to_bits(); // exact: every storage type widens to f32 exactly
+
+    let (mut q, mut k, mut v) = (vec![E::from_f32(f32::NAN); n], vec![E::default(); n], vec![E::default(); n]);
+    let mut args: Vec<Arg> = vec![buf(&mut q), buf(&mut k), buf(&mut v), buf(&mut qkv)];
+    args.extend(dims());
+    attention.launch(&format!("permute_qkv_{dt}"), elementwise(n), &mut args);
+    for (bi, h, ti, d) in every() {
+        for (part, x) in [&q, &k, &v].into_iter().enumerate() {
+            assert_eq!(bits(x[head(bi, h, ti, d)]), bits(qkv[row(bi, ti, part, h, d, 3 * c)]), "{dt} part {part}");
+        }
+    }
+
+    let mut merged = vec![E::from_f32(f32::NAN); n];
+    let mut args: Vec<Arg> = vec![buf(&mut merged), buf(&mut q)];
+    args.extend(dims());
+    args.push(Arg::I32(1));
+    attention.launch(&format!("heads_permute_{dt}"), elementwise(n), &mut args);
+    for (bi, h, ti, d) in every() {
+        assert_eq!(bits(merged[row(bi, ti, 0, h, d, c)]), bits(q[head(bi, h, ti, d)]), "{dt} merge");
+    }
+    let mut split = vec![E::from_f32(f32::NAN); n];
+    let mut args: Vec<Arg> = vec![buf(&mut split), buf(&mut merged)];
+    args.extend(dims());
+    args.push(Arg::I32(0));
+    attention.launch(&format!("heads_permute_{dt}"), elementwise(n), &mut args);
+    assert_eq!(bytemuck::cast_slice::<E, u8>(&split), bytemuck::cast_slice::<E, u8>(&q), "{dt} split");
+
+    let mut grads: Vec<Vec<f32>> = (0..3).map(|_| (0..n).map(|_| rng.normal() as f32).collect()).collect();
+    let mut dqkv = vec![E::from_f32(f32::NAN); 3 * n];
+    let [dq, dk, dv] = &mut grads[..] else { unreachable!() };
+    let mut args: Vec<Arg> = vec![buf(&mut dqkv), buf(dq), buf(dk), buf(dv)];
+    args.extend(dims());
+    attention.launch(&format!("permute_qkv_backward_{dt}"), elementwise(n), &mut args);
+    for (bi, h, ti, d) in every() {
+        for (part, g) in grads.iter().enumerate() {
+            let want = E::from_f32(g[head(bi, h, ti, d)]);
+            assert_eq!(bits(dqkv[row(bi, ti, part, h, d, 3 * c)]), bits(want), "{dt} backward part {part}");
+        }
+    }
+}
+
+#[test]
+fn the_head_permute_kernels_match_their_definitions() {
+    let Some(attention) = Emulated::build("attention") else { return };
+    head_permutes_match_their_definitions::<f32>(&attention);
+    head_permutes_match_their_definitions::<half::bf16>(&attention);
+    head_permutes_match_their_definitions::<half::f16>(&attention);
+}
+
+/// LayerNorm forward (one warp per row: f32 statistics, where the CPU sums in f64) and its
+/// recompute from saved statistics; the residual add and the matmul's bias broadcast.
+fn layernorm_forward_and_residual_kernels_match_the_reference<E: Elem>(
+    layernorm: &Emulated,
+    residual: &Emulated,
+    eps: f64,
+) {
+    let dt = suffix::<E>();
+    let (n, c) = (37, 77);
+    let mut rng = Rng::new(97);
+    // rows off zero, so the mean matters
+    let mut inp: Vec<E> = (0..n * c).map(|i| E::from_f32(rng.normal() as f32 * 1.5 + (i / c) as f32 * 0.1)).collect();
+    let (mut weight, mut bias) = (random::<E>(&mut rng, c, 1.0), random::<E>(&mut rng, c, 0.5));
+    let (mut want, mut want_mean, mut want_rstd) = (vec![E::default(); n * c], vec![0f32; n], vec![0f32; n]);
+    layers::layernorm_forward(&mut want, &mut want_mean, &mut want_rstd, &inp, &weight, &bias, c);
+    // each output within f32 error of the magnitudes it is made of, plus rounding apart
+    let magnitude: Vec<f64> = (0..n * c)
+        .map(|i| {
+            let (x, m, r) = (inp[i].to_f32() as f64, want_mean[i / c] as f64, want_rstd[i / c] as f64);
+            ((x.abs() + m.abs()) * r * weight[i % c].to_f32().abs() as f64) + bias[i % c].to_f32().abs() as f64
+        })
+        .collect();
+
+    let (mut out, mut mean, mut rstd) = (vec![E::from_f32(f32::NAN); n * c], vec![f32::NAN; n], vec![f32::NAN; n]);
+    let mut args = [
+        buf(&mut out),
+        buf(&mut mean),
+        buf(&mut rstd),
+        buf(&mut inp),
+        buf(&mut weight),
+        buf(&mut bias),
+        int(n),
+        int(c),
+    ];
+    layernorm.launch(&format!("layernorm_forward_{dt}"), warp_rows(n), &mut args);
+    for (what, got, want) in [("mean", &mean, &want_mean), ("rstd", &rstd, &want_rstd)] {
+        for (row, (g, w)) in got.iter().zip(want.iter()).enumerate() {
+            assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "{what}[{row}] {dt}: {g} vs {w}");
+        }
+    }
+    close(&format!("layernorm_forward {dt}"), &out, &want, &magnitude, 1e-5, 2.0 * eps);
+
+    let mut again = vec![E::from_f32(f32::NAN); n * c];
+    let (mut m, mut r) = (want_mean.clone(), want_rstd.clone());
+    let mut args =
+        [buf(&mut again), buf(&mut inp), buf(&mut weight), buf(&mut bias), buf(&mut m), buf(&mut r), int(n), int(c)];
+    layernorm.launch(&format!("layernorm_recompute_{dt}"), elementwise(n * c), &mut args);
+    let mut want_again = vec![E::default(); n * c];
+    layers::layernorm_recompute(&mut want_again, &inp, &weight, &bias, &want_mean, &want_rstd, c);
+    close(&format!("layernorm_recompute {dt}"), &again, &want_again, &magnitude, 1e-6, 2.0 * eps);
+
+    // out += inp: one f32 add, one rounding — bit for bit
+    let mut sum = out.clone();
+    let mut args = [buf(&mut sum), buf(&mut inp), Arg::I64((n * c) as i64)];
+    residual.launch(&format!("residual_forward_{dt}"), elementwise(n * c), &mut args);
+    let mut want_sum = out.clone();
+    layers::residual_forward_inplace(&mut want_sum, &inp);
+    assert_eq!(bytemuck::cast_slice::<E, u8>(&sum), bytemuck::cast_slice::<E, u8>(&want_sum), "residual {dt}");
+
+    let mut broadcast = vec![E::from_f32(f32::NAN); n * c];
+    let mut args = [buf(&mut broadcast), buf(&mut bias), Arg::I64(n as i64), int(c)];
+    residual.launch(&format!("bias_broadcast_{dt}"), elementwise(n * c), &mut args);
+    let want_rows: Vec<E> = (0..n).flat_map(|_| bias.iter().copied()).collect();
+    assert_eq!(bytemuck::cast_slice::<E, u8>(&broadcast), bytemuck::cast_slice::<E, u8>(&want_rows), "bias {dt}");
+}
+
+#[test]
+fn the_layernorm_forward_and_residual_kernels_match_the_cpu_reference() {
+    let (Some(layernorm), Some(residual)) = (Emulated::build("layernorm"), Emulated::build("residual")) else {
+        return;
+    };
+    layernorm_forward_and_residual_kernels_match_the_reference::<f32>(&layernorm, &residual, 0.0);
+    layernorm_forward_and_residual_kernels_match_the_reference::<half::bf16>(&layernorm, &residual, 1.0 / 256.0);
+    layernorm_forward_and_residual_kernels_match_the_reference::<half::f16>(&layernorm, &residual, 1.0 / 2048.0);
+}
