@@ -805,3 +805,30 @@ fn quantized_weights_take_a_quarter_or_an_eighth_and_keep_perplexity() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--schemes: `int3` is not a scheme"));
 }
+
+#[test]
+fn the_estimate_follows_the_cuda_attention_kernels_setting() {
+    // Head size 64 in bf16 on cuda: the fused kernels' run, so their declarations are summed —
+    // and the device reads the same variable, so the prediction is its own.
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = job_yaml("fused", 2, 8, 8, "4GiB")
+        .replace("n_head: 4, n_embd: 64, block_size: 64", "n_head: 2, n_embd: 128, block_size: 512")
+        .replace("device: { kind: cpu,", "memory: { precision: bf16 }\ndevice: { kind: cuda,");
+    let job = write_job(dir.path(), &yaml);
+    let estimate = |setting: Option<&str>| -> serde_json::Value {
+        let mut cmd = Command::new(bin());
+        cmd.args(["estimate", "--json", "--config"]).arg(&job).env_remove("HEADROOM_CUDA_ATTENTION");
+        if let Some(value) = setting {
+            cmd.env("HEADROOM_CUDA_ATTENTION", value);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()[0]["estimate"].clone()
+    };
+    let (default, gemm, fused) = (estimate(None), estimate(Some("gemm")), estimate(Some("fused")));
+    assert_eq!(default, gemm);
+    assert_eq!(gemm["workspace_model"], "cuda");
+    assert_eq!(fused["workspace_model"], "cuda_fused_attention");
+    let peak = |e: &serde_json::Value| e["peak_allocated"].as_u64().unwrap();
+    assert!(peak(&fused) < peak(&gemm), "{fused} vs {gemm}");
+}

@@ -83,7 +83,7 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
     let attention = device.attention_kernels();
     println!(
         "attention in 16-bit storage: {attention:?} ({}=gemm|fused)",
-        crate::engine::backend::cuda::AttentionKernels::VARIABLE
+        crate::engine::backend::workspace::CudaAttentionKernels::VARIABLE
     );
     println!("seed: {seed}");
     drop(device);
@@ -104,8 +104,7 @@ fn run_on(args: &GpuCheckArgs, shapes: &[ParityShape], seed: u64) -> anyhow::Res
         batch: 16,
         seq: 1024,
     };
-    let exact_workspace = attention == crate::engine::backend::cuda::AttentionKernels::Gemm;
-    let mut checks = checks(&open, WorkspaceModel::Cuda, args, shapes, &gpt2, seed, true, exact_workspace)?;
+    let mut checks = checks(&open, WorkspaceModel::Cuda(attention), args, shapes, &gpt2, seed, true)?;
     checks.extend(nccl_checks(index, args)?);
     summary(&checks)
 }
@@ -159,7 +158,6 @@ fn nccl_checks(index: u32, args: &GpuCheckArgs) -> anyhow::Result<Vec<Check>> {
 /// `bench_case` in bf16.
 /// `driver_refusal`: also check that an allocation beyond the device's memory is refused by
 /// its allocator (not for a device whose segments are host memory, which the OS may overcommit).
-/// `exact_workspace`: check each op's scratch against its declaration.
 #[cfg(any(feature = "cuda", test))]
 #[allow(clippy::too_many_arguments)]
 fn checks<B: crate::engine::backend::Backend>(
@@ -170,7 +168,6 @@ fn checks<B: crate::engine::backend::Backend>(
     bench_case: &crate::engine::check::bench::BenchCase,
     seed: u64,
     driver_refusal: bool,
-    exact_workspace: bool,
 ) -> anyhow::Result<Vec<Check>> {
     use crate::engine::backend::CpuBackend;
     use crate::engine::check::{parity, train_parity, workspace_check};
@@ -198,9 +195,8 @@ fn checks<B: crate::engine::backend::Backend>(
     drop(reference);
 
     // 1b. Every op's scratch, measured by the device's pool, against what the estimator sums
-    // (not with the fused attention kernels: they allocate less — backward's D only — than the
-    // cuBLAS path's declaration, which the estimator keeps).
-    if exact_workspace {
+    // (the model's: with the fused attention kernels, theirs).
+    {
         let mut rows = Vec::new();
         let mut failure = None;
         for &shape in shapes {
@@ -216,8 +212,6 @@ fn checks<B: crate::engine::backend::Backend>(
             ok: failure.is_none() && exact == rows.len(),
             figure: failure.unwrap_or_else(|| format!("{exact}/{} ops allocate exactly what they declare", rows.len())),
         });
-    } else {
-        println!("op workspace: not checked (HEADROOM_CUDA_ATTENTION=fused; the default kernels' run checks it)");
     }
     drop(device);
 
@@ -598,7 +592,7 @@ mod tests {
             Ok(DeviceSim::with_segments(memory.unwrap_or(4 << 30), expandable))
         };
         let tiny = crate::engine::check::bench::preset("tiny").expect("the tiny preset").remove(0);
-        let checks = checks(&open, WorkspaceModel::Cpu, &args, &[ParityShape::ODD], &tiny, 7, false, true).unwrap();
+        let checks = checks(&open, WorkspaceModel::Cpu, &args, &[ParityShape::ODD], &tiny, 7, false).unwrap();
         let names: Vec<&str> = checks.iter().map(|c| c.name.as_str()).collect();
         for c in &checks {
             assert!(c.ok, "{}: {}", c.name, c.figure);

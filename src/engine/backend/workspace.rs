@@ -3,32 +3,76 @@
 //! prediction is exact for the backend the job runs on. Only ops that take pool memory appear;
 //! libraries' own memory (cuBLAS's workspace) is outside the pool.
 
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 
 use crate::config::DeviceKind;
 
 use super::layers::{self, Elem};
 
 /// Whose workspace declarations a prediction uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WorkspaceModel {
     Cpu,
-    Cuda,
+    /// The cuda backend, with the attention kernels it runs.
+    Cuda(CudaAttentionKernels),
+}
+
+/// The cuda attention's kernels in 16-bit storage: cuBLAS products around a (T, T) softmax (the
+/// default; scratch: head copies and a chunk's (T, T) matrices, `CudaAttention`), or the fused
+/// kernels (`flash_attention_*`: no (T, T) buffer, no head copies; backward's one scratch is
+/// each row's D, (B,NH,T) f32) for head sizes 32 and 64. Chosen by
+/// `HEADROOM_CUDA_ATTENTION=gemm|fused` — read by the device when it opens and by the estimator
+/// alike — until the fused kernels' speed is measured on a GPU; both keep only lse between the
+/// passes, so either backward follows either forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CudaAttentionKernels {
+    #[default]
+    Gemm,
+    Fused,
+}
+
+impl CudaAttentionKernels {
+    pub const VARIABLE: &'static str = "HEADROOM_CUDA_ATTENTION";
+    /// The values `parse` accepts, for an error message.
+    pub const EXPECTED: &'static str = "gemm or fused";
+
+    /// The setting's value (unset: `gemm`); None for anything else.
+    pub fn parse(value: Option<&str>) -> Option<CudaAttentionKernels> {
+        match value {
+            None | Some("gemm") => Some(CudaAttentionKernels::Gemm),
+            Some("fused") => Some(CudaAttentionKernels::Fused),
+            Some(_) => None,
+        }
+    }
+
+    /// Whether the fused kernels run for storage `E` and head size `hs`.
+    pub fn fused<E: Elem>(self, hs: usize) -> bool {
+        self == CudaAttentionKernels::Fused && !E::is_f32() && matches!(hs, 32 | 64)
+    }
 }
 
 impl WorkspaceModel {
+    /// The cuda backend with its default kernels.
+    pub const CUDA: WorkspaceModel = WorkspaceModel::Cuda(CudaAttentionKernels::Gemm);
+
+    /// The model of a device kind's backend as this process would open it: on cuda, with the
+    /// attention kernels `HEADROOM_CUDA_ATTENTION` selects (a value the device would refuse to
+    /// open with reads as the default here; the device's error names it).
     pub fn of(kind: DeviceKind) -> WorkspaceModel {
         match kind {
             DeviceKind::Cpu => WorkspaceModel::Cpu,
-            DeviceKind::Cuda => WorkspaceModel::Cuda,
+            DeviceKind::Cuda => WorkspaceModel::Cuda(
+                CudaAttentionKernels::parse(std::env::var(CudaAttentionKernels::VARIABLE).ok().as_deref())
+                    .unwrap_or_default(),
+            ),
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
             WorkspaceModel::Cpu => "cpu",
-            WorkspaceModel::Cuda => "cuda",
+            WorkspaceModel::Cuda(CudaAttentionKernels::Gemm) => "cuda",
+            WorkspaceModel::Cuda(CudaAttentionKernels::Fused) => "cuda_fused_attention",
         }
     }
 
@@ -36,7 +80,7 @@ impl WorkspaceModel {
     pub fn matmul_forward<E: Elem>(self, n: usize, c: usize, oc: usize) -> Vec<usize> {
         match self {
             WorkspaceModel::Cpu => vec![layers::matmul_forward_scratch::<E>(n, c, oc) * 4],
-            WorkspaceModel::Cuda => vec![],
+            WorkspaceModel::Cuda(_) => vec![],
         }
     }
 
@@ -45,8 +89,8 @@ impl WorkspaceModel {
     pub fn matmul_backward<E: Elem>(self, n: usize, c: usize, oc: usize, bias: bool) -> Vec<usize> {
         match self {
             WorkspaceModel::Cpu => vec![layers::matmul_backward_scratch::<E>(n, c, oc) * 4],
-            WorkspaceModel::Cuda if bias => vec![cuda_column_bands(n) * oc * 4],
-            WorkspaceModel::Cuda => vec![],
+            WorkspaceModel::Cuda(_) if bias => vec![cuda_column_bands(n) * oc * 4],
+            WorkspaceModel::Cuda(_) => vec![],
         }
     }
 
@@ -55,23 +99,26 @@ impl WorkspaceModel {
     pub fn layernorm_backward(self, n: usize, c: usize) -> Vec<usize> {
         match self {
             WorkspaceModel::Cpu => vec![],
-            WorkspaceModel::Cuda => vec![cuda_column_bands(n) * c * 4; 2],
+            WorkspaceModel::Cuda(_) => vec![cuda_column_bands(n) * c * 4; 2],
         }
     }
 
-    /// Buffers live at the peak of `attention_forward`.
+    /// Buffers live at the peak of `attention_forward`: none with the fused kernel.
     pub fn attention_forward<E: Elem>(self, b: usize, t: usize, c: usize, nh: usize) -> Vec<usize> {
         match self {
             WorkspaceModel::Cpu => vec![layers::attention_forward_scratch::<E>(b, t, c, nh) * 4],
-            WorkspaceModel::Cuda => CudaAttention::of::<E>(b, t, c, nh).forward_peak(),
+            WorkspaceModel::Cuda(k) if k.fused::<E>(c / nh) => vec![],
+            WorkspaceModel::Cuda(_) => CudaAttention::of::<E>(b, t, c, nh).forward_peak(),
         }
     }
 
-    /// Buffers live at the peak of `attention_backward`.
+    /// Buffers live at the peak of `attention_backward`: with the fused kernels, each row's
+    /// D = Σ p·datt, (B,NH,T) f32.
     pub fn attention_backward<E: Elem>(self, b: usize, t: usize, c: usize, nh: usize) -> Vec<usize> {
         match self {
             WorkspaceModel::Cpu => vec![layers::attention_backward_scratch::<E>(b, t, c, nh) * 4],
-            WorkspaceModel::Cuda => CudaAttention::of::<E>(b, t, c, nh).backward_peak(),
+            WorkspaceModel::Cuda(k) if k.fused::<E>(c / nh) => vec![b * nh * t * 4],
+            WorkspaceModel::Cuda(_) => CudaAttention::of::<E>(b, t, c, nh).backward_peak(),
         }
     }
 
@@ -80,7 +127,7 @@ impl WorkspaceModel {
     pub fn attention_cached(self, d: super::shapes::CachedAttention) -> Vec<usize> {
         match self {
             WorkspaceModel::Cpu => vec![layers::attention_cached_scratch(d.b, d.context, d.nh) * 4],
-            WorkspaceModel::Cuda => vec![d.b * d.nh * d.tn * d.context * 4],
+            WorkspaceModel::Cuda(_) => vec![d.b * d.nh * d.tn * d.context * 4],
         }
     }
 
@@ -89,8 +136,14 @@ impl WorkspaceModel {
     pub fn sum_squares<E: Elem>(self, n: usize) -> Vec<usize> {
         match self {
             WorkspaceModel::Cpu => vec![],
-            WorkspaceModel::Cuda => vec![cuda_norm_blocks(n) * 4],
+            WorkspaceModel::Cuda(_) => vec![cuda_norm_blocks(n) * 4],
         }
+    }
+}
+
+impl Serialize for WorkspaceModel {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
     }
 }
 
@@ -193,12 +246,40 @@ mod tests {
             WorkspaceModel::Cpu.attention_backward::<half::bf16>(4, 64, 64, 4),
             vec![layers::attention_backward_scratch::<half::bf16>(4, 64, 64, 4) * 4]
         );
-        assert!(WorkspaceModel::Cuda.matmul_forward::<half::bf16>(256, 64, 192).is_empty(), "cuBLAS, not the pool");
+        assert!(WorkspaceModel::CUDA.matmul_forward::<half::bf16>(256, 64, 192).is_empty(), "cuBLAS, not the pool");
         // Column sums: 64 bands of 256 rows at B 16, T 1024; capped at 128; one for a short tensor.
-        assert_eq!(WorkspaceModel::Cuda.matmul_backward::<half::bf16>(16 * 1024, 768, 2304, true), vec![64 * 2304 * 4]);
-        assert!(WorkspaceModel::Cuda.matmul_backward::<half::bf16>(16 * 1024, 768, 50257, false).is_empty());
-        assert_eq!(WorkspaceModel::Cuda.layernorm_backward(1 << 20, 1600), vec![128 * 1600 * 4; 2]);
+        assert_eq!(WorkspaceModel::CUDA.matmul_backward::<half::bf16>(16 * 1024, 768, 2304, true), vec![64 * 2304 * 4]);
+        assert!(WorkspaceModel::CUDA.matmul_backward::<half::bf16>(16 * 1024, 768, 50257, false).is_empty());
+        assert_eq!(WorkspaceModel::CUDA.layernorm_backward(1 << 20, 1600), vec![128 * 1600 * 4; 2]);
         assert_eq!(cuda_column_bands(10), 1);
         assert!(WorkspaceModel::Cpu.layernorm_backward(1 << 20, 1600).is_empty());
+    }
+
+    #[test]
+    fn the_fused_cuda_attention_declares_d_alone_where_its_kernels_run() {
+        use half::{bf16, f16};
+        let fused = WorkspaceModel::Cuda(CudaAttentionKernels::Fused);
+        // (B, T, C, NH): head sizes 64 and 32 run fused in 16-bit storage
+        for (b, t, c, nh) in [(16, 1024, 768, 12), (3, 37, 96, 3)] {
+            assert!(fused.attention_forward::<bf16>(b, t, c, nh).is_empty());
+            assert_eq!(fused.attention_backward::<f16>(b, t, c, nh), vec![b * nh * t * 4]);
+            // fp32, and the default kernels, keep the cuBLAS path's
+            assert_eq!(
+                fused.attention_backward::<f32>(b, t, c, nh),
+                CudaAttention::of::<f32>(b, t, c, nh).backward_peak()
+            );
+            assert_eq!(
+                WorkspaceModel::CUDA.attention_forward::<bf16>(b, t, c, nh),
+                CudaAttention::of::<bf16>(b, t, c, nh).forward_peak()
+            );
+        }
+        // other head sizes (48, 128) have no fused kernels
+        for (c, nh) in [(768, 16), (1024, 8)] {
+            assert_eq!(
+                fused.attention_backward::<bf16>(4, 64, c, nh),
+                CudaAttention::of::<bf16>(4, 64, c, nh).backward_peak()
+            );
+        }
+        assert_eq!(CudaAttentionKernels::parse(Some("gemm ")), None, "no trimming: the device would refuse it");
     }
 }

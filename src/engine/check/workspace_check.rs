@@ -178,7 +178,7 @@ mod tests {
             }
         }
         // A wrong declaration is caught: the cuda model's attention is not what the cpu allocates.
-        let wrong = run(&cpu, WorkspaceModel::Cuda, ParityShape::ODD).unwrap();
+        let wrong = run(&cpu, WorkspaceModel::CUDA, ParityShape::ODD).unwrap();
         assert!(wrong.iter().any(|r| !r.passed()), "{}", table(&wrong));
     }
 }

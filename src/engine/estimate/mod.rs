@@ -575,6 +575,55 @@ mod tests {
     }
 
     #[test]
+    fn the_fused_cuda_attention_declares_less_workspace_and_the_estimate_follows() {
+        use crate::engine::backend::workspace::CudaAttentionKernels;
+        // GPT-2 124M's blocks at B 16, T 1024 with a small vocabulary: a block's backward, and
+        // in it the attention's workspace, sets the peak.
+        let cfg = GptConfig {
+            n_layer: 2,
+            n_head: 12,
+            n_embd: 768,
+            block_size: 1024,
+            vocab: 256,
+            tp: TpShard::NONE,
+            pp: PpStage::NONE,
+        };
+        let fused = WorkspaceModel::Cuda(CudaAttentionKernels::Fused);
+        for precision in [Precision::Bf16, Precision::Fp16, Precision::Fp32] {
+            let knobs = Knobs { precision, ..Knobs::plain(16, 1024, 1) };
+            let (a, b) = (estimate_on(WorkspaceModel::CUDA, &cfg, &knobs), estimate_on(fused, &cfg, &knobs));
+            println!(
+                "{precision:?}: cuBLAS path {} (workspace {}, at {}), fused {} (workspace {}, at {})",
+                format_bytes(a.peak_allocated),
+                format_bytes(a.workspace),
+                a.peak_at,
+                format_bytes(b.peak_allocated),
+                format_bytes(b.workspace),
+                b.peak_at
+            );
+            assert_eq!((a.params, a.grads, a.optimizer), (b.params, b.grads, b.optimizer));
+            if precision == Precision::Fp32 {
+                assert_eq!(a, Estimate { workspace_model: WorkspaceModel::CUDA, ..b }, "no fused kernels in fp32");
+                continue;
+            }
+            // The cuBLAS path's backward scratch (head copies, f32 gradients, a chunk's (T,T)
+            // matrices: 456 MiB in bf16) against D alone (768 KiB).
+            let declared =
+                |m: WorkspaceModel| m.attention_backward::<half::bf16>(16, 1024, 768, 12).iter().sum::<usize>();
+            assert_eq!(declared(fused), 16 * 12 * 1024 * 4);
+            assert!(declared(WorkspaceModel::CUDA) > 400 << 20);
+            assert!(
+                a.workspace >= declared(WorkspaceModel::CUDA),
+                "the cuBLAS path's attention scratch is at the peak"
+            );
+            assert!(b.peak_allocated + (300 << 20) < a.peak_allocated, "{} vs {}", b.peak_allocated, a.peak_allocated);
+        }
+        assert_eq!(fused.name(), "cuda_fused_attention");
+        assert_eq!(serde_json::to_string(&fused).unwrap(), "\"cuda_fused_attention\"");
+        assert_eq!(serde_json::to_string(&WorkspaceModel::CUDA).unwrap(), "\"cuda\"");
+    }
+
+    #[test]
     fn knobs_lower_the_estimate() {
         let cfg = GptConfig {
             n_layer: 4,

@@ -32,7 +32,7 @@ use super::{
 use crate::engine::backend::collectives::DeviceCollectives;
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::optim::{AdamW, BETA1, BETA2, EPS};
-use crate::engine::backend::workspace::{cuda_column_bands, CudaAttention, WorkspaceModel};
+use crate::engine::backend::workspace::{cuda_column_bands, CudaAttention, CudaAttentionKernels, WorkspaceModel};
 use crate::engine::backend::{shapes, Backend, BackendError, BackendResult, HostPin, View, ViewMut};
 
 /// Threads per block of the elementwise kernels (the workspace declarations size reductions'
@@ -307,41 +307,13 @@ pub struct CudaBackend {
     functions: HashMap<String, (CudaFunction, Vec<Param>)>,
     pool: Pool,
     /// Which kernels run attention in 16-bit storage (`HEADROOM_CUDA_ATTENTION`).
-    attention: AttentionKernels,
+    attention: CudaAttentionKernels,
 }
 
-/// The attention's kernels in 16-bit storage: cuBLAS products around a (T, T) softmax, the
-/// default, or the fused kernels (`flash_attention_{forward,backward_dq,backward_dkv}_*`: no
-/// (T, T) buffer, no head copies) for head sizes 32 and 64. Chosen by
-/// `HEADROOM_CUDA_ATTENTION=gemm|fused` until the fused kernels' speed is measured on a GPU
-/// (their results are checked on the host emulator in CI and against the CPU reference by
-/// gpu-check); both keep only lse between the passes, so either backward follows either forward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttentionKernels {
-    Gemm,
-    Fused,
-}
-
-impl AttentionKernels {
-    pub const VARIABLE: &'static str = "HEADROOM_CUDA_ATTENTION";
-
-    /// The setting's value (unset: `gemm`); anything else is an error naming it.
-    pub fn parse(value: Option<&str>) -> Result<AttentionKernels, CudaError> {
-        match value {
-            None | Some("gemm") => Ok(AttentionKernels::Gemm),
-            Some("fused") => Ok(AttentionKernels::Fused),
-            Some(other) => {
-                Err(CudaError::Setting { name: Self::VARIABLE, value: other.into(), expected: "gemm or fused" })
-            }
-        }
-    }
-
-    /// The fused `kernel`'s entry point (`forward`, `backward_dq`, `backward_dkv`) for head size
-    /// `hs` in storage `dt`, if it has one.
-    pub(super) fn fused_entry(self, kernel: &str, hs: usize, dt: &str) -> Option<String> {
-        (self == AttentionKernels::Fused && dt != "f32" && matches!(hs, 32 | 64))
-            .then(|| format!("flash_attention_{kernel}_hs{hs}_{dt}"))
-    }
+/// The fused attention `kernel`'s entry point (`forward`, `backward_dq`, `backward_dkv`) for
+/// storage `E` (entry-point suffix `dt`) and head size `hs`, when `kernels` runs it.
+pub(super) fn fused_entry<E: Elem>(kernels: CudaAttentionKernels, kernel: &str, hs: usize, dt: &str) -> Option<String> {
+    kernels.fused::<E>(hs).then(|| format!("flash_attention_{kernel}_hs{hs}_{dt}"))
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -373,7 +345,12 @@ impl CudaBackend {
         let arch = format!("sm_{major}{minor}");
         let stream = ctx.default_stream();
         let copy = ctx.new_stream().map_err(|e| err("copy stream creation")(&e))?;
-        let attention = AttentionKernels::parse(std::env::var(AttentionKernels::VARIABLE).ok().as_deref())?;
+        let setting = std::env::var(CudaAttentionKernels::VARIABLE).ok();
+        let attention = CudaAttentionKernels::parse(setting.as_deref()).ok_or_else(|| CudaError::Setting {
+            name: CudaAttentionKernels::VARIABLE,
+            value: setting.clone().unwrap_or_default(),
+            expected: CudaAttentionKernels::EXPECTED,
+        })?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS handle creation")(&e))?;
         let mut functions = HashMap::new();
         for (family, _) in KERNELS {
@@ -428,7 +405,7 @@ impl CudaBackend {
 
     /// The device's marketing name, e.g. "NVIDIA H200".
     /// Which kernels run attention in 16-bit storage.
-    pub fn attention_kernels(&self) -> AttentionKernels {
+    pub fn attention_kernels(&self) -> CudaAttentionKernels {
         self.attention
     }
 
@@ -1001,9 +978,10 @@ impl Backend for CudaBackend {
         let dims = [int(OP, "B", b)?, int(OP, "T", t)?, int(OP, "NH", nh)?, int(OP, "HS", hs)?];
         let scale = 1.0 / (hs as f32).sqrt();
         // The fused kernel reads q and k in 32-bit pairs: qkv 4-byte aligned (pool memory is).
-        if let Some(kernel) = self.attention.fused_entry("forward", hs, dt).filter(|_| qkv.address().is_multiple_of(4))
+        if let Some(kernel) =
+            fused_entry::<E>(self.attention, "forward", hs, dt).filter(|_| qkv.address().is_multiple_of(4))
         {
-            // No scratch.
+            // No scratch (`WorkspaceModel::attention_forward` declares none).
             let mut args = vec![Arg::Ptr(out.address()), Arg::Ptr(lse.address()), Arg::Ptr(qkv.address())];
             args.extend([dims[0], dims[1], dims[2]]);
             args.push(Arg::F32(scale));
@@ -1050,7 +1028,7 @@ impl Backend for CudaBackend {
         let args = [Arg::Ptr(cache.address()), Arg::Ptr(qkv.address()), b, tn, start, context, int(OP, "C", d.c)?];
         self.launch(OP, &format!("kv_append_{dt}"), elementwise(d.b * d.tn * d.c), &args)?;
         // Scratch sized by the declaration the estimator sums.
-        let scores = self.scratch(WorkspaceModel::Cuda.attention_cached(d)[0])?;
+        let scores = self.scratch(WorkspaceModel::CUDA.attention_cached(d)[0])?;
         let args = [
             Arg::Ptr(out.address()),
             Arg::Ptr(scores.address()),
@@ -1087,13 +1065,14 @@ impl Backend for CudaBackend {
         // The fused kernels read q, k, v and dout in 32-bit pairs: both 4-byte aligned.
         let aligned = qkv.address().is_multiple_of(4) && dout.address().is_multiple_of(4);
         if let (Some(dq_kernel), Some(dkv_kernel), true) = (
-            self.attention.fused_entry("backward_dq", hs, dt),
-            self.attention.fused_entry("backward_dkv", hs, dt),
+            fused_entry::<E>(self.attention, "backward_dq", hs, dt),
+            fused_entry::<E>(self.attention, "backward_dkv", hs, dt),
             aligned,
         ) {
-            // The one scratch: each row's D = Σ p·datt (B,NH,T) f32, from the dq kernel to the
-            // dk/dv kernel (the compute stream orders them).
-            let delta = self.scratch(lse.len() * 4)?;
+            // The one scratch, as declared: each row's D = Σ p·datt (B,NH,T) f32, from the dq
+            // kernel to the dk/dv kernel (the compute stream orders them).
+            let declared = WorkspaceModel::Cuda(self.attention).attention_backward::<E>(b, t, c, nh);
+            let delta = self.scratch(declared[0])?;
             let (dx, d, dy, x, l) = (dqkv.address(), delta.address(), dout.address(), qkv.address(), lse.address());
             let mut args = vec![Arg::Ptr(dx), Arg::Ptr(d), Arg::Ptr(dy), Arg::Ptr(x), Arg::Ptr(l)];
             args.extend([dims[0], dims[1], dims[2], Arg::F32(scale)]);

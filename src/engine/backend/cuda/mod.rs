@@ -4,7 +4,7 @@
 //! `backend` executes the `Backend` ops on a device, which `headroom train` on `cuda` runs.
 
 pub(crate) mod backend;
-pub use backend::{AttentionKernels, CudaBackend};
+pub use backend::CudaBackend;
 mod vmm;
 
 pub mod libraries;
@@ -441,31 +441,51 @@ mod tests {
 
     #[test]
     fn the_attention_kernels_setting_is_parsed_and_names_entry_points_that_exist() {
-        assert_eq!(AttentionKernels::parse(None).unwrap(), AttentionKernels::Gemm);
-        assert_eq!(AttentionKernels::parse(Some("gemm")).unwrap(), AttentionKernels::Gemm);
-        assert_eq!(AttentionKernels::parse(Some("fused")).unwrap(), AttentionKernels::Fused);
-        let e = AttentionKernels::parse(Some("flash")).unwrap_err().to_string();
-        assert!(e.contains("HEADROOM_CUDA_ATTENTION") && e.contains("`flash`") && e.contains("gemm or fused"), "{e}");
-        // (kernels, pass, head size, storage suffix) → the fused entry point, or the cuBLAS path
+        use crate::engine::backend::workspace::CudaAttentionKernels as Kernels;
+        use backend::fused_entry;
+        use half::{bf16, f16};
+        assert_eq!(Kernels::parse(None), Some(Kernels::Gemm));
+        assert_eq!(Kernels::parse(Some("gemm")), Some(Kernels::Gemm));
+        assert_eq!(Kernels::parse(Some("fused")), Some(Kernels::Fused));
+        assert_eq!(Kernels::parse(Some("flash")), None);
+        // (kernels, pass, head size) → the fused entry point in each storage, or the cuBLAS path
         let table = [
-            (AttentionKernels::Fused, "forward", 64, "bf16", Some("flash_attention_forward_hs64_bf16")),
-            (AttentionKernels::Fused, "forward", 32, "f16", Some("flash_attention_forward_hs32_f16")),
-            (AttentionKernels::Fused, "backward_dq", 64, "f16", Some("flash_attention_backward_dq_hs64_f16")),
-            (AttentionKernels::Fused, "backward_dkv", 32, "bf16", Some("flash_attention_backward_dkv_hs32_bf16")),
-            (AttentionKernels::Fused, "forward", 64, "f32", None),
-            (AttentionKernels::Fused, "backward_dq", 64, "f32", None),
-            (AttentionKernels::Fused, "forward", 48, "bf16", None),
-            (AttentionKernels::Fused, "backward_dkv", 128, "bf16", None),
-            (AttentionKernels::Gemm, "forward", 64, "bf16", None),
-            (AttentionKernels::Gemm, "backward_dq", 64, "bf16", None),
+            (
+                Kernels::Fused,
+                "forward",
+                64,
+                [None, Some("flash_attention_forward_hs64_bf16"), Some("flash_attention_forward_hs64_f16")],
+            ),
+            (
+                Kernels::Fused,
+                "backward_dq",
+                32,
+                [None, Some("flash_attention_backward_dq_hs32_bf16"), Some("flash_attention_backward_dq_hs32_f16")],
+            ),
+            (
+                Kernels::Fused,
+                "backward_dkv",
+                64,
+                [None, Some("flash_attention_backward_dkv_hs64_bf16"), Some("flash_attention_backward_dkv_hs64_f16")],
+            ),
+            (Kernels::Fused, "forward", 48, [None; 3]),
+            (Kernels::Fused, "backward_dkv", 128, [None; 3]),
+            (Kernels::Gemm, "forward", 64, [None; 3]),
+            (Kernels::Gemm, "backward_dq", 32, [None; 3]),
         ];
         let entries = entry_points("attention").unwrap();
-        for (kernels, pass, hs, dt, want) in table {
-            let got = kernels.fused_entry(pass, hs, dt);
-            assert_eq!(got.as_deref(), want, "{kernels:?} {pass} hs {hs} {dt}");
-            if let Some(entry) = got {
-                assert!(entries.contains(&entry), "{entry} is not in kernels/attention.cu");
-                assert_eq!(launch_bound("attention", &entry).unwrap(), Some(128), "{entry}");
+        for (kernels, pass, hs, want) in table {
+            let got = [
+                fused_entry::<f32>(kernels, pass, hs, "f32"),
+                fused_entry::<bf16>(kernels, pass, hs, "bf16"),
+                fused_entry::<f16>(kernels, pass, hs, "f16"),
+            ];
+            for (got, want) in got.into_iter().zip(want) {
+                assert_eq!(got.as_deref(), want, "{kernels:?} {pass} hs {hs}");
+                if let Some(entry) = got {
+                    assert!(entries.contains(&entry), "{entry} is not in kernels/attention.cu");
+                    assert_eq!(launch_bound("attention", &entry).unwrap(), Some(128), "{entry}");
+                }
             }
         }
     }
