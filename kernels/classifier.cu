@@ -1,6 +1,8 @@
-// Softmax + cross-entropy over rows of V, in f32 whatever the storage. Forward: losses[row] and
-// the probabilities in place over the logits (one block per row); backward: the probabilities
-// turned into logit gradients (p - onehot) · dloss in place.
+// Softmax + cross-entropy over rows of V, in f32 whatever the storage, one block per row.
+// Forward: losses[row] and the probabilities in place over the logits, in two passes over the
+// row (each thread keeps a running maximum and its sum of exponentials, rescaled when the
+// maximum grows; the block combines them); backward: the probabilities turned into logit
+// gradients (p - onehot) · dloss in place.
 #include "common.cuh"
 
 template <typename T>
@@ -9,12 +11,19 @@ __device__ void crossentropy_forward(T* logits, float* losses, const unsigned in
     if (row >= N) return;
     __shared__ float red[32];
     const long base = (long)row * V;
-    float mx = NEG_INF;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, load_f32(logits, base + i));
-    mx = block_max(mx, red);
-    float s = 0.f;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(load_f32(logits, base + i) - mx);
-    float sum = block_sum(s, red);
+    float m = NEG_INF, s = 0.f;  // this thread's maximum and Σ exp(x − m)
+    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        const float x = load_f32(logits, base + i);
+        if (x > m) {
+            s = s * expf(m - x) + 1.f;
+            m = x;
+        } else {
+            s += expf(x - m);
+        }
+    }
+    const float mx = block_max(m, red);
+    // (a thread with no element, V < blockDim.x, adds 0 · exp(−inf) = 0)
+    const float sum = block_sum(s * expf(m - mx), red);
     unsigned int tgt = targets[row];
     float target_logit = load_f32(logits, base + tgt);
     __syncthreads();
@@ -23,13 +32,18 @@ __device__ void crossentropy_forward(T* logits, float* losses, const unsigned in
     for (int i = threadIdx.x; i < V; i += blockDim.x) store_f32(logits, base + i, expf(load_f32(logits, base + i) - mx) * inv);
 }
 
+// One block per row (no per-element division to find it). The target's gradient is rounded
+// twice, as the CPU reference rounds it: p · dloss, then that minus dloss.
 template <typename T>
 __device__ void crossentropy_backward(T* probs, const unsigned int* targets, float dloss, int N, int V) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long)N * V) return;
-    int row = i / V, col = i % V;
-    store_f32(probs, i, load_f32(probs, i) * dloss);
-    if (col == (int)targets[row]) store_f32(probs, i, load_f32(probs, i) - dloss);
+    const int row = blockIdx.x;
+    if (row >= N) return;
+    const long base = (long)row * V;
+    const int target = (int)targets[row];
+    for (int col = threadIdx.x; col < V; col += blockDim.x) {
+        store_f32(probs, base + col, load_f32(probs, base + col) * dloss);
+        if (col == target) store_f32(probs, base + col, load_f32(probs, base + col) - dloss);
+    }
 }
 
 extern "C" __global__ void crossentropy_forward_f32(float* l, float* loss, const unsigned int* t, int N, int V) { crossentropy_forward(l, loss, t, N, V); }

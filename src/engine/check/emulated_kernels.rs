@@ -511,26 +511,33 @@ fn elementwise_kernels_match_the_reference<E: Elem>(families: &Families, eps: f6
     close(&format!("encoder dwte {dt}"), &dwte, &want_wte, &uses(&dwte0, &wte_terms), 1e-6 + count * eps, eps);
     close(&format!("encoder dwpe {dt}"), &dwpe, &want_wpe, &uses(&dwpe0, &wpe_terms), 1e-6 + b as f64 * eps, eps);
 
-    // Softmax cross-entropy over rows of V 1000 (past a block's 512 threads), then its backward.
-    let (rows, v) = (5, 1000);
-    let mut logits = random::<E>(&mut rng, rows * v, 3.0);
-    let mut targets: Vec<u32> = (0..rows).map(|r| (r * 211 % v) as u32).collect();
-    let (mut want, mut want_losses) = (logits.clone(), vec![0f32; rows]);
-    layers::crossentropy_forward(&mut want, &mut want_losses, &targets, v);
-    let mut losses = vec![f32::NAN; rows];
-    let mut args = [buf(&mut logits), buf(&mut losses), buf(&mut targets), int(rows), int(v)];
-    families.classifier.launch(&format!("crossentropy_forward_{dt}"), block_rows(rows), &mut args);
-    for (r, (g, w)) in losses.iter().zip(&want_losses).enumerate() {
-        assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "loss[{r}] {dt}: {g} vs {w}");
+    // Softmax cross-entropy over rows of V 1000 (past a block's 512 threads) and of V 100
+    // (threads with no element), then its backward. Row 0 rises steadily, so every thread's
+    // running maximum grows at each of its elements (its sum rescaled each time).
+    for v in [1000, 100] {
+        let rows = 5;
+        let mut logits = random::<E>(&mut rng, rows * v, 3.0);
+        for (i, x) in logits[..v].iter_mut().enumerate() {
+            *x = E::from_f32(i as f32 * 8.0 / v as f32);
+        }
+        let mut targets: Vec<u32> = (0..rows).map(|r| (r * 211 % v) as u32).collect();
+        let (mut want, mut want_losses) = (logits.clone(), vec![0f32; rows]);
+        layers::crossentropy_forward(&mut want, &mut want_losses, &targets, v);
+        let mut losses = vec![f32::NAN; rows];
+        let mut args = [buf(&mut logits), buf(&mut losses), buf(&mut targets), int(rows), int(v)];
+        families.classifier.launch(&format!("crossentropy_forward_{dt}"), block_rows(rows), &mut args);
+        for (r, (g, w)) in losses.iter().zip(&want_losses).enumerate() {
+            assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "loss[{r}] {dt} V {v}: {g} vs {w}");
+        }
+        let ones = vec![1.0; rows * v];
+        close(&format!("probabilities {dt} V {v}"), &logits, &want, &ones, 1e-6, eps);
+        let dloss = 0.25f32;
+        let mut want_d = logits.clone();
+        layers::crossentropy_backward_inplace(&mut want_d, &targets, dloss, v);
+        let mut args = [buf(&mut logits), buf(&mut targets), Arg::F32(dloss), int(rows), int(v)];
+        families.classifier.launch(&format!("crossentropy_backward_{dt}"), block_rows(rows), &mut args);
+        close(&format!("dlogits {dt} V {v}"), &logits, &want_d, &ones, 1e-7, eps);
     }
-    let ones = vec![1.0; rows * v];
-    close(&format!("probabilities {dt}"), &logits, &want, &ones, 1e-6, eps);
-    let dloss = 0.25f32;
-    let mut want_d = logits.clone();
-    layers::crossentropy_backward_inplace(&mut want_d, &targets, dloss, v);
-    let mut args = [buf(&mut logits), buf(&mut targets), Arg::F32(dloss), int(rows), int(v)];
-    families.classifier.launch(&format!("crossentropy_backward_{dt}"), elementwise(rows * v), &mut args);
-    close(&format!("dlogits {dt}"), &logits, &want_d, &ones, 1e-7, eps);
 }
 
 struct Families {

@@ -403,12 +403,12 @@ impl CudaBackend {
         DTYPES.iter().map(|(name, _)| *name).collect()
     }
 
-    /// The device's marketing name, e.g. "NVIDIA H200".
     /// Which kernels run attention in 16-bit storage.
     pub fn attention_kernels(&self) -> CudaAttentionKernels {
         self.attention
     }
 
+    /// The device's marketing name, e.g. "NVIDIA H200".
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -974,6 +974,9 @@ impl Backend for CudaBackend {
         const OP: &str = "attention_forward";
         let dt = suffix::<E>(self, OP)?;
         shapes::attention_forward(out.len(), lse.len(), qkv.len(), b, t, c, nh)?;
+        if b * t == 0 {
+            return Ok(()); // nothing to attend to (and no grid of zero blocks to launch)
+        }
         let hs = c / nh;
         let dims = [int(OP, "B", b)?, int(OP, "T", t)?, int(OP, "NH", nh)?, int(OP, "HS", hs)?];
         let scale = 1.0 / (hs as f32).sqrt();
@@ -1058,6 +1061,9 @@ impl Backend for CudaBackend {
         const OP: &str = "attention_backward";
         let dt = suffix::<E>(self, OP)?;
         shapes::attention_backward(dqkv.len(), dout.len(), qkv.len(), lse.len(), b, t, c, nh)?;
+        if b * t == 0 {
+            return Ok(());
+        }
         let hs = c / nh;
         let elems = b * t * c;
         let dims = [int(OP, "B", b)?, int(OP, "T", t)?, int(OP, "NH", nh)?, int(OP, "HS", hs)?];
@@ -1144,6 +1150,9 @@ impl Backend for CudaBackend {
         const OP: &str = "crossentropy_forward";
         let dt = suffix::<E>(self, OP)?;
         let n = shapes::crossentropy_forward(logits.len(), losses.len(), targets, v)?;
+        if n == 0 {
+            return Ok(()); // no grid of zero blocks
+        }
         let cfg = block_rows(n);
         let args = [
             Arg::Ptr(logits.address()),
@@ -1172,7 +1181,11 @@ impl Backend for CudaBackend {
             int(OP, "N", n)?,
             int(OP, "V", v)?,
         ];
-        self.launch(OP, &format!("crossentropy_backward_{dt}"), elementwise(n * v), &args)
+        if n == 0 {
+            return Ok(());
+        }
+        // One block per row, as forward.
+        self.launch(OP, &format!("crossentropy_backward_{dt}"), block_rows(n), &args)
     }
 
     fn adamw<E: Elem>(
