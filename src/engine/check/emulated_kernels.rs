@@ -185,8 +185,9 @@ fn flash_forward_matches_the_reference<E: Elem>(
 #[test]
 fn the_fused_attention_forward_kernel_matches_the_cpu_reference() {
     let Some(attention) = Emulated::build("attention") else { return };
-    // T 80 and 130: a last block of queries past T, a step of keys past T, several key steps.
-    for shape in [(2, 80, 2, 64), (1, 130, 3, 32)] {
+    // T 80 and 130: a last block of queries past T, a step of keys past T, several key steps;
+    // T 1: one token (every other row of the block past T); T 64: exactly one block.
+    for shape in [(2, 80, 2, 64), (1, 130, 3, 32), (1, 1, 2, 64), (2, 64, 1, 32)] {
         flash_forward_matches_the_reference::<half::bf16>(&attention, shape, 1.0 / 256.0);
         flash_forward_matches_the_reference::<half::f16>(&attention, shape, 1.0 / 2048.0);
     }
@@ -269,8 +270,9 @@ fn flash_backward_matches_the_reference<E: Elem>(
 #[test]
 fn the_fused_attention_backward_kernels_match_the_cpu_reference() {
     let Some(attention) = Emulated::build("attention") else { return };
-    // As forward's: T 80 and 130 leave a block of queries and of keys partly past T.
-    for shape in [(2, 80, 2, 64), (1, 130, 3, 32)] {
+    // As forward's: T 80 and 130 leave a block of queries and of keys partly past T; T 1 and 64
+    // are one block, nearly empty and exactly full.
+    for shape in [(2, 80, 2, 64), (1, 130, 3, 32), (1, 1, 2, 64), (2, 64, 1, 32)] {
         flash_backward_matches_the_reference::<half::bf16>(&attention, shape, 1.0 / 256.0);
         flash_backward_matches_the_reference::<half::f16>(&attention, shape, 1.0 / 2048.0);
     }
