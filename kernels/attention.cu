@@ -203,6 +203,13 @@ __device__ __forceinline__ void flash_accumulate(float (&o)[HS / 8][4], const fl
     }
 }
 
+// A (16×HS) f32 accumulator in C fragments, zeroed.
+template <int HS>
+__device__ __forceinline__ void flash_clear(float (&o)[HS / 8][4]) {
+    UNROLL
+    for (int n = 0; n < HS / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+}
+
 // Rows row0 + g and row0 + g + 8 (the lane's two rows in a C fragment) of a (16×HS) f32
 // accumulator, times `factor[r]`, rounded into dst (row stride rs); rows past T are skipped.
 template <typename T, int HS>
@@ -262,8 +269,7 @@ __device__ void flash_attention_forward(T* out, float* lse, const T* qkv, int B,
     unsigned qa[HS / 16][4];
     flash_rows<T, HS>(qa, q, rs, row0, T_);
     float o[HS / 8][4];
-    UNROLL
-    for (int n = 0; n < HS / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    flash_clear<HS>(o);
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // l: this lane's share of the row sums
     const int keys_end = min(T_, (int)blockIdx.x * 64 + 64);
     for (int k0 = 0; k0 < keys_end; k0 += KEYS) {
@@ -372,8 +378,7 @@ __device__ void flash_attention_backward_dq(T* dqkv, float* delta, const T* dout
         if (rows[r] < T_ && q4 == 0) delta[bh + rows[r]] = d[r];
     }
     float dq[HS / 8][4];
-    UNROLL
-    for (int n = 0; n < HS / 8; n++) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+    flash_clear<HS>(dq);
     for (int k0 = 0; k0 < keys_end; k0 += KEYS) {
         float s[KEYS / 8][4], dp[KEYS / 8][4];
         flash_dq_tile<T, HS, KEYS>(s, dp, qa, da, k, v, rs, k0, rows, row_lse, scale, T_);
@@ -405,11 +410,8 @@ __device__ void flash_attention_backward_dkv(T* dqkv, const T* dout, const T* qk
     flash_rows<T, HS>(ka, k, rs, row0, T_);
     flash_rows<T, HS>(va, v, rs, row0, T_);
     float dk[HS / 8][4], dv[HS / 8][4];
-    UNROLL
-    for (int n = 0; n < HS / 8; n++) {
-        dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.f;
-        dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.f;
-    }
+    flash_clear<HS>(dk);
+    flash_clear<HS>(dv);
     for (int q0 = blockIdx.x * 64; q0 < T_; q0 += QUERIES) {
         float s[QUERIES / 8][4], dp[QUERIES / 8][4];
         flash_products<T, HS, QUERIES>(s, ka, q, rs, q0, T_);

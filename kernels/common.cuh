@@ -162,9 +162,4 @@ __device__ __forceinline__ unsigned load_pair_aligned(const H* p, long i) {
     return v;
 #endif
 }
-// Elements i and j of p (16-bit) in one register, lo = p[i].
-template <typename H>
-__device__ __forceinline__ unsigned load_pair(const H* p, long i, long j) {
-    return (unsigned)bits_of(p[i]) | ((unsigned)bits_of(p[j]) << 16);
-}
 

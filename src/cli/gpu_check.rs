@@ -196,23 +196,21 @@ fn checks<B: crate::engine::backend::Backend>(
 
     // 1b. Every op's scratch, measured by the device's pool, against what the estimator sums
     // (the model's: with the fused attention kernels, theirs).
-    {
-        let mut rows = Vec::new();
-        let mut failure = None;
-        for &shape in shapes {
-            match workspace_check::run(&device, model, shape) {
-                Ok(r) => rows.extend(r),
-                Err(e) => failure = Some(e.to_string()),
-            }
+    let mut rows = Vec::new();
+    let mut failure = None;
+    for &shape in shapes {
+        match workspace_check::run(&device, model, shape) {
+            Ok(r) => rows.extend(r),
+            Err(e) => failure = Some(e.to_string()),
         }
-        print!("{}", workspace_check::table(&rows));
-        let exact = rows.iter().filter(|r| r.passed()).count();
-        checks.push(Check {
-            name: format!("op workspace = {} declarations", model.name()),
-            ok: failure.is_none() && exact == rows.len(),
-            figure: failure.unwrap_or_else(|| format!("{exact}/{} ops allocate exactly what they declare", rows.len())),
-        });
     }
+    print!("{}", workspace_check::table(&rows));
+    let exact = rows.iter().filter(|r| r.passed()).count();
+    checks.push(Check {
+        name: format!("op workspace = {} declarations", model.name()),
+        ok: failure.is_none() && exact == rows.len(),
+        figure: failure.unwrap_or_else(|| format!("{exact}/{} ops allocate exactly what they declare", rows.len())),
+    });
     drop(device);
 
     // 2. The device pool's OOM paths: its own capacity, and the driver refusing cuMemAlloc.

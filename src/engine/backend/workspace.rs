@@ -45,6 +45,12 @@ impl CudaAttentionKernels {
         }
     }
 
+    /// The setting in this process's environment; Err(the value) when `parse` refuses it.
+    pub fn from_env() -> Result<CudaAttentionKernels, String> {
+        let value = std::env::var(Self::VARIABLE).ok();
+        Self::parse(value.as_deref()).ok_or_else(|| value.unwrap_or_default())
+    }
+
     /// Whether the fused kernels run for storage `E` and head size `hs`.
     pub fn fused<E: Elem>(self, hs: usize) -> bool {
         self == CudaAttentionKernels::Fused && !E::is_f32() && matches!(hs, 32 | 64)
@@ -61,10 +67,7 @@ impl WorkspaceModel {
     pub fn of(kind: DeviceKind) -> WorkspaceModel {
         match kind {
             DeviceKind::Cpu => WorkspaceModel::Cpu,
-            DeviceKind::Cuda => WorkspaceModel::Cuda(
-                CudaAttentionKernels::parse(std::env::var(CudaAttentionKernels::VARIABLE).ok().as_deref())
-                    .unwrap_or_default(),
-            ),
+            DeviceKind::Cuda => WorkspaceModel::Cuda(CudaAttentionKernels::from_env().unwrap_or_default()),
         }
     }
 

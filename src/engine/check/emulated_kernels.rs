@@ -128,6 +128,23 @@ fn close<E: Elem>(what: &str, got: &[E], want: &[E], scale: &[f64], rel: f64, ul
     }
 }
 
+/// Attention inputs qkv (B,T,3C), with q and k scaled up so some rows' softmax is peaked, some
+/// flat.
+fn peaked_qkv<E: Elem>(rng: &mut Rng, b: usize, t: usize, c: usize) -> Vec<E> {
+    (0..b * t * 3 * c).map(|i| E::from_f32(rng.normal() as f32 * if i % (3 * c) < 2 * c { 1.6 } else { 1.0 })).collect()
+}
+
+/// Element `d` of head `h` of part `which` (0 q, 1 k, 2 v) of token `ti` of sequence `bi` in
+/// qkv (B,T,3C), in f64.
+fn qkv_reader<E: Elem>(
+    qkv: &[E],
+    t: usize,
+    c: usize,
+    hs: usize,
+) -> impl Fn(usize, usize, usize, usize, usize) -> f64 + '_ {
+    move |bi, ti, which, h, d| qkv[(bi * t + ti) * 3 * c + which * c + h * hs + d].to_f32() as f64
+}
+
 /// The fused attention forward against `layers::attention_forward` for one storage type and
 /// shape: lse within f32 rounding, each output within two roundings of the storage type of
 /// Σ p·|v| (both round the probabilities to it; the kernel before normalising them).
@@ -137,11 +154,7 @@ fn flash_forward_matches_the_reference<E: Elem>(
     eps: f64,
 ) {
     let c = nh * hs;
-    let mut rng = Rng::new(11 + t as u64);
-    // q and k scaled up so some rows' softmax is peaked, some flat.
-    let mut qkv: Vec<E> = (0..b * t * 3 * c)
-        .map(|i| E::from_f32(rng.normal() as f32 * if i % (3 * c) < 2 * c { 1.6 } else { 1.0 }))
-        .collect();
+    let mut qkv: Vec<E> = peaked_qkv(&mut Rng::new(11 + t as u64), b, t, c);
     let dt = suffix::<E>();
     let mut got = vec![E::from_f32(f32::NAN); b * t * c];
     let mut got_lse = vec![f32::NAN; b * nh * t];
@@ -155,9 +168,7 @@ fn flash_forward_matches_the_reference<E: Elem>(
     let mut scratch = vec![0f32; layers::attention_forward_scratch::<E>(b, t, c, nh)];
     layers::attention_forward(&mut want, &mut want_lse, &qkv, &mut scratch, b, t, c, nh);
 
-    let at = |bi: usize, ti: usize, which: usize, h: usize, d: usize| {
-        qkv[(bi * t + ti) * 3 * c + which * c + h * hs + d].to_f32() as f64
-    };
+    let at = qkv_reader(&qkv, t, c, hs);
     let mut magnitude = vec![0f64; b * t * c];
     for bi in 0..b {
         for h in 0..nh {
@@ -182,12 +193,16 @@ fn flash_forward_matches_the_reference<E: Elem>(
     close(&format!("out {dt}"), &got, &want, &magnitude, 4.0 * eps, 0.0);
 }
 
+/// (B, T, NH, HS) for the fused attention kernels. T 80 and 130: a last block of queries (and of
+/// keys) partly past T, a step of keys past T, several key steps; T 1: one token (every other
+/// row of its block past T); T 64: exactly one block.
+const FLASH_SHAPES: [(usize, usize, usize, usize); 4] =
+    [(2, 80, 2, 64), (1, 130, 3, 32), (1, 1, 2, 64), (2, 64, 1, 32)];
+
 #[test]
 fn the_fused_attention_forward_kernel_matches_the_cpu_reference() {
     let Some(attention) = Emulated::build("attention") else { return };
-    // T 80 and 130: a last block of queries past T, a step of keys past T, several key steps;
-    // T 1: one token (every other row of the block past T); T 64: exactly one block.
-    for shape in [(2, 80, 2, 64), (1, 130, 3, 32), (1, 1, 2, 64), (2, 64, 1, 32)] {
+    for shape in FLASH_SHAPES {
         flash_forward_matches_the_reference::<half::bf16>(&attention, shape, 1.0 / 256.0);
         flash_forward_matches_the_reference::<half::f16>(&attention, shape, 1.0 / 2048.0);
     }
@@ -206,9 +221,7 @@ fn flash_backward_matches_the_reference<E: Elem>(
 ) {
     let c = nh * hs;
     let mut rng = Rng::new(23 + t as u64);
-    let mut qkv: Vec<E> = (0..b * t * 3 * c)
-        .map(|i| E::from_f32(rng.normal() as f32 * if i % (3 * c) < 2 * c { 1.6 } else { 1.0 }))
-        .collect();
+    let mut qkv: Vec<E> = peaked_qkv(&mut rng, b, t, c);
     let mut dout: Vec<E> = random(&mut rng, b * t * c, 1.0);
     let mut out = vec![E::default(); b * t * c];
     let mut lse = vec![0f32; b * nh * t];
@@ -232,9 +245,7 @@ fn flash_backward_matches_the_reference<E: Elem>(
     attention.launch(&format!("flash_attention_backward_dkv_hs{hs}_{dt}"), cfg, &mut args);
 
     // In f64 from the same inputs: p as the reference rounds it, datt, D, and the magnitudes.
-    let x = |bi: usize, ti: usize, which: usize, h: usize, d: usize| {
-        qkv[(bi * t + ti) * 3 * c + which * c + h * hs + d].to_f32() as f64
-    };
+    let x = qkv_reader(&qkv, t, c, hs);
     let dy = |bi: usize, ti: usize, h: usize, d: usize| dout[(bi * t + ti) * c + h * hs + d].to_f32() as f64;
     let mut magnitude = vec![0f64; b * t * 3 * c];
     for bi in 0..b {
@@ -270,9 +281,7 @@ fn flash_backward_matches_the_reference<E: Elem>(
 #[test]
 fn the_fused_attention_backward_kernels_match_the_cpu_reference() {
     let Some(attention) = Emulated::build("attention") else { return };
-    // As forward's: T 80 and 130 leave a block of queries and of keys partly past T; T 1 and 64
-    // are one block, nearly empty and exactly full.
-    for shape in [(2, 80, 2, 64), (1, 130, 3, 32), (1, 1, 2, 64), (2, 64, 1, 32)] {
+    for shape in FLASH_SHAPES {
         flash_backward_matches_the_reference::<half::bf16>(&attention, shape, 1.0 / 256.0);
         flash_backward_matches_the_reference::<half::f16>(&attention, shape, 1.0 / 2048.0);
     }

@@ -345,10 +345,9 @@ impl CudaBackend {
         let arch = format!("sm_{major}{minor}");
         let stream = ctx.default_stream();
         let copy = ctx.new_stream().map_err(|e| err("copy stream creation")(&e))?;
-        let setting = std::env::var(CudaAttentionKernels::VARIABLE).ok();
-        let attention = CudaAttentionKernels::parse(setting.as_deref()).ok_or_else(|| CudaError::Setting {
+        let attention = CudaAttentionKernels::from_env().map_err(|value| CudaError::Setting {
             name: CudaAttentionKernels::VARIABLE,
-            value: setting.clone().unwrap_or_default(),
+            value,
             expected: CudaAttentionKernels::EXPECTED,
         })?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS handle creation")(&e))?;
