@@ -340,20 +340,21 @@ impl Backend for CpuBackend {
         targets: View<u32>,
         v: usize,
     ) -> BackendResult {
-        shapes::crossentropy_forward(logits.len(), losses.len(), targets, v)?;
+        shapes::crossentropy("crossentropy_forward", logits.len(), losses.len(), targets, v)?;
         layers::crossentropy_forward(logits.host_mut(), losses.host_mut(), targets.host(), v);
         Ok(())
     }
 
-    fn crossentropy_backward_inplace<E: Elem>(
+    fn crossentropy_forward_backward<E: Elem>(
         &self,
-        mut probs: ViewMut<E>,
+        mut logits: ViewMut<E>,
+        mut losses: ViewMut<f32>,
         targets: View<u32>,
         dloss: f32,
         v: usize,
     ) -> BackendResult {
-        shapes::crossentropy_backward(probs.len(), targets, v)?;
-        layers::crossentropy_backward_inplace(probs.host_mut(), targets.host(), dloss, v);
+        shapes::crossentropy("crossentropy_forward_backward", logits.len(), losses.len(), targets, v)?;
+        layers::crossentropy_forward_backward(logits.host_mut(), losses.host_mut(), targets.host(), dloss, v);
         Ok(())
     }
 

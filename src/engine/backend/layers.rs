@@ -1536,11 +1536,30 @@ pub fn residual_forward_inplace<E: Elem>(out: &mut [E], inp: &[E]) {
 /// A row's sum of exponentials is kept in f64; in f32 storage each exponential is computed
 /// once, stored, and scaled by 1/sum afterwards.
 pub fn crossentropy_forward<E: Elem>(logits: &mut [E], losses: &mut [f32], targets: &[u32], v: usize) {
+    softmax_crossentropy(logits, losses, targets, v, None)
+}
+
+/// The loss and its gradient in one pass: losses as `crossentropy_forward`'s; logits: (N,V)
+/// turned into dlogits = (p − onehot(target)) · dloss in place, p in f32 (never stored), the
+/// gradient rounded once.
+pub fn crossentropy_forward_backward<E: Elem>(
+    logits: &mut [E],
+    losses: &mut [f32],
+    targets: &[u32],
+    dloss: f32,
+    v: usize,
+) {
+    softmax_crossentropy(logits, losses, targets, v, Some(dloss))
+}
+
+/// Each row's loss, and its probabilities (`dloss` None) or its gradient written over it.
+fn softmax_crossentropy<E: Elem>(logits: &mut [E], losses: &mut [f32], targets: &[u32], v: usize, dloss: Option<f32>) {
     logits.par_chunks_mut(v).zip(losses.par_iter_mut().zip(targets.par_iter())).for_each(|(row, (loss, &tgt))| {
         widest(
             #[inline(always)]
             || {
-                let target = row[tgt as usize].to_f32();
+                let tgt = tgt as usize;
+                let target = row[tgt].to_f32();
                 let (maxval, sum) = match E::as_f32_mut(row) {
                     Some(row) => {
                         let maxval = row_max(row);
@@ -1558,16 +1577,29 @@ pub fn crossentropy_forward<E: Elem>(logits: &mut [E], losses: &mut [f32], targe
                 };
                 *loss = -(target - maxval - sum.ln() as f32);
                 let inv = (1.0 / sum) as f32;
-                match E::as_f32_mut(row) {
-                    Some(row) => {
+                match (E::as_f32_mut(row), dloss) {
+                    (Some(row), None) => {
                         for x in row.iter_mut() {
                             *x *= inv
                         }
                     }
-                    None => {
+                    (None, None) => {
                         for x in row.iter_mut() {
                             *x = E::from_f32(exp(x.to_f32() - maxval) * inv)
                         }
+                    }
+                    (Some(row), Some(dloss)) => {
+                        let p_target = row[tgt] * inv;
+                        for x in row.iter_mut() {
+                            *x = *x * inv * dloss
+                        }
+                        row[tgt] = (p_target - 1.0) * dloss;
+                    }
+                    (None, Some(dloss)) => {
+                        for x in row.iter_mut() {
+                            *x = E::from_f32(exp(x.to_f32() - maxval) * inv * dloss)
+                        }
+                        row[tgt] = E::from_f32((exp(target - maxval) * inv - 1.0) * dloss);
                     }
                 }
             },
@@ -1595,16 +1627,6 @@ fn exp_in_place(row: &mut [f32], shift: f32) -> f64 {
         })
         .sum();
     acc.iter().sum::<f64>() + tail
-}
-
-/// probs: (N,V) turned into dlogits in place: (p - onehot(target)) * dloss.
-pub fn crossentropy_backward_inplace<E: Elem>(probs: &mut [E], targets: &[u32], dloss: f32, v: usize) {
-    probs.par_chunks_mut(v).zip(targets.par_iter()).for_each(|(row, &tgt)| {
-        for x in row.iter_mut() {
-            *x = E::from_f32(x.to_f32() * dloss);
-        }
-        row[tgt as usize] = E::from_f32(row[tgt as usize].to_f32() - dloss);
-    });
 }
 
 // ----------------------------------------------------------------------------------------------

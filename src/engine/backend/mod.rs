@@ -274,10 +274,13 @@ pub trait Backend: Send {
         targets: View<u32>,
         v: usize,
     ) -> BackendResult;
-    /// probs: (N,V) turned into logit gradients (p - onehot) · dloss in place.
-    fn crossentropy_backward_inplace<E: Elem>(
+    /// The loss and its gradient in one pass over the logits (training's head): losses: (N) f32
+    /// as `crossentropy_forward`'s; logits: (N,V) turned into their gradient
+    /// (softmax − onehot(target)) · dloss in place, the probabilities never stored.
+    fn crossentropy_forward_backward<E: Elem>(
         &self,
-        probs: ViewMut<E>,
+        logits: ViewMut<E>,
+        losses: ViewMut<f32>,
         targets: View<u32>,
         dloss: f32,
         v: usize,

@@ -195,20 +195,18 @@ pub fn attention_backward(
     same(OP, "dout (B,T,C)", dout, b * t * c)
 }
 
-pub fn crossentropy_forward(logits: usize, losses: usize, targets: View<u32>, v: usize) -> BackendResult<usize> {
-    const OP: &str = "crossentropy_forward";
-    let n = rows(OP, logits, v)?;
-    same(OP, "losses", losses, n)?;
-    same(OP, "targets", targets.len(), n)?;
-    tokens(OP, targets, v)?;
-    Ok(n)
-}
-
-pub fn crossentropy_backward(probs: usize, targets: View<u32>, v: usize) -> BackendResult<usize> {
-    const OP: &str = "crossentropy_backward";
-    let n = rows(OP, probs, v)?;
-    same(OP, "targets", targets.len(), n)?;
-    tokens(OP, targets, v)?;
+/// The softmax cross-entropy ops': logits (N,V), losses (N), targets (N) below V. Returns N.
+pub fn crossentropy(
+    op: &'static str,
+    logits: usize,
+    losses: usize,
+    targets: View<u32>,
+    v: usize,
+) -> BackendResult<usize> {
+    let n = rows(op, logits, v)?;
+    same(op, "losses", losses, n)?;
+    same(op, "targets", targets.len(), n)?;
+    tokens(op, targets, v)?;
     Ok(n)
 }
 

@@ -352,7 +352,7 @@ impl Backend for DeviceSim {
     delegate_ops!(cpu, Expose::exposed;
         encoder_forward, encoder_backward, layernorm_forward, layernorm_recompute, layernorm_backward,
         matmul_forward, matmul_backward, attention_forward, attention_backward, gelu_forward,
-        gelu_backward_inplace, residual_forward_inplace, crossentropy_forward, crossentropy_backward_inplace,
+        gelu_backward_inplace, residual_forward_inplace, crossentropy_forward, crossentropy_forward_backward,
         adamw, narrow, widen, pack_int8, unpack_int8, unpack_int4, attention_cached);
 }
 

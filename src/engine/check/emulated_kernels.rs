@@ -523,8 +523,9 @@ fn elementwise_kernels_match_the_reference<E: Elem>(families: &Families, eps: f6
     close(&format!("encoder dwpe {dt}"), &dwpe, &want_wpe, &uses(&dwpe0, &wpe_terms), 1e-6 + b as f64 * eps, eps);
 
     // Softmax cross-entropy over rows of V 1000 (past a block's 512 threads) and of V 100
-    // (threads with no element), then its backward. Row 0 rises steadily, so every thread's
-    // running maximum grows at each of its elements (its sum rescaled each time).
+    // (threads with no element): the probabilities (evaluation), then on the same logits the
+    // gradient made with the loss (training). Row 0 rises steadily, so every thread's running
+    // maximum grows at each of its elements (its sum rescaled each time).
     for v in [1000, 100] {
         let rows = 5;
         let mut logits = random::<E>(&mut rng, rows * v, 3.0);
@@ -532,22 +533,26 @@ fn elementwise_kernels_match_the_reference<E: Elem>(families: &Families, eps: f6
             *x = E::from_f32(i as f32 * 8.0 / v as f32);
         }
         let mut targets: Vec<u32> = (0..rows).map(|r| (r * 211 % v) as u32).collect();
-        let (mut want, mut want_losses) = (logits.clone(), vec![0f32; rows]);
-        layers::crossentropy_forward(&mut want, &mut want_losses, &targets, v);
+        let dloss = 0.25f32;
+        let (mut want_p, mut want_d, mut want_losses) = (logits.clone(), logits.clone(), vec![0f32; rows]);
+        layers::crossentropy_forward(&mut want_p, &mut want_losses, &targets, v);
+        layers::crossentropy_forward_backward(&mut want_d, &mut vec![0f32; rows], &targets, dloss, v);
+        let mut d = logits.clone();
         let mut losses = vec![f32::NAN; rows];
         let mut args = [buf(&mut logits), buf(&mut losses), buf(&mut targets), int(rows), int(v)];
         families.classifier.launch(&format!("crossentropy_forward_{dt}"), block_rows(rows), &mut args);
-        for (r, (g, w)) in losses.iter().zip(&want_losses).enumerate() {
-            assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "loss[{r}] {dt} V {v}: {g} vs {w}");
-        }
-        let ones = vec![1.0; rows * v];
-        close(&format!("probabilities {dt} V {v}"), &logits, &want, &ones, 1e-6, eps);
-        let dloss = 0.25f32;
-        let mut want_d = logits.clone();
-        layers::crossentropy_backward_inplace(&mut want_d, &targets, dloss, v);
-        let mut args = [buf(&mut logits), buf(&mut targets), Arg::F32(dloss), int(rows), int(v)];
-        families.classifier.launch(&format!("crossentropy_backward_{dt}"), block_rows(rows), &mut args);
-        close(&format!("dlogits {dt} V {v}"), &logits, &want_d, &ones, 1e-7, eps);
+        let check_losses = |losses: &[f32], what: &str| {
+            for (r, (g, w)) in losses.iter().zip(&want_losses).enumerate() {
+                assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "{what} loss[{r}] {dt} V {v}: {g} vs {w}");
+            }
+        };
+        check_losses(&losses, "forward");
+        close(&format!("probabilities {dt} V {v}"), &logits, &want_p, &vec![1.0; rows * v], 1e-6, eps);
+        let mut losses = vec![f32::NAN; rows];
+        let mut args = [buf(&mut d), buf(&mut losses), buf(&mut targets), Arg::F32(dloss), int(rows), int(v)];
+        families.classifier.launch(&format!("crossentropy_forward_backward_{dt}"), block_rows(rows), &mut args);
+        check_losses(&losses, "forward_backward");
+        close(&format!("dlogits {dt} V {v}"), &d, &want_d, &vec![dloss as f64; rows * v], 1e-6, eps);
     }
 }
 

@@ -6,7 +6,7 @@ use crate::config::{Checkpointing, OffloadTarget};
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::layers::*;
 use crate::engine::backend::{Backend, CpuBackend, View, ViewMut};
-use crate::engine::model::{self, GptConfig, PpStage, TensorGroup, TpShard};
+use crate::engine::model::{self, GptConfig, HeadOutput, PpStage, TensorGroup, TpShard};
 use crate::engine::parallel::placement::{FullGrads, Resident};
 use crate::engine::rng::Rng;
 use crate::memory::{Category, Pool};
@@ -38,24 +38,16 @@ fn pass<E: Elem>(
     let mut weights = model::alloc_elems::<E>(pool, params.len(), Category::Params).unwrap();
     be.upload(ViewMut::of(&mut weights), params).unwrap();
     let source = Resident(View::<E>::of(&weights));
+    let head = HeadOutput::Gradient { dloss: 1.0 / (b * t) as f32 };
     let acts =
-        model::forward(&be, cfg, &source, inputs, targets, b, t, mode, OffloadTarget::None, &TensorGroup::none())
+        model::forward(&be, cfg, &source, inputs, targets, b, t, mode, OffloadTarget::None, &TensorGroup::none(), head)
             .unwrap();
     let (loss, activation_bytes) = (acts.mean_loss(), pool.stats().current(Category::Activations));
     let mut grads = Vec::new();
     if backward {
         let mut g = model::alloc_elems::<E>(pool, params.len(), Category::Grads).unwrap();
         be.zero::<E>(ViewMut::of(&mut g)).unwrap();
-        model::backward(
-            &be,
-            cfg,
-            &source,
-            &mut FullGrads(ViewMut::of(&mut g)),
-            acts,
-            1.0 / (b * t) as f32,
-            &TensorGroup::none(),
-        )
-        .unwrap();
+        model::backward(&be, cfg, &source, &mut FullGrads(ViewMut::of(&mut g)), acts, &TensorGroup::none()).unwrap();
         grads = vec![E::default(); params.len()];
         be.download(View::of(&g), &mut grads).unwrap();
     }
@@ -183,10 +175,9 @@ fn gelu_and_crossentropy_backward_match_finite_differences() {
         crossentropy_forward(&mut p, &mut losses, &targets, v);
         losses.iter().map(|&l| l as f64).sum::<f64>() / n as f64
     };
-    let (mut p, mut losses) = (logits.clone(), vec![0.0; n]);
-    crossentropy_forward(&mut p, &mut losses, &targets, v);
-    crossentropy_backward_inplace(&mut p, &targets, 1.0 / n as f32, v);
-    check("crossentropy.dlogits", &logits, &p, &f);
+    let (mut d, mut losses) = (logits.clone(), vec![0.0; n]);
+    crossentropy_forward_backward(&mut d, &mut losses, &targets, 1.0 / n as f32, v);
+    check("crossentropy.dlogits", &logits, &d, &f);
 }
 
 #[test]

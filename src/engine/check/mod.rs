@@ -82,9 +82,9 @@ macro_rules! delegate_ops {
             $wrap!(self, "crossentropy_forward", [logits, losses, targets], self.$to.crossentropy_forward($m(logits), $m(losses), $m(targets), v))
         }
     };
-    (@op $to:tt, $m:path, $wrap:ident, crossentropy_backward_inplace) => {
-        fn crossentropy_backward_inplace<E: Elem>(&self, probs: ViewMut<E>, targets: View<u32>, dloss: f32, v: usize) -> BackendResult {
-            $wrap!(self, "crossentropy_backward_inplace", [probs, targets], self.$to.crossentropy_backward_inplace($m(probs), $m(targets), dloss, v))
+    (@op $to:tt, $m:path, $wrap:ident, crossentropy_forward_backward) => {
+        fn crossentropy_forward_backward<E: Elem>(&self, logits: ViewMut<E>, losses: ViewMut<f32>, targets: View<u32>, dloss: f32, v: usize) -> BackendResult {
+            $wrap!(self, "crossentropy_forward_backward", [logits, losses, targets], self.$to.crossentropy_forward_backward($m(logits), $m(losses), $m(targets), dloss, v))
         }
     };
     (@op $to:tt, $m:path, $wrap:ident, adamw) => {

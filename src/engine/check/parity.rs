@@ -385,13 +385,11 @@ fn ops<E: Elem, R: Backend, C: Backend>(h: &mut Harness<'_, R, C>, s: ParityShap
         both!(h, crossentropy_forward::<E>(&mut logits, &mut losses, &targets, v));
         Ok(vec![("probs", h.err::<E>(&logits)?), ("losses", h.err::<f32>(&losses)?)])
     });
-    h.record::<E>("crossentropy_backward", |h| {
+    h.record::<E>("crossentropy_forward_backward", |h| {
         let (targets, mut logits, mut losses) = (h.ids(n, v)?, h.input::<E>(n * v, 3.0)?, h.poisoned::<f32>(n)?);
-        h.r.crossentropy_forward::<E>(ViewMut::of(&mut logits.r), ViewMut::of(&mut losses.r), View::of(&targets.r), v)?;
-        let mut probs = h.shared::<E>(&logits)?;
         let dloss = 1.0 / n as f32;
-        both!(h, crossentropy_backward_inplace::<E>(&mut probs, &targets, dloss, v));
-        Ok(vec![("dlogits", h.err::<E>(&probs)?)])
+        both!(h, crossentropy_forward_backward::<E>(&mut logits, &mut losses, &targets, dloss, v));
+        Ok(vec![("dlogits", h.err::<E>(&logits)?), ("losses", h.err::<f32>(&losses)?)])
     });
     h.record::<E>("adamw", |h| {
         let len = c * c + 7;
@@ -574,7 +572,7 @@ pub(crate) mod tests {
         delegate_ops!(0, std::convert::identity;
             encoder_forward, encoder_backward, layernorm_recompute, layernorm_backward, matmul_forward,
             matmul_backward, attention_forward, attention_backward, gelu_backward_inplace,
-            residual_forward_inplace, crossentropy_forward, crossentropy_backward_inplace, adamw, sum_squares,
+            residual_forward_inplace, crossentropy_forward, crossentropy_forward_backward, adamw, sum_squares,
             narrow, widen, pack_int8, unpack_int8, unpack_int4, attention_cached);
     }
 

@@ -292,6 +292,7 @@ mod tests {
             Checkpointing::Full,
             OffloadTarget::None,
             &crate::engine::model::TensorGroup::none(),
+            crate::engine::model::HeadOutput::Probabilities,
         )
         .unwrap();
         let mut probs = vec![0f32; cfg.vocab];

@@ -274,14 +274,26 @@ pub struct Activations {
     pub layers: Vec<KeptLayer>,
     /// The final LayerNorm's outputs and the losses (the last stage's).
     pub head: Option<HeadActs>,
-    /// Logits, then probabilities after the loss, then logit gradients in backward (the last
-    /// stage's).
+    /// The last stage's logits after the loss: probabilities or their gradient, as `head_output` says.
     pub logits: Option<Buffer>,
+    /// What the head left in `logits`.
+    pub head_output: HeadOutput,
     /// Mean cross-entropy over the micro-batch (f64 accumulation on the host).
     mean_loss: f32,
     /// Host traffic of activation offload so far in this forward/backward pair.
     pub swap: SwapStats,
     pub offload: OffloadTarget,
+}
+
+/// What the last stage's head leaves over the logits, once the loss is computed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum HeadOutput {
+    /// The probabilities (evaluation, decoding).
+    Probabilities,
+    /// The logits' gradient (softmax − onehot(target)) · dloss, made in the loss's own pass
+    /// (training: where backward starts). `dloss` is d(objective)/d(loss at one position), e.g.
+    /// 1 / (B·T·grad_accum) for a mean over the global batch (times the loss scale for fp16).
+    Gradient { dloss: f32 },
 }
 
 /// The head's activations: the final LayerNorm's output and statistics, the losses.
@@ -335,7 +347,8 @@ fn alloc_layer_acts<E: Elem>(cfg: &GptConfig, pool: &Pool, b: usize, t: usize) -
 }
 
 /// Forward pass on backend `be`. params: the compute copy in `E`; inputs, targets: (B,T) token
-/// ids in host memory (uploaded here). Returns the activations with losses filled.
+/// ids in host memory (uploaded here). Returns the activations with losses filled and the
+/// logits replaced by what `head` asks for.
 #[allow(clippy::too_many_arguments)]
 pub fn forward<E: Elem, B: Backend>(
     be: &B,
@@ -348,8 +361,9 @@ pub fn forward<E: Elem, B: Backend>(
     mode: Checkpointing,
     offload: OffloadTarget,
     tp: &TensorGroup,
+    head: HeadOutput,
 ) -> BackendResult<Activations> {
-    forward_stage(be, cfg, params, inputs, targets, b, t, mode, offload, tp, None, false)
+    forward_stage(be, cfg, params, inputs, targets, b, t, mode, offload, tp, None, false, head)
 }
 
 /// Mean loss of a forward pass that keeps nothing for backward (evaluation): each block's
@@ -378,6 +392,7 @@ pub fn forward_loss<E: Elem, B: Backend>(
         tp,
         None,
         true,
+        HeadOutput::Probabilities,
     )?;
     Ok(acts.mean_loss())
 }
@@ -430,6 +445,7 @@ pub fn forward_stage<E: Elem, B: Backend>(
     tp: &TensorGroup,
     stage_input: Option<Buffer>,
     release_outputs: bool,
+    head: HeadOutput,
 ) -> BackendResult<Activations> {
     let pool = be.pool();
     let (c, v) = (cfg.n_embd, cfg.vocab);
@@ -489,6 +505,7 @@ pub fn forward_stage<E: Elem, B: Backend>(
             layers,
             head: None,
             logits: None,
+            head_output: head,
             mean_loss: 0.0,
             swap,
             offload,
@@ -518,7 +535,12 @@ pub fn forward_stage<E: Elem, B: Backend>(
         be.matmul_forward(ViewMut::of(&mut logits), View::of(&lnf), wte.view(), None, bt, c, v)?;
     }
     let mut losses = alloc_act::<E>(pool, g[7].0, g[7].1)?;
-    be.crossentropy_forward::<E>(ViewMut::of(&mut logits), ViewMut::of(&mut losses), View::of(&target_buf), v)?;
+    let (lg, ls, tg) = (ViewMut::of(&mut logits), ViewMut::of(&mut losses), View::of(&target_buf));
+    match head {
+        HeadOutput::Probabilities => be.crossentropy_forward::<E>(lg, ls, tg, v)?,
+        // dlogits: (B,T,V) = (softmax − onehot) · dloss, over the logits
+        HeadOutput::Gradient { dloss } => be.crossentropy_forward_backward::<E>(lg, ls, tg, dloss, v)?,
+    }
     let mut host_losses = vec![0f32; bt];
     be.download(View::of(&losses), &mut host_losses)?;
     let mean_loss = (host_losses.iter().map(|&x| x as f64).sum::<f64>() / bt as f64) as f32;
@@ -532,6 +554,7 @@ pub fn forward_stage<E: Elem, B: Backend>(
         layers,
         head: Some(HeadActs { lnf, lnf_mean, lnf_rstd, losses }),
         logits: Some(logits),
+        head_output: head,
         mean_loss,
         swap,
         offload,
@@ -803,19 +826,17 @@ impl BackwardWorkspace {
     }
 }
 
-/// Backward pass: consumes the activations (freeing each block's as soon as it is done) and
-/// accumulates parameter gradients into `grads`. `dloss` is d(objective)/d(loss at one position),
-/// e.g. 1 / (B·T·grad_accum) for a mean over the global batch (times the loss scale for fp16).
+/// Backward pass: consumes the activations of a forward with `HeadOutput::Gradient` (freeing
+/// each block's as soon as it is done) and accumulates parameter gradients into `grads`.
 pub fn backward<E: Elem, B: Backend>(
     be: &B,
     cfg: &GptConfig,
     params: &dyn ParamSource<E>,
     grads: &mut dyn GradSink<E>,
     acts: Activations,
-    dloss: f32,
     tp: &TensorGroup,
 ) -> BackendResult<SwapStats> {
-    Ok(backward_stage(be, cfg, params, grads, acts, dloss, tp, None)?.0)
+    Ok(backward_stage(be, cfg, params, grads, acts, tp, None)?.0)
 }
 
 /// `backward` of a pipeline stage (`cfg.pp`): the last stage starts from the loss, the others
@@ -829,7 +850,6 @@ pub fn backward_stage<E: Elem, B: Backend>(
     params: &dyn ParamSource<E>,
     grads: &mut dyn GradSink<E>,
     mut acts: Activations,
-    dloss: f32,
     tp: &TensorGroup,
     dout: Option<Buffer>,
 ) -> BackendResult<(SwapStats, Option<Buffer>)> {
@@ -841,9 +861,12 @@ pub fn backward_stage<E: Elem, B: Backend>(
     let mut ws = BackwardWorkspace::alloc::<E>(cfg, pool, b, t, dout)?;
 
     if let Some(head) = acts.head.take() {
-        // Head: loss -> logits -> lnf.
-        let mut logits = acts.logits.take().expect("forward fills logits");
-        be.crossentropy_backward_inplace::<E>(ViewMut::of(&mut logits), View::of(&acts.targets), dloss, v)?;
+        // Head: dlogits (made with the loss, in forward) -> lnf.
+        assert!(
+            matches!(acts.head_output, HeadOutput::Gradient { .. }),
+            "backward starts from the logits' gradient: a training forward's"
+        );
+        let logits = acts.logits.take().expect("forward fills logits");
         {
             let wte = params.fetch(cfg.wte_range(), Some(cfg.lnf_range()))?;
             let gwte = grads.open(cfg.wte_range())?;

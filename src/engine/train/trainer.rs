@@ -14,7 +14,8 @@ use crate::engine::backend::optim::{clip_coefficient, lr_at, AdamW};
 use crate::engine::backend::{Backend, BackendError, BackendResult, CpuBackend, HostPin, View, ViewMut};
 use crate::engine::defrag::{defragment, Defragmentation};
 use crate::engine::model::{
-    self, alloc_elems, alloc_f32, short_name, tp_split, GptConfig, PpStage, TensorGroup, TensorInfo, TpShard,
+    self, alloc_elems, alloc_f32, short_name, tp_split, GptConfig, HeadOutput, PpStage, TensorGroup, TensorInfo,
+    TpShard,
 };
 use crate::engine::parallel::comm::{shard_range, Comm, Group};
 use crate::engine::parallel::placement::{
@@ -613,13 +614,14 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                     h.knobs.checkpointing,
                     h.knobs.offload_activations,
                     &tp,
+                    HeadOutput::Gradient { dloss },
                 )?;
                 loss_sum += acts.mean_loss() as f64;
                 let moved = match (&self.comm, self.grads_sharded) {
                     (Some(comm), true) => {
                         let grads = ViewMut::of(&mut self.grads);
                         let mut sink = ShardedGrads::new(grads, self.shard.clone(), comm, be);
-                        let mut moved = model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, dloss, &tp)?;
+                        let mut moved = model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, &tp)?;
                         moved.add(sink.swap());
                         moved
                     }
@@ -631,14 +633,14 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                         let landing = host.landing(delayed_step);
                         let mut sink =
                             StreamedGrads::new(ViewMut::of(&mut self.grads), landing, be).holding(cfg.wte_range());
-                        let moved = model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, dloss, &tp)?;
+                        let moved = model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, &tp)?;
                         swap.add(sink.finish()?);
                         grads_on_host = true;
                         moved
                     }
                     _ => {
                         let mut sink = FullGrads(ViewMut::of(&mut self.grads));
-                        model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, dloss, &tp)?
+                        model::backward::<E, B>(be, cfg, source.get(), &mut sink, acts, &tp)?
                     }
                 };
                 swap.add(moved);
@@ -1158,7 +1160,7 @@ fn pipeline_passes<E: Elem, B: Backend>(
     first_seq: usize,
     batch: &mut BatchFn<'_>,
 ) -> PipelineRun {
-    let Passes { be, cfg, knobs, source, tp, dloss } = *at;
+    let Passes { be, cfg, knobs, source, tp, .. } = *at;
     let (b, t, m) = (knobs.micro_batch, knobs.seq_len, knobs.grad_accum);
     let n = b * t * cfg.n_embd; // elements of a stage boundary (B,T,C)
     let mut run = PipelineRun { loss_sum: 0.0, swap: SwapStats::default(), failure: None };
@@ -1177,7 +1179,7 @@ fn pipeline_passes<E: Elem, B: Backend>(
         let mut dinput = None;
         if let (Some(acts), None, true) = (acts, &run.failure, pipe.next.is_none() || dout.is_some()) {
             let mut sink = FullGrads(ViewMut::of(grads));
-            match model::backward_stage::<E, B>(be, cfg, source, &mut sink, acts, dloss, tp, dout) {
+            match model::backward_stage::<E, B>(be, cfg, source, &mut sink, acts, tp, dout) {
                 Ok((moved, d)) => {
                     run.swap.add(moved);
                     dinput = d;
@@ -1229,20 +1231,20 @@ fn forward_through<E: Elem, B: Backend>(
     evaluation: bool,
     run: &mut PipelineRun,
 ) -> Option<model::Activations> {
-    let Passes { be, cfg, knobs, source, tp, .. } = *at;
+    let Passes { be, cfg, knobs, source, tp, dloss } = *at;
     let t = knobs.seq_len;
     let n = b * t * cfg.n_embd;
     let input = pipe.prev.as_ref().and_then(|prev| receive::<E, B>(be, prev, n, Category::Activations, run));
-    let (mode, offload) = match evaluation {
-        true => (Checkpointing::Full, OffloadTarget::None),
-        false => (knobs.checkpointing, knobs.offload_activations),
+    let (mode, offload, head) = match evaluation {
+        true => (Checkpointing::Full, OffloadTarget::None, HeadOutput::Probabilities),
+        false => (knobs.checkpointing, knobs.offload_activations, HeadOutput::Gradient { dloss }),
     };
     let acts = match (&run.failure, pipe.prev.is_none() || input.is_some()) {
-        (None, true) => {
-            model::forward_stage::<E, B>(be, cfg, source, inputs, targets, b, t, mode, offload, tp, input, evaluation)
-                .map_err(|e| run.failure = Some(e))
-                .ok()
-        }
+        (None, true) => model::forward_stage::<E, B>(
+            be, cfg, source, inputs, targets, b, t, mode, offload, tp, input, evaluation, head,
+        )
+        .map_err(|e| run.failure = Some(e))
+        .ok(),
         _ => None,
     };
     if let Some(next) = &pipe.next {

@@ -501,6 +501,28 @@ impl CudaBackend {
         )
     }
 
+    /// A softmax cross-entropy kernel, `<op>_<dtype>(logits, losses, targets, [dloss,] N, V)`,
+    /// one block per row: probabilities written over the logits, or (`dloss`) their gradient.
+    fn crossentropy<E: Elem>(
+        &self,
+        op: &'static str,
+        logits: ViewMut<E>,
+        losses: ViewMut<f32>,
+        targets: View<u32>,
+        dloss: Option<f32>,
+        v: usize,
+    ) -> BackendResult {
+        let dt = suffix::<E>(self, op)?;
+        let n = shapes::crossentropy(op, logits.len(), losses.len(), targets, v)?;
+        if n == 0 {
+            return Ok(()); // no grid of zero blocks
+        }
+        let mut args = vec![Arg::Ptr(logits.address()), Arg::Ptr(losses.address()), Arg::Ptr(targets.address())];
+        args.extend(dloss.map(Arg::F32));
+        args.extend([int(op, "N", n)?, int(op, "V", v)?]);
+        self.launch(op, &format!("{op}_{dt}"), block_rows(n), &args)
+    }
+
     fn scratch(&self, bytes: usize) -> BackendResult<Buffer> {
         Ok(self.pool.alloc(bytes, Category::Workspace)?)
     }
@@ -1146,45 +1168,18 @@ impl Backend for CudaBackend {
         targets: View<u32>,
         v: usize,
     ) -> BackendResult {
-        const OP: &str = "crossentropy_forward";
-        let dt = suffix::<E>(self, OP)?;
-        let n = shapes::crossentropy_forward(logits.len(), losses.len(), targets, v)?;
-        if n == 0 {
-            return Ok(()); // no grid of zero blocks
-        }
-        let cfg = block_rows(n);
-        let args = [
-            Arg::Ptr(logits.address()),
-            Arg::Ptr(losses.address()),
-            Arg::Ptr(targets.address()),
-            int(OP, "N", n)?,
-            int(OP, "V", v)?,
-        ];
-        self.launch(OP, &format!("crossentropy_forward_{dt}"), cfg, &args)
+        self.crossentropy("crossentropy_forward", logits, losses, targets, None, v)
     }
 
-    fn crossentropy_backward_inplace<E: Elem>(
+    fn crossentropy_forward_backward<E: Elem>(
         &self,
-        probs: ViewMut<E>,
+        logits: ViewMut<E>,
+        losses: ViewMut<f32>,
         targets: View<u32>,
         dloss: f32,
         v: usize,
     ) -> BackendResult {
-        const OP: &str = "crossentropy_backward";
-        let dt = suffix::<E>(self, OP)?;
-        let n = shapes::crossentropy_backward(probs.len(), targets, v)?;
-        let args = [
-            Arg::Ptr(probs.address()),
-            Arg::Ptr(targets.address()),
-            Arg::F32(dloss),
-            int(OP, "N", n)?,
-            int(OP, "V", v)?,
-        ];
-        if n == 0 {
-            return Ok(());
-        }
-        // One block per row, as forward.
-        self.launch(OP, &format!("crossentropy_backward_{dt}"), block_rows(n), &args)
+        self.crossentropy("crossentropy_forward_backward", logits, losses, targets, Some(dloss), v)
     }
 
     fn adamw<E: Elem>(
