@@ -22,7 +22,9 @@
 #    - the estimator against the device (--estimate-grid): 16 configurations, predicted and
 #      measured peaks side by side;
 #    - the GPT-2 124M benchmark: tokens/s at B=16, T=1024, bf16, resident and with the weights
-#      in host memory (offload params over the copy stream: the step-time ratio).
+#      in host memory (offload params over the copy stream: the step-time ratio), its per-op
+#      profile, and the classifier's GEMMs at GPT-2's 50,257 logits a row and padded to 50,304
+#      (whether the unaligned row costs cuBLAS speed: the case for padding the vocabulary);
 # 3. `headroom gpu-check` again with HEADROOM_CUDA_ATTENTION=fused: the fused attention
 #    kernels' (forward and backward) parity, training parity and benchmark beside the cuBLAS
 #    path's.

@@ -394,6 +394,18 @@ fn checks<B: crate::engine::backend::Backend>(
                 }
                 Err(e) => Check { name, ok: false, figure: e.to_string() },
             });
+            // The classifier's GEMMs at the vocabulary's width and padded to a multiple of 64:
+            // what an unaligned row of logits costs them (informational; decides the padding).
+            let (n, c, v) = (case.batch * case.seq, case.cfg.n_embd, case.cfg.vocab);
+            let name = format!("classifier GEMMs bf16 ({n}, {c}) · ({v}, {c})ᵀ: row width {v} vs padded");
+            let timed = open(None).and_then(|be| Ok(bench::classifier_widths::<half::bf16, _>(&be, n, c, v, 5)?));
+            checks.push(match timed {
+                Ok(t) => {
+                    let figure = bench::classifier_widths_line(n, c, &t);
+                    Check { name, ok: true, figure }
+                }
+                Err(e) => Check { name, ok: false, figure: e.to_string() },
+            });
         }
     }
 
@@ -598,6 +610,8 @@ mod tests {
         assert!(names[0].starts_with("op parity"), "{names:?}");
         assert!(names.contains(&"pool: device_memory 8 MiB"), "{names:?}");
         assert!(names.iter().any(|n| n.starts_with("profile of the")), "{names:?}");
+        let widths = checks.iter().find(|c| c.name.starts_with("classifier GEMMs")).expect("the width row");
+        assert!(widths.figure.contains("TFLOP/s"), "{}", widths.figure);
         assert!(names.contains(&"op workspace = cpu declarations"), "{names:?}");
         let trained = names.iter().filter(|n| n.starts_with("training parity")).count();
         assert_eq!(

@@ -205,6 +205,101 @@ pub fn profile_on<E: Elem, B: crate::engine::backend::Backend>(
     ))
 }
 
+/// The classifier's matmuls timed at one row width (`oc` columns of the logits).
+#[derive(Debug, Clone, Copy)]
+pub struct ClassifierTiming {
+    pub oc: usize,
+    pub forward_ms: f64,
+    pub backward_ms: f64,
+}
+
+impl ClassifierTiming {
+    /// Achieved TFLOP/s of forward (2·N·C·OC) and backward (twice that).
+    pub fn tflops(&self, n: usize, c: usize) -> (f64, f64) {
+        let flops = 2.0 * (n * c * self.oc) as f64;
+        (flops / self.forward_ms / 1e9, 2.0 * flops / self.backward_ms / 1e9)
+    }
+}
+
+/// The classifier's matmul forward and backward, (N, C) · (OC, C)ᵀ, timed (median of `reps`
+/// after one untimed) at `oc = v` and, unless it is one, at `v` rounded up to a multiple of 64:
+/// whether the logits' row width — GPT-2's 50,257 makes every row start off a 16-byte boundary
+/// in 16-bit storage — costs the device's GEMMs speed (the question llm.c answers by padding
+/// the vocabulary).
+pub fn classifier_widths<E: Elem, B: crate::engine::backend::Backend>(
+    be: &B,
+    n: usize,
+    c: usize,
+    v: usize,
+    reps: usize,
+) -> Result<Vec<ClassifierTiming>, crate::engine::backend::BackendError> {
+    use crate::engine::backend::{View, ViewMut};
+    use crate::engine::model::alloc_elems;
+    let pool = be.pool();
+    let mut out = Vec::new();
+    let mut widths = vec![v, v.next_multiple_of(64)];
+    widths.dedup();
+    for oc in widths {
+        let mut inp = alloc_elems::<E>(pool, n * c, Category::Activations)?;
+        let mut weight = alloc_elems::<E>(pool, oc * c, Category::Params)?;
+        let mut logits = alloc_elems::<E>(pool, n * oc, Category::Activations)?;
+        let mut dinp = alloc_elems::<E>(pool, n * c, Category::Workspace)?;
+        let mut dweight = alloc_elems::<E>(pool, oc * c, Category::Grads)?;
+        for buf in [&mut inp, &mut weight, &mut dweight] {
+            be.zero::<E>(ViewMut::of(buf))?;
+        }
+        let time = |f: &mut dyn FnMut() -> Result<(), crate::engine::backend::BackendError>| {
+            let mut ms = Vec::with_capacity(reps);
+            for i in 0..=reps.max(1) {
+                be.synchronize()?;
+                let t0 = std::time::Instant::now();
+                f()?;
+                be.synchronize()?;
+                if i > 0 {
+                    ms.push(t0.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            ms.sort_by(f64::total_cmp);
+            Ok::<f64, crate::engine::backend::BackendError>(ms[ms.len() / 2])
+        };
+        let forward_ms = time(&mut || {
+            be.matmul_forward::<E>(ViewMut::of(&mut logits), View::of(&inp), View::of(&weight), None, n, c, oc)
+        })?;
+        let backward_ms = time(&mut || {
+            be.matmul_backward::<E>(
+                ViewMut::of(&mut dinp),
+                ViewMut::of(&mut dweight),
+                None,
+                View::of(&logits),
+                View::of(&inp),
+                View::of(&weight),
+                n,
+                c,
+                oc,
+            )
+        })?;
+        out.push(ClassifierTiming { oc, forward_ms, backward_ms });
+    }
+    Ok(out)
+}
+
+/// One line of [`classifier_widths`]' timings: each width's milliseconds and TFLOP/s, and how
+/// much faster the padded width ran.
+pub fn classifier_widths_line(n: usize, c: usize, timings: &[ClassifierTiming]) -> String {
+    let rate = |t: &ClassifierTiming| {
+        let (f, b) = t.tflops(n, c);
+        format!("{}: forward {:.2} ms ({f:.1} TFLOP/s), backward {:.2} ms ({b:.1})", t.oc, t.forward_ms, t.backward_ms)
+    };
+    match timings {
+        [one] => format!("{}; already a multiple of 64", rate(one)),
+        [v, padded] => {
+            let gain = (v.forward_ms + v.backward_ms) / (padded.forward_ms + padded.backward_ms);
+            format!("{}; {}; padded {gain:.2}x faster", rate(v), rate(padded))
+        }
+        _ => "no timings".into(),
+    }
+}
+
 /// [`run_on`], calling `measuring` with the backend once the warm-up steps are done.
 pub fn run_on_with<E: Elem, B: crate::engine::backend::Backend>(
     backend: B,
@@ -553,4 +648,30 @@ pub fn host_adamw_table(n: usize, runs: usize) -> String {
     out.push_str(&row("fused (1 pass, all cores, SIMD)", fused, fused_bytes));
     std::hint::black_box((&master, &io, &dst));
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::backend::{Backend, CpuBackend};
+
+    /// The vocabulary's width and the next multiple of 64 are both timed (once when they are
+    /// the same), and the line names each with its rates.
+    #[test]
+    fn the_classifier_is_timed_at_its_width_and_padded_to_64() {
+        let be = CpuBackend::new(Pool::new("cpu", 64 << 20));
+        let (n, c) = (32, 16);
+        let timed = classifier_widths::<half::bf16, _>(&be, n, c, 100, 2).unwrap();
+        assert_eq!(timed.iter().map(|t| t.oc).collect::<Vec<_>>(), [100, 128]);
+        assert!(timed.iter().all(|t| t.forward_ms > 0.0 && t.backward_ms > 0.0), "{timed:?}");
+        let line = classifier_widths_line(n, c, &timed);
+        assert!(
+            line.starts_with("100: forward ") && line.contains("; 128: forward ") && line.ends_with("x faster"),
+            "{line}"
+        );
+        let aligned = classifier_widths::<half::bf16, _>(&be, n, c, 128, 1).unwrap();
+        assert_eq!(aligned.len(), 1);
+        assert!(classifier_widths_line(n, c, &aligned).ends_with("already a multiple of 64"));
+        assert_eq!(be.pool().stats().allocated(), 0, "every buffer returned");
+    }
 }
