@@ -1,4 +1,5 @@
-// Softmax + cross-entropy over rows of V, in f32 whatever the storage, one block per row, in two
+// Softmax + cross-entropy over the first V of each row of VP logits (the vocabulary; the
+// padding columns past it get 0), in f32 whatever the storage, one block per row, in two
 // passes over the row: each thread keeps a running maximum and its sum of exponentials,
 // rescaled when the maximum grows, and the block combines them; the second pass writes over
 // the logits either the probabilities (`crossentropy_forward`: evaluation, decoding) or, in
@@ -8,12 +9,12 @@
 
 // grad: write (p − onehot(target)) · dloss, else p.
 template <typename T>
-__device__ void softmax_crossentropy(T* logits, float* losses, const unsigned int* targets, int N, int V, bool grad,
-                                     float dloss) {
+__device__ void softmax_crossentropy(T* logits, float* losses, const unsigned int* targets, int N, int V, int VP,
+                                     bool grad, float dloss) {
     int row = blockIdx.x;
     if (row >= N) return;
     __shared__ float red[32];
-    const long base = (long)row * V;
+    const long base = (long)row * VP;
     float m = NEG_INF, s = 0.f;  // this thread's maximum and Σ exp(x − m)
     for (int i = threadIdx.x; i < V; i += blockDim.x) {
         const float x = load_f32(logits, base + i);
@@ -36,11 +37,12 @@ __device__ void softmax_crossentropy(T* logits, float* losses, const unsigned in
         const float p = expf(load_f32(logits, base + i) - mx) * inv;
         store_f32(logits, base + i, grad ? (p - (i == target ? 1.f : 0.f)) * dloss : p);
     }
+    for (int i = V + threadIdx.x; i < VP; i += blockDim.x) store_f32(logits, base + i, 0.f);
 }
 
-extern "C" __global__ void crossentropy_forward_f32(float* l, float* loss, const unsigned int* t, int N, int V) { softmax_crossentropy(l, loss, t, N, V, false, 0.f); }
-extern "C" __global__ void crossentropy_forward_bf16(bf16_t* l, float* loss, const unsigned int* t, int N, int V) { softmax_crossentropy(l, loss, t, N, V, false, 0.f); }
-extern "C" __global__ void crossentropy_forward_f16(f16_t* l, float* loss, const unsigned int* t, int N, int V) { softmax_crossentropy(l, loss, t, N, V, false, 0.f); }
-extern "C" __global__ void crossentropy_forward_backward_f32(float* l, float* loss, const unsigned int* t, float d, int N, int V) { softmax_crossentropy(l, loss, t, N, V, true, d); }
-extern "C" __global__ void crossentropy_forward_backward_bf16(bf16_t* l, float* loss, const unsigned int* t, float d, int N, int V) { softmax_crossentropy(l, loss, t, N, V, true, d); }
-extern "C" __global__ void crossentropy_forward_backward_f16(f16_t* l, float* loss, const unsigned int* t, float d, int N, int V) { softmax_crossentropy(l, loss, t, N, V, true, d); }
+extern "C" __global__ void crossentropy_forward_f32(float* l, float* loss, const unsigned int* t, int N, int V, int VP) { softmax_crossentropy(l, loss, t, N, V, VP, false, 0.f); }
+extern "C" __global__ void crossentropy_forward_bf16(bf16_t* l, float* loss, const unsigned int* t, int N, int V, int VP) { softmax_crossentropy(l, loss, t, N, V, VP, false, 0.f); }
+extern "C" __global__ void crossentropy_forward_f16(f16_t* l, float* loss, const unsigned int* t, int N, int V, int VP) { softmax_crossentropy(l, loss, t, N, V, VP, false, 0.f); }
+extern "C" __global__ void crossentropy_forward_backward_f32(float* l, float* loss, const unsigned int* t, float d, int N, int V, int VP) { softmax_crossentropy(l, loss, t, N, V, VP, true, d); }
+extern "C" __global__ void crossentropy_forward_backward_bf16(bf16_t* l, float* loss, const unsigned int* t, float d, int N, int V, int VP) { softmax_crossentropy(l, loss, t, N, V, VP, true, d); }
+extern "C" __global__ void crossentropy_forward_backward_f16(f16_t* l, float* loss, const unsigned int* t, float d, int N, int V, int VP) { softmax_crossentropy(l, loss, t, N, V, VP, true, d); }

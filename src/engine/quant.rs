@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::{Backend, BackendResult, View, ViewMut};
 use crate::engine::model::decode::Decoder;
-use crate::engine::model::{GptConfig, PpStage, TensorInfo, TpShard};
+use crate::engine::model::{GptConfig, TensorInfo};
 use crate::engine::parallel::placement::{ParamSource, Weights};
 use crate::memory::{Buffer, Category};
 
@@ -245,7 +245,8 @@ struct TensorEntry {
 }
 
 const MAGIC: &[u8; 8] = b"HRQUANT\0";
-const VERSION: u32 = 1;
+/// 2: `wte` holds `padded_vocab()` rows (1: `vocab` rows).
+const VERSION: u32 = 2;
 
 /// Why a quantized file cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -329,15 +330,15 @@ impl QuantModel {
         }
         let version = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes"));
         if version != VERSION {
-            return Err(bad(format!("version {version}; this build reads version {VERSION}")));
+            let again = if version < VERSION { " (written before the vocabulary padding: quantize again)" } else { "" };
+            return Err(bad(format!("version {version}; this build reads version {VERSION}{again}")));
         }
         let json_len = u64::from_le_bytes(body[12..20].try_into().expect("8 bytes")) as usize;
         let header: QuantHeader = body
             .get(20..20 + json_len)
             .and_then(|j| serde_json::from_slice(j).ok())
             .ok_or_else(|| bad("unreadable header".into()))?;
-        let [n_layer, n_head, n_embd, block_size, vocab] = header.model;
-        let cfg = GptConfig { n_layer, n_head, n_embd, block_size, vocab, tp: TpShard::NONE, pp: PpStage::NONE };
+        let cfg = GptConfig::of_dims(header.model.map(|x| x as u64));
         let mut at = 20 + json_len;
         let mut take = |n: usize| -> Result<&[u8], QuantFileError> {
             let blob = body.get(at..at + n).ok_or_else(|| bad("blobs end early".into()))?;
@@ -579,6 +580,7 @@ pub fn generate<B: Backend>(
 mod tests {
     use super::*;
     use crate::engine::backend::CpuBackend;
+    use crate::engine::model::{PpStage, TpShard};
     use crate::memory::Pool;
 
     fn weights(cfg: &GptConfig) -> Vec<f32> {

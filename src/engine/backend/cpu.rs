@@ -339,9 +339,10 @@ impl Backend for CpuBackend {
         mut losses: ViewMut<f32>,
         targets: View<u32>,
         v: usize,
+        vp: usize,
     ) -> BackendResult {
-        shapes::crossentropy("crossentropy_forward", logits.len(), losses.len(), targets, v)?;
-        layers::crossentropy_forward(logits.host_mut(), losses.host_mut(), targets.host(), v);
+        shapes::crossentropy("crossentropy_forward", logits.len(), losses.len(), targets, v, vp)?;
+        layers::crossentropy_forward(logits.host_mut(), losses.host_mut(), targets.host(), v, vp);
         Ok(())
     }
 
@@ -352,9 +353,10 @@ impl Backend for CpuBackend {
         targets: View<u32>,
         dloss: f32,
         v: usize,
+        vp: usize,
     ) -> BackendResult {
-        shapes::crossentropy("crossentropy_forward_backward", logits.len(), losses.len(), targets, v)?;
-        layers::crossentropy_forward_backward(logits.host_mut(), losses.host_mut(), targets.host(), dloss, v);
+        shapes::crossentropy("crossentropy_forward_backward", logits.len(), losses.len(), targets, v, vp)?;
+        layers::crossentropy_forward_backward(logits.host_mut(), losses.host_mut(), targets.host(), dloss, v, vp);
         Ok(())
     }
 
@@ -442,7 +444,7 @@ mod tests {
         let mut logits = pool.alloc(2 * 5 * 4, Category::Activations).unwrap();
         let mut losses = pool.alloc(2 * 4, Category::Activations).unwrap();
         let err = be
-            .crossentropy_forward::<f32>(ViewMut::of(&mut logits), ViewMut::of(&mut losses), View::of(&ids), 5)
+            .crossentropy_forward::<f32>(ViewMut::of(&mut logits), ViewMut::of(&mut losses), View::of(&ids), 5, 5)
             .unwrap_err();
         assert_eq!(err.to_string(), "crossentropy_forward: token id 9 is not below the vocabulary size 5");
     }

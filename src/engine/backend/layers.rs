@@ -1532,29 +1532,40 @@ pub fn residual_forward_inplace<E: Elem>(out: &mut [E], inp: &[E]) {
 // ----------------------------------------------------------------------------------------------
 // fused softmax + cross-entropy (f32 arithmetic whatever the storage)
 
-/// logits: (N,V) turned into probabilities in place; losses: (N) f32 = -log p[target].
+/// logits: (N,VP) turned into probabilities in place, the softmax over each row's first V
+/// (the vocabulary; the padding columns past it get 0); losses: (N) f32 = -log p[target].
 /// A row's sum of exponentials is kept in f64; in f32 storage each exponential is computed
 /// once, stored, and scaled by 1/sum afterwards.
-pub fn crossentropy_forward<E: Elem>(logits: &mut [E], losses: &mut [f32], targets: &[u32], v: usize) {
-    softmax_crossentropy(logits, losses, targets, v, None)
+pub fn crossentropy_forward<E: Elem>(logits: &mut [E], losses: &mut [f32], targets: &[u32], v: usize, vp: usize) {
+    softmax_crossentropy(logits, losses, targets, v, vp, None)
 }
 
-/// The loss and its gradient in one pass: losses as `crossentropy_forward`'s; logits: (N,V)
-/// turned into dlogits = (p − onehot(target)) · dloss in place, p in f32 (never stored), the
-/// gradient rounded once.
+/// The loss and its gradient in one pass: losses as `crossentropy_forward`'s; logits: (N,VP)
+/// turned into dlogits = (p − onehot(target)) · dloss in place (0 in the padding columns), p
+/// in f32 (never stored), the gradient rounded once.
 pub fn crossentropy_forward_backward<E: Elem>(
     logits: &mut [E],
     losses: &mut [f32],
     targets: &[u32],
     dloss: f32,
     v: usize,
+    vp: usize,
 ) {
-    softmax_crossentropy(logits, losses, targets, v, Some(dloss))
+    softmax_crossentropy(logits, losses, targets, v, vp, Some(dloss))
 }
 
 /// Each row's loss, and its probabilities (`dloss` None) or its gradient written over it.
-fn softmax_crossentropy<E: Elem>(logits: &mut [E], losses: &mut [f32], targets: &[u32], v: usize, dloss: Option<f32>) {
-    logits.par_chunks_mut(v).zip(losses.par_iter_mut().zip(targets.par_iter())).for_each(|(row, (loss, &tgt))| {
+fn softmax_crossentropy<E: Elem>(
+    logits: &mut [E],
+    losses: &mut [f32],
+    targets: &[u32],
+    v: usize,
+    vp: usize,
+    dloss: Option<f32>,
+) {
+    logits.par_chunks_mut(vp).zip(losses.par_iter_mut().zip(targets.par_iter())).for_each(|(row, (loss, &tgt))| {
+        let (row, padding) = row.split_at_mut(v);
+        padding.fill(E::from_f32(0.0));
         widest(
             #[inline(always)]
             || {

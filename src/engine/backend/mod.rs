@@ -266,17 +266,20 @@ pub trait Backend: Send {
     /// out (N) += inp (N)
     fn residual_forward_inplace<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult;
 
-    /// logits: (N,V) turned into probabilities in place; losses: (N) f32; targets: (N).
+    /// logits: (N,VP) turned into probabilities in place — the softmax over each row's first
+    /// V, 0 in the padding columns past it; losses: (N) f32; targets: (N), each below V.
     fn crossentropy_forward<E: Elem>(
         &self,
         logits: ViewMut<E>,
         losses: ViewMut<f32>,
         targets: View<u32>,
         v: usize,
+        vp: usize,
     ) -> BackendResult;
     /// The loss and its gradient in one pass over the logits (training's head): losses: (N) f32
-    /// as `crossentropy_forward`'s; logits: (N,V) turned into their gradient
-    /// (softmax − onehot(target)) · dloss in place, the probabilities never stored.
+    /// as `crossentropy_forward`'s; logits: (N,VP) turned into their gradient
+    /// (softmax − onehot(target)) · dloss in place (0 in the padding columns), the
+    /// probabilities never stored.
     fn crossentropy_forward_backward<E: Elem>(
         &self,
         logits: ViewMut<E>,
@@ -284,6 +287,7 @@ pub trait Backend: Send {
         targets: View<u32>,
         dloss: f32,
         v: usize,
+        vp: usize,
     ) -> BackendResult;
 
     /// One AdamW step of one tensor: fp32 `master` and moments updated from `grads × grad_mult`;

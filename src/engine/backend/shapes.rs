@@ -195,15 +195,18 @@ pub fn attention_backward(
     same(OP, "dout (B,T,C)", dout, b * t * c)
 }
 
-/// The softmax cross-entropy ops': logits (N,V), losses (N), targets (N) below V. Returns N.
+/// The softmax cross-entropy ops': logits (N,VP), losses (N), targets (N) below V ≤ VP.
+/// Returns N.
 pub fn crossentropy(
     op: &'static str,
     logits: usize,
     losses: usize,
     targets: View<u32>,
     v: usize,
+    vp: usize,
 ) -> BackendResult<usize> {
-    let n = rows(op, logits, v)?;
+    check_shape(op, v <= vp, || format!("the vocabulary ({v}) is wider than a row of logits ({vp})"))?;
+    let n = rows(op, logits, vp)?;
     same(op, "losses", losses, n)?;
     same(op, "targets", targets.len(), n)?;
     tokens(op, targets, v)?;

@@ -523,23 +523,25 @@ fn elementwise_kernels_match_the_reference<E: Elem>(families: &Families, eps: f6
     close(&format!("encoder dwpe {dt}"), &dwpe, &want_wpe, &uses(&dwpe0, &wpe_terms), 1e-6 + b as f64 * eps, eps);
 
     // Softmax cross-entropy over rows of V 1000 (past a block's 512 threads) and of V 100
-    // (threads with no element): the probabilities (evaluation), then on the same logits the
-    // gradient made with the loss (training). Row 0 rises steadily, so every thread's running
-    // maximum grows at each of its elements (its sum rescaled each time).
+    // (threads with no element), each row VP = V + 24 wide (padding columns, random on entry,
+    // must come out 0): the probabilities (evaluation), then on the same logits the gradient
+    // made with the loss (training). Row 0 rises steadily, so every thread's running maximum
+    // grows at each of its elements (its sum rescaled each time).
     for v in [1000, 100] {
-        let rows = 5;
-        let mut logits = random::<E>(&mut rng, rows * v, 3.0);
+        let (rows, vp) = (5, v + 24);
+        let mut logits = random::<E>(&mut rng, rows * vp, 3.0);
         for (i, x) in logits[..v].iter_mut().enumerate() {
             *x = E::from_f32(i as f32 * 8.0 / v as f32);
         }
         let mut targets: Vec<u32> = (0..rows).map(|r| (r * 211 % v) as u32).collect();
         let dloss = 0.25f32;
         let (mut want_p, mut want_d, mut want_losses) = (logits.clone(), logits.clone(), vec![0f32; rows]);
-        layers::crossentropy_forward(&mut want_p, &mut want_losses, &targets, v);
-        layers::crossentropy_forward_backward(&mut want_d, &mut vec![0f32; rows], &targets, dloss, v);
+        layers::crossentropy_forward(&mut want_p, &mut want_losses, &targets, v, vp);
+        layers::crossentropy_forward_backward(&mut want_d, &mut vec![0f32; rows], &targets, dloss, v, vp);
+        assert!(want_d.chunks(vp).all(|row| row[v..].iter().all(|x| x.to_f32() == 0.0)), "the reference's padding");
         let mut d = logits.clone();
         let mut losses = vec![f32::NAN; rows];
-        let mut args = [buf(&mut logits), buf(&mut losses), buf(&mut targets), int(rows), int(v)];
+        let mut args = [buf(&mut logits), buf(&mut losses), buf(&mut targets), int(rows), int(v), int(vp)];
         families.classifier.launch(&format!("crossentropy_forward_{dt}"), block_rows(rows), &mut args);
         let check_losses = |losses: &[f32], what: &str| {
             for (r, (g, w)) in losses.iter().zip(&want_losses).enumerate() {
@@ -547,12 +549,12 @@ fn elementwise_kernels_match_the_reference<E: Elem>(families: &Families, eps: f6
             }
         };
         check_losses(&losses, "forward");
-        close(&format!("probabilities {dt} V {v}"), &logits, &want_p, &vec![1.0; rows * v], 1e-6, eps);
+        close(&format!("probabilities {dt} V {v}"), &logits, &want_p, &vec![1.0; rows * vp], 1e-6, eps);
         let mut losses = vec![f32::NAN; rows];
-        let mut args = [buf(&mut d), buf(&mut losses), buf(&mut targets), Arg::F32(dloss), int(rows), int(v)];
+        let mut args = [buf(&mut d), buf(&mut losses), buf(&mut targets), Arg::F32(dloss), int(rows), int(v), int(vp)];
         families.classifier.launch(&format!("crossentropy_forward_backward_{dt}"), block_rows(rows), &mut args);
         check_losses(&losses, "forward_backward");
-        close(&format!("dlogits {dt} V {v}"), &d, &want_d, &vec![dloss as f64; rows * v], 1e-6, eps);
+        close(&format!("dlogits {dt} V {v}"), &d, &want_d, &vec![dloss as f64; rows * vp], 1e-6, eps);
     }
 }
 

@@ -172,11 +172,11 @@ fn gelu_and_crossentropy_backward_match_finite_differences() {
     let targets = [1u32, 6, 0];
     let f = |lg: &[f32]| {
         let (mut p, mut losses) = (lg.to_vec(), vec![0.0; n]);
-        crossentropy_forward(&mut p, &mut losses, &targets, v);
+        crossentropy_forward(&mut p, &mut losses, &targets, v, v);
         losses.iter().map(|&l| l as f64).sum::<f64>() / n as f64
     };
     let (mut d, mut losses) = (logits.clone(), vec![0.0; n]);
-    crossentropy_forward_backward(&mut d, &mut losses, &targets, 1.0 / n as f32, v);
+    crossentropy_forward_backward(&mut d, &mut losses, &targets, 1.0 / n as f32, v, v);
     check("crossentropy.dlogits", &logits, &d, &f);
 }
 

@@ -78,13 +78,13 @@ macro_rules! delegate_ops {
         }
     };
     (@op $to:tt, $m:path, $wrap:ident, crossentropy_forward) => {
-        fn crossentropy_forward<E: Elem>(&self, logits: ViewMut<E>, losses: ViewMut<f32>, targets: View<u32>, v: usize) -> BackendResult {
-            $wrap!(self, "crossentropy_forward", [logits, losses, targets], self.$to.crossentropy_forward($m(logits), $m(losses), $m(targets), v))
+        fn crossentropy_forward<E: Elem>(&self, logits: ViewMut<E>, losses: ViewMut<f32>, targets: View<u32>, v: usize, vp: usize) -> BackendResult {
+            $wrap!(self, "crossentropy_forward", [logits, losses, targets], self.$to.crossentropy_forward($m(logits), $m(losses), $m(targets), v, vp))
         }
     };
     (@op $to:tt, $m:path, $wrap:ident, crossentropy_forward_backward) => {
-        fn crossentropy_forward_backward<E: Elem>(&self, logits: ViewMut<E>, losses: ViewMut<f32>, targets: View<u32>, dloss: f32, v: usize) -> BackendResult {
-            $wrap!(self, "crossentropy_forward_backward", [logits, losses, targets], self.$to.crossentropy_forward_backward($m(logits), $m(losses), $m(targets), dloss, v))
+        fn crossentropy_forward_backward<E: Elem>(&self, logits: ViewMut<E>, losses: ViewMut<f32>, targets: View<u32>, dloss: f32, v: usize, vp: usize) -> BackendResult {
+            $wrap!(self, "crossentropy_forward_backward", [logits, losses, targets], self.$to.crossentropy_forward_backward($m(logits), $m(losses), $m(targets), dloss, v, vp))
         }
     };
     (@op $to:tt, $m:path, $wrap:ident, adamw) => {

@@ -380,15 +380,18 @@ fn ops<E: Elem, R: Backend, C: Backend>(h: &mut Harness<'_, R, C>, s: ParityShap
         both!(h, residual_forward_inplace::<E>(&mut out, &inp));
         Ok(vec![("out", h.err::<E>(&out)?)])
     });
+    // Rows of logits wider than the vocabulary (the padding columns start random and must
+    // come out 0).
+    let vp = v + 13;
     h.record::<E>("crossentropy_forward", |h| {
-        let (targets, mut logits, mut losses) = (h.ids(n, v)?, h.input::<E>(n * v, 3.0)?, h.poisoned::<f32>(n)?);
-        both!(h, crossentropy_forward::<E>(&mut logits, &mut losses, &targets, v));
+        let (targets, mut logits, mut losses) = (h.ids(n, v)?, h.input::<E>(n * vp, 3.0)?, h.poisoned::<f32>(n)?);
+        both!(h, crossentropy_forward::<E>(&mut logits, &mut losses, &targets, v, vp));
         Ok(vec![("probs", h.err::<E>(&logits)?), ("losses", h.err::<f32>(&losses)?)])
     });
     h.record::<E>("crossentropy_forward_backward", |h| {
-        let (targets, mut logits, mut losses) = (h.ids(n, v)?, h.input::<E>(n * v, 3.0)?, h.poisoned::<f32>(n)?);
+        let (targets, mut logits, mut losses) = (h.ids(n, v)?, h.input::<E>(n * vp, 3.0)?, h.poisoned::<f32>(n)?);
         let dloss = 1.0 / n as f32;
-        both!(h, crossentropy_forward_backward::<E>(&mut logits, &mut losses, &targets, dloss, v));
+        both!(h, crossentropy_forward_backward::<E>(&mut logits, &mut losses, &targets, dloss, v, vp));
         Ok(vec![("dlogits", h.err::<E>(&logits)?), ("losses", h.err::<f32>(&losses)?)])
     });
     h.record::<E>("adamw", |h| {

@@ -338,7 +338,7 @@ mod tests {
         assert_eq!(per_step("crossentropy_forward_backward"), 2);
         assert!(!totals.contains_key("crossentropy_forward"));
         let (b, t, c) = (micro, case.seq, case.cfg.n_embd);
-        let classifier = 2.0 * (b * t * c * case.cfg.vocab) as f64;
+        let classifier = 2.0 * (b * t * c * case.cfg.padded_vocab()) as f64;
         let blocks = 2.0 * (b * t * c * 12 * c) as f64 * l as f64; // qkv 3c, proj c, fc 4c, fcproj 4c
         assert_eq!(totals["matmul_forward"].flops, (classifier + blocks) * 2.0 * steps as f64);
         let table = table(&totals, steps, measured.ms_per_step, Some(plain.ms_per_step));

@@ -528,7 +528,7 @@ mod tests {
         // classifier backward) goes ahead of its use through the copy stream, and so do the
         // offloaded block outputs.
         let ahead = trainer.backend().copied_ahead();
-        let (c, v, t_max) = (case.cfg.n_embd, case.cfg.vocab, case.cfg.block_size);
+        let (c, v, t_max) = (case.cfg.n_embd, case.cfg.padded_vocab(), case.cfg.block_size);
         let first_segments = accum * ((v + t_max) * c + v * c) * 2;
         assert_eq!(ahead, up - accum * per_micro.0 - first_segments, "bytes that went ahead");
     }

@@ -107,7 +107,7 @@ pub struct StepTime {
 /// The predicted step of `cfg` under `k` on a device with `speed`.
 pub fn step_time(cfg: &GptConfig, k: &Knobs, speed: &DeviceSpeed) -> StepTime {
     let (b, t, c) = (k.micro_batch as f64, k.seq_len as f64, cfg.n_embd as f64);
-    let (v, h) = (cfg.vocab as f64, cfg.n_head as f64);
+    let (v, h) = (cfg.padded_vocab() as f64, cfg.n_head as f64); // the classifier runs over the padded rows
     let l = (cfg.n_layer as f64 / k.pipeline_parallel.max(1) as f64).ceil();
     // Under tensor parallelism a rank computes 1/tp of each block and holds its share of the
     // weights; ZeRO and the gradients' collective run over the data-parallel ranks.

@@ -40,7 +40,7 @@ pub fn decode_buffer_sizes<E: Elem>(cfg: &GptConfig, rows: usize) -> [(&'static 
         ("atty", rows * c, e),
         ("h", rows * 4 * c, e),
         ("hg", rows * 4 * c, e),
-        ("logits", cfg.vocab, e),
+        ("logits", cfg.padded_vocab(), e),
         ("target", 1, 4),
         ("loss", 1, 4),
     ]
@@ -62,7 +62,7 @@ pub fn decode_op_scratch<E: Elem>(
         .collect();
     let d = CachedAttention { b: 1, tn: rows, start: context - rows, context, c, nh: cfg.n_head };
     block.push(model.attention_cached(d));
-    DecodeScratch { block, head: model.matmul_forward::<E>(1, c, cfg.vocab) }
+    DecodeScratch { block, head: model.matmul_forward::<E>(1, c, cfg.padded_vocab()) }
 }
 
 /// What `decode_op_scratch` returns: per block op, and the classifier's.
@@ -190,14 +190,14 @@ impl<'a, E: Elem, B: Backend> Decoder<'a, E, B> {
     /// the cache holds their keys and values.
     fn chunk_forward(&mut self, params: &dyn ParamSource<E>, tokens: &[u32]) -> BackendResult {
         let (be, cfg) = (self.be, &self.cfg);
-        let (c, nh, v, n) = (cfg.n_embd, cfg.n_head, cfg.vocab, tokens.len());
+        let (c, nh, vp, n) = (cfg.n_embd, cfg.n_head, cfg.padded_vocab(), tokens.len());
         let start = self.cache.len;
         let DecodeBuffers { tokens: tok, x, ln, mean, rstd, qkv, atty, h, hg, .. } = &mut self.bufs;
         be.upload(ViewMut::range(tok, 0..n), tokens)?;
         {
             // x: (n,C) = wte[token] + wpe[start + i]
             let w = params.fetch(cfg.embed_range(), (cfg.n_layer > 0).then(|| cfg.layer_range(0)))?;
-            let (wte, wpe) = w.view().split_at(v * c);
+            let (wte, wpe) = w.view().split_at(vp * c);
             let wpe = wpe.slice(start * c..(start + n) * c);
             be.encoder_forward(ViewMut::range(x, 0..n * c), View::range(tok, 0..n), wte, wpe, n, c)?;
         }
@@ -252,16 +252,17 @@ impl<'a, E: Elem, B: Backend> Decoder<'a, E, B> {
             be.layernorm_forward(ViewMut::<E>::range(ln, 0..c), mean, rstd, xv, lnfw, lnfb, c)?;
         }
         {
-            // logits: (1,V) = lnf · wteᵀ (the classifier is tied to the token embedding)
+            // logits: (1,VP) = lnf · wteᵀ (the classifier is tied to the token embedding)
             let wte = params.fetch(cfg.wte_range(), None)?;
             let lv = View::<E>::range(ln, 0..c);
-            be.matmul_forward(ViewMut::<E>::of(logits), lv, wte.view(), None, 1, c, cfg.vocab)?;
+            be.matmul_forward(ViewMut::<E>::of(logits), lv, wte.view(), None, 1, c, cfg.padded_vocab())?;
         }
         // The softmax in place (its loss, against target 0, is not used).
+        let (v, vp) = (cfg.vocab, cfg.padded_vocab());
         be.upload(ViewMut::<u32>::of(target), &[0])?;
-        be.crossentropy_forward(ViewMut::<E>::of(logits), ViewMut::of(loss), View::of(target), cfg.vocab)?;
-        let mut host = vec![E::default(); cfg.vocab];
-        be.download(View::<E>::of(logits), &mut host)?;
+        be.crossentropy_forward(ViewMut::<E>::of(logits), ViewMut::of(loss), View::of(target), v, vp)?;
+        let mut host = vec![E::default(); v];
+        be.download(View::<E>::range(logits, 0..v), &mut host)?;
         for (p, q) in probs.iter_mut().zip(host) {
             *p = q.to_f32();
         }
@@ -296,8 +297,8 @@ mod tests {
         )
         .unwrap();
         let mut probs = vec![0f32; cfg.vocab];
-        be.download(View::range(acts.logits.as_ref().unwrap(), (t - 1) * cfg.vocab..t * cfg.vocab), &mut probs)
-            .unwrap();
+        let row = (t - 1) * cfg.padded_vocab();
+        be.download(View::range(acts.logits.as_ref().unwrap(), row..row + cfg.vocab), &mut probs).unwrap();
         probs
     }
 

@@ -22,6 +22,7 @@ pub struct GptConfig {
     pub n_embd: usize,
     /// Maximum sequence length (rows of wpe).
     pub block_size: usize,
+    /// Token ids and the softmax's width; `wte` and the logits have `padded_vocab()` rows.
     pub vocab: usize,
     /// This rank's share under tensor parallelism; the sizes, the layout and the size tables
     /// below are this rank's (`TpShard::NONE`: the whole model).
@@ -30,6 +31,9 @@ pub struct GptConfig {
     /// LayerNorm and classifier on the last); `PpStage::NONE`: every layer.
     pub pp: PpStage,
 }
+
+/// `padded_vocab()`'s multiple: 64 tokens, 128 bytes a row of logits in 16-bit storage.
+pub const VOCAB_ROW_MULTIPLE: usize = 64;
 
 /// A rank's pipeline stage: stage `stage` of `stages` holds a contiguous run of layers (the
 /// first `n_layer % stages` stages one more than the others), the first stage also `wte` and
@@ -172,7 +176,7 @@ pub fn global_activation_sizes(cfg: &GptConfig, b: usize, t: usize) -> [(&'stati
         ("lnf", bt * cfg.n_embd),
         ("lnf_mean", bt),
         ("lnf_rstd", bt),
-        ("logits", bt * cfg.vocab),
+        ("logits", bt * cfg.padded_vocab()),
         ("losses", bt),
     ]
 }
@@ -215,13 +219,13 @@ pub fn block_backward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b
 
 /// The classifier's workspace (B·T, C) · (V, C)ᵀ: forward.
 pub fn head_forward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b: usize, t: usize) -> Vec<usize> {
-    model.matmul_forward::<E>(b * t, cfg.n_embd, cfg.vocab)
+    model.matmul_forward::<E>(b * t, cfg.n_embd, cfg.padded_vocab())
 }
 
 /// The head's workspace in backward: the classifier's (no bias), then the final LayerNorm's.
 pub fn head_backward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b: usize, t: usize) -> Vec<usize> {
     largest(vec![
-        model.matmul_backward::<E>(b * t, cfg.n_embd, cfg.vocab, false),
+        model.matmul_backward::<E>(b * t, cfg.n_embd, cfg.padded_vocab(), false),
         model.layernorm_backward(b * t, cfg.n_embd),
     ])
 }
@@ -236,6 +240,21 @@ impl GptConfig {
     /// directory record.
     pub fn dims(&self) -> [u64; 5] {
         [self.n_layer, self.n_head, self.n_embd, self.block_size, self.vocab].map(|x| x as u64)
+    }
+
+    /// The whole model of a checkpoint's or a quantized file's recorded `dims()`.
+    pub fn of_dims(dims: [u64; 5]) -> GptConfig {
+        let [n_layer, n_head, n_embd, block_size, vocab] = dims.map(|x| x as usize);
+        GptConfig { n_layer, n_head, n_embd, block_size, vocab, tp: TpShard::NONE, pp: PpStage::NONE }
+    }
+
+    /// Rows of `wte` and of the logits: the vocabulary rounded up to a multiple of
+    /// [`VOCAB_ROW_MULTIPLE`], so every row of logits starts on a 16-byte boundary and the
+    /// classifier's GEMMs get whole tiles (GPT-2's 50,257 → 50,304, as llm.c and nanoGPT pad
+    /// it). The rows past `vocab` are zero from initialisation on and stay zero: no token
+    /// selects them, their logits are left out of the softmax and get a zero gradient.
+    pub fn padded_vocab(&self) -> usize {
+        self.vocab.next_multiple_of(VOCAB_ROW_MULTIPLE)
     }
 
     /// The whole model (no tensor or pipeline parallelism): what checkpoints hold.
@@ -285,9 +304,9 @@ impl GptConfig {
         let c = self.n_embd;
         let (first, last) = (self.pp.is_first(), self.pp.is_last());
         let embed = if first {
-            (self.vocab + self.block_size) * c
+            (self.padded_vocab() + self.block_size) * c
         } else if last {
-            self.vocab * c
+            self.padded_vocab() * c
         } else {
             0
         };
@@ -304,7 +323,7 @@ impl GptConfig {
             offset += len;
         };
         if self.pp.is_first() || self.pp.is_last() {
-            push("wte".into(), self.vocab * c, true);
+            push("wte".into(), self.padded_vocab() * c, true);
         }
         if self.pp.is_first() {
             push("wpe".into(), self.block_size * c, true);
@@ -368,6 +387,12 @@ impl GptConfig {
             }
             let dst = &mut out[lo - range.start..hi - range.start];
             match short_name(&t.name) {
+                // The padding rows (past the vocabulary) start at zero.
+                "wte" if hi > self.vocab * self.n_embd => {
+                    let real = (self.vocab * self.n_embd).clamp(lo, hi);
+                    normal_fill(key, lo, 0.02, &mut dst[..real - lo]);
+                    dst[real - lo..].fill(0.0);
+                }
                 "ln1w" | "ln2w" | "lnfw" => dst.fill(1.0),
                 "attprojw" | "fcprojw" => normal_fill(key, lo, proj_std, dst),
                 _ if t.decay => normal_fill(key, lo, 0.02, dst),
@@ -432,7 +457,7 @@ impl GptConfig {
         let mut out = vec![0f32; self.whole().num_params()];
         let tied_copy = !self.pp.is_first();
         for r in self.whole_runs() {
-            let wte = r.whole < self.vocab * self.n_embd;
+            let wte = r.whole < self.padded_vocab() * self.n_embd;
             if (r.split || self.tp.rank == 0) && !(wte && tied_copy) {
                 out[r.whole..r.whole + r.len].copy_from_slice(&local[r.local..r.local + r.len]);
             }
@@ -490,13 +515,13 @@ impl GptConfig {
 
     /// The tied token embedding / classifier weights `wte` (first and last stage).
     pub fn wte_range(&self) -> Range<usize> {
-        0..self.vocab * self.n_embd
+        0..self.padded_vocab() * self.n_embd
     }
 
     /// `wte` and `wpe`, adjacent: what the encoder reads and writes gradients for (first
     /// stage).
     pub fn embed_range(&self) -> Range<usize> {
-        0..(self.vocab + self.block_size) * self.n_embd
+        0..(self.padded_vocab() + self.block_size) * self.n_embd
     }
 
     /// Block `l`'s twelve tensors, contiguous in the layer-major layout (`l` one of the

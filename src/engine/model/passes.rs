@@ -448,7 +448,8 @@ pub fn forward_stage<E: Elem, B: Backend>(
     head: HeadOutput,
 ) -> BackendResult<Activations> {
     let pool = be.pool();
-    let (c, v) = (cfg.n_embd, cfg.vocab);
+    // v: the vocabulary (token ids, the softmax); vp: rows of wte and of the logits (padded).
+    let (c, v, vp) = (cfg.n_embd, cfg.vocab, cfg.padded_vocab());
     let mut swap = SwapStats::default();
     let bt = b * t;
     let g = global_activation_sizes(cfg, b, t);
@@ -463,7 +464,7 @@ pub fn forward_stage<E: Elem, B: Backend>(
             debug_assert!(cfg.pp.is_first(), "a stage after the first starts from its input");
             let mut encoded = alloc_act::<E>(pool, g[2].0, g[2].1)?;
             let w = params.fetch(cfg.embed_range(), (!stage.is_empty()).then(|| cfg.layer_range(stage.start)))?;
-            let (wte, wpe) = w.view().split_at(v * c);
+            let (wte, wpe) = w.view().split_at(vp * c);
             be.encoder_forward(ViewMut::of(&mut encoded), View::of(&input_buf), wte, wpe, t, c)?;
             encoded
         }
@@ -528,18 +529,19 @@ pub fn forward_stage<E: Elem, B: Backend>(
             c,
         )?;
     }
-    // logits: (B,T,V) = lnf · wteᵀ (the classifier is tied to the token embedding).
+    // logits: (B,T,VP) = lnf · wteᵀ (the classifier is tied to the token embedding; the padding
+    // rows of wte are zero, and the softmax leaves their columns out).
     let mut logits = alloc_act::<E>(pool, g[6].0, g[6].1)?;
     {
         let wte = params.fetch(cfg.wte_range(), None)?;
-        be.matmul_forward(ViewMut::of(&mut logits), View::of(&lnf), wte.view(), None, bt, c, v)?;
+        be.matmul_forward(ViewMut::of(&mut logits), View::of(&lnf), wte.view(), None, bt, c, vp)?;
     }
     let mut losses = alloc_act::<E>(pool, g[7].0, g[7].1)?;
     let (lg, ls, tg) = (ViewMut::of(&mut logits), ViewMut::of(&mut losses), View::of(&target_buf));
     match head {
-        HeadOutput::Probabilities => be.crossentropy_forward::<E>(lg, ls, tg, v)?,
-        // dlogits: (B,T,V) = (softmax − onehot) · dloss, over the logits
-        HeadOutput::Gradient { dloss } => be.crossentropy_forward_backward::<E>(lg, ls, tg, dloss, v)?,
+        HeadOutput::Probabilities => be.crossentropy_forward::<E>(lg, ls, tg, v, vp)?,
+        // dlogits: (B,T,VP) = (softmax − onehot) · dloss over the logits, 0 in the padding
+        HeadOutput::Gradient { dloss } => be.crossentropy_forward_backward::<E>(lg, ls, tg, dloss, v, vp)?,
     }
     let mut host_losses = vec![0f32; bt];
     be.download(View::of(&losses), &mut host_losses)?;
@@ -854,7 +856,7 @@ pub fn backward_stage<E: Elem, B: Backend>(
     dout: Option<Buffer>,
 ) -> BackendResult<(SwapStats, Option<Buffer>)> {
     let pool = be.pool();
-    let (c, v) = (cfg.n_embd, cfg.vocab);
+    let (c, vp) = (cfg.n_embd, cfg.padded_vocab());
     let (b, t) = (acts.b, acts.t);
     let bt = b * t;
     let stage = cfg.stage_layers();
@@ -880,7 +882,7 @@ pub fn backward_stage<E: Elem, B: Backend>(
                 wte.view(),
                 bt,
                 c,
-                v,
+                vp,
             )?;
             grads.close(cfg.wte_range())?;
         }
@@ -918,7 +920,7 @@ pub fn backward_stage<E: Elem, B: Backend>(
         grads.close(cfg.layer_range(l))?;
     }
     let dinput = if cfg.pp.is_first() {
-        let (gwte, gwpe) = grads.open(cfg.embed_range())?.split_at(v * c);
+        let (gwte, gwpe) = grads.open(cfg.embed_range())?.split_at(vp * c);
         be.encoder_backward(gwte, gwpe, View::of(&ws.dres), View::of(&acts.inputs), t, c)?;
         grads.close(cfg.embed_range())?;
         None

@@ -14,7 +14,12 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::engine::model::GptConfig;
+
 const MAGIC: &[u8; 8] = b"HRCKPT01";
+/// The layout version written: 2, `wte` with `GptConfig::padded_vocab()` rows (the padding rows
+/// zero); 1, `vocab` rows — upgraded as it loads (zero rows inserted after `wte`'s last).
+pub const VERSION: u32 = 2;
 /// How many checkpoints of a run are kept (the newest, plus fallbacks).
 pub const KEEP: usize = 2;
 /// Where checkpoints that fail to load are moved.
@@ -144,7 +149,28 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
     let floats = |i: usize| -> Vec<f32> {
         data[i * n * 4..(i + 1) * n * 4].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
     };
-    Ok(Checkpoint { params: floats(0), m: floats(1), v: floats(2), header })
+    let mut ckpt = Checkpoint { params: floats(0), m: floats(1), v: floats(2), header };
+    if ckpt.header.version < 2 {
+        pad_vocabulary(&mut ckpt);
+    }
+    Ok(ckpt)
+}
+
+/// A version-1 checkpoint in today's layout: its `wte`'s `vocab` rows followed by the padding
+/// rows, zero in the weights and both moments. Left as it is when its size is not the
+/// unpadded model's (the trainer then refuses it as a mismatch).
+fn pad_vocabulary(ckpt: &mut Checkpoint) {
+    let cfg = GptConfig::of_dims(ckpt.header.model);
+    let (real, padded) = (cfg.vocab * cfg.n_embd, cfg.padded_vocab() * cfg.n_embd);
+    let n = cfg.num_params();
+    if ckpt.params.len() + (padded - real) != n {
+        return;
+    }
+    for part in [&mut ckpt.params, &mut ckpt.m, &mut ckpt.v] {
+        part.splice(real..real, std::iter::repeat_n(0.0, padded - real));
+    }
+    ckpt.header.num_params = n as u64;
+    ckpt.header.version = VERSION;
 }
 
 /// The newest checkpoint of `lineage` (any, for `None`) that loads. One that does not load is
@@ -229,7 +255,7 @@ mod tests {
 
     fn header(step: u64) -> CheckpointHeader {
         CheckpointHeader {
-            version: 1,
+            version: VERSION,
             step,
             num_params: 3,
             model: [1, 1, 1, 1, 1],
@@ -240,6 +266,33 @@ mod tests {
             loss_scale: 1.0,
             lineage: Some("a".into()),
         }
+    }
+
+    /// A checkpoint of the layout before the vocabulary padding loads in today's: `wte`'s rows,
+    /// then zero padding rows (weights and both moments), then every other tensor unmoved.
+    #[test]
+    fn a_version_1_checkpoint_loads_with_the_padding_rows_inserted() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = GptConfig::of_dims([1, 2, 8, 16, 50]);
+        let (real, padded) = (50 * 8, cfg.padded_vocab() * 8);
+        assert_eq!(padded, 64 * 8);
+        let n_old = cfg.num_params() - (padded - real);
+        let values = |k: f32| (0..n_old).map(|i| k + i as f32).collect::<Vec<f32>>();
+        let (p, m, v) = (values(1.0), values(-1e6), values(1e6));
+        let old = CheckpointHeader { version: 1, num_params: n_old as u64, model: cfg.dims(), ..header(7) };
+        save(dir.path(), &old, &p, &m, &v).unwrap();
+        let ckpt = load(&checkpoint_path(dir.path(), 7)).unwrap();
+        assert_eq!((ckpt.header.version, ckpt.header.num_params), (VERSION, cfg.num_params() as u64));
+        for (got, was) in [(&ckpt.params, &p), (&ckpt.m, &m), (&ckpt.v, &v)] {
+            assert_eq!(got.len(), cfg.num_params());
+            assert_eq!(got[..real], was[..real], "wte's rows");
+            assert!(got[real..padded].iter().all(|&x| x == 0.0), "the padding rows");
+            assert_eq!(got[padded..], was[real..], "every tensor after wte");
+        }
+        // A version-1 file of another size is left as it is (the trainer refuses it).
+        let odd = CheckpointHeader { version: 1, num_params: 5, model: cfg.dims(), ..header(8) };
+        save(dir.path(), &odd, &[1.0; 5], &[0.0; 5], &[0.0; 5]).unwrap();
+        assert_eq!(load(&checkpoint_path(dir.path(), 8)).unwrap().params.len(), 5);
     }
 
     #[test]

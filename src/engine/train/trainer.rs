@@ -987,7 +987,7 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
     pub fn save_checkpoint(&mut self, run_dir: &Path, lineage: Option<&str>) -> Result<PathBuf, CheckpointError> {
         self.settle().map_err(|e| CheckpointError::Device { path: run_dir.into(), message: e.to_string() })?;
         let header = CheckpointHeader {
-            version: 1,
+            version: checkpoint::VERSION,
             step: self.step,
             num_params: self.cfg.whole().num_params() as u64,
             model: self.cfg.dims(),
@@ -1017,6 +1017,13 @@ impl<E: Elem, B: Backend> Trainer<E, B> {
                 "model (n_layer, n_head, n_embd, block_size, vocab) {:?} != job's {:?}",
                 ckpt.header.model,
                 self.cfg.dims()
+            )));
+        }
+        if ckpt.params.len() != self.cfg.whole().num_params() {
+            return Err(mismatch(format!(
+                "{} parameters, the model has {}",
+                ckpt.params.len(),
+                self.cfg.whole().num_params()
             )));
         }
         if ckpt.header.step > self.hyper.steps {
@@ -1520,6 +1527,38 @@ mod tests {
         for p in 0..8u64 {
             inp.push((mix64(s * 31 + i * 7 + p) % 32) as u32);
             tgt.push((mix64(s * 31 + i * 7 + p + 1) % 32) as u32);
+        }
+    }
+
+    /// `wte`'s padding rows (past the vocabulary, 32 → 64 rows here) start at zero and stay
+    /// zero through training — no token selects them, their logits get no gradient, and AdamW
+    /// moves nothing with a zero gradient and zero moments — while the vocabulary's rows learn;
+    /// in every storage type, and with the optimizer on the host.
+    #[test]
+    fn the_padding_rows_of_the_vocabulary_stay_zero_through_training() {
+        fn padding_after_steps<E: Elem>(offload_optimizer: bool) -> (Vec<f32>, bool) {
+            let (cfg, mut hyper) = tiny();
+            hyper.knobs.offload_optimizer = offload_optimizer;
+            let mut tr = Trainer::<E>::new(cfg, hyper, Pool::new("cpu", 64 << 20)).unwrap();
+            let before = tr.master_params().unwrap();
+            for _ in 0..3 {
+                assert!(tr.train_step(&mut batch).unwrap().loss.is_finite());
+            }
+            let after = tr.master_params().unwrap();
+            let (real, padded) = (cfg.vocab * cfg.n_embd, cfg.padded_vocab() * cfg.n_embd);
+            (after[real..padded].to_vec(), after[..real] != before[..real])
+        }
+        let (cfg, _) = tiny();
+        assert_eq!((cfg.vocab, cfg.padded_vocab()), (32, 64));
+        for (padding, learned) in [
+            padding_after_steps::<f32>(false),
+            padding_after_steps::<half::bf16>(false),
+            padding_after_steps::<half::f16>(false),
+            padding_after_steps::<half::bf16>(true),
+        ] {
+            assert_eq!(padding.len(), 32 * 16);
+            assert!(padding.iter().all(|&x| x == 0.0), "padding rows moved: {padding:?}");
+            assert!(learned, "the vocabulary's rows learn");
         }
     }
 

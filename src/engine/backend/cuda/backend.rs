@@ -501,8 +501,10 @@ impl CudaBackend {
         )
     }
 
-    /// A softmax cross-entropy kernel, `<op>_<dtype>(logits, losses, targets, [dloss,] N, V)`,
-    /// one block per row: probabilities written over the logits, or (`dloss`) their gradient.
+    /// A softmax cross-entropy kernel, `<op>_<dtype>(logits, losses, targets, [dloss,] N, V,
+    /// VP)`, one block per row: probabilities written over the logits, or (`dloss`) their
+    /// gradient.
+    #[allow(clippy::too_many_arguments)]
     fn crossentropy<E: Elem>(
         &self,
         op: &'static str,
@@ -511,15 +513,16 @@ impl CudaBackend {
         targets: View<u32>,
         dloss: Option<f32>,
         v: usize,
+        vp: usize,
     ) -> BackendResult {
         let dt = suffix::<E>(self, op)?;
-        let n = shapes::crossentropy(op, logits.len(), losses.len(), targets, v)?;
+        let n = shapes::crossentropy(op, logits.len(), losses.len(), targets, v, vp)?;
         if n == 0 {
             return Ok(()); // no grid of zero blocks
         }
         let mut args = vec![Arg::Ptr(logits.address()), Arg::Ptr(losses.address()), Arg::Ptr(targets.address())];
         args.extend(dloss.map(Arg::F32));
-        args.extend([int(op, "N", n)?, int(op, "V", v)?]);
+        args.extend([int(op, "N", n)?, int(op, "V", v)?, int(op, "VP", vp)?]);
         self.launch(op, &format!("{op}_{dt}"), block_rows(n), &args)
     }
 
@@ -1167,8 +1170,9 @@ impl Backend for CudaBackend {
         losses: ViewMut<f32>,
         targets: View<u32>,
         v: usize,
+        vp: usize,
     ) -> BackendResult {
-        self.crossentropy("crossentropy_forward", logits, losses, targets, None, v)
+        self.crossentropy("crossentropy_forward", logits, losses, targets, None, v, vp)
     }
 
     fn crossentropy_forward_backward<E: Elem>(
@@ -1178,8 +1182,9 @@ impl Backend for CudaBackend {
         targets: View<u32>,
         dloss: f32,
         v: usize,
+        vp: usize,
     ) -> BackendResult {
-        self.crossentropy("crossentropy_forward_backward", logits, losses, targets, Some(dloss), v)
+        self.crossentropy("crossentropy_forward_backward", logits, losses, targets, Some(dloss), v, vp)
     }
 
     fn adamw<E: Elem>(
