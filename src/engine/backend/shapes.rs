@@ -41,6 +41,7 @@ pub fn encoder_forward(out: usize, inp: View<u32>, wte: usize, wpe: usize, t: us
 pub fn encoder_backward(dwte: usize, dwpe: usize, dout: usize, inp: View<u32>, t: usize, c: usize) -> BackendResult {
     const OP: &str = "encoder_backward";
     same(OP, "dout (B,T,C)", dout, inp.len() * c)?;
+    rows(OP, inp.len(), t)?; // whole sequences of T
     check_shape(OP, dwpe >= t * c, || format!("dwpe has {dwpe} elements"))?;
     tokens(OP, inp, dwte / c.max(1))
 }

@@ -217,7 +217,7 @@ pub fn block_backward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b
     largest(ops)
 }
 
-/// The classifier's workspace (B·T, C) · (V, C)ᵀ: forward.
+/// The classifier's workspace (B·T, C) · (VP, C)ᵀ (the padded vocabulary): forward.
 pub fn head_forward_scratch<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, b: usize, t: usize) -> Vec<usize> {
     model.matmul_forward::<E>(b * t, cfg.n_embd, cfg.padded_vocab())
 }

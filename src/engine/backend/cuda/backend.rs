@@ -754,16 +754,26 @@ impl Backend for CudaBackend {
         let dt = suffix::<E>(self, OP)?;
         shapes::encoder_backward(dwte.len(), dwpe.len(), dout.len(), inp, t, c)?;
         let bt = inp.len();
+        if bt == 0 {
+            return Ok(()); // no grid of zero blocks
+        }
         let args = [
             Arg::Ptr(dwte.address()),
-            Arg::Ptr(dwpe.address()),
             Arg::Ptr(dout.address()),
             Arg::Ptr(inp.address()),
             int(OP, "B·T", bt)?,
+            int(OP, "C", c)?,
+        ];
+        self.launch(OP, &format!("encoder_backward_wte_{dt}"), elementwise(bt * c), &args)?;
+        // Positions: the batch summed in order per (t, c), no atomics (bit for bit the CPU's).
+        let args = [
+            Arg::Ptr(dwpe.address()),
+            Arg::Ptr(dout.address()),
+            int(OP, "B", bt / t)?,
             int(OP, "T", t)?,
             int(OP, "C", c)?,
         ];
-        self.launch(OP, &format!("encoder_backward_{dt}"), elementwise(bt * c), &args)
+        self.launch(OP, &format!("encoder_backward_wpe_{dt}"), elementwise(t * c), &args)
     }
 
     fn layernorm_forward<E: Elem>(
