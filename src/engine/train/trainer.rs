@@ -1562,6 +1562,36 @@ mod tests {
         }
     }
 
+    /// A run checkpointed before the vocabulary padding (a version-1 file: `wte` with `vocab`
+    /// rows) resumes and trains on exactly as the run that wrote it.
+    #[test]
+    fn a_run_resumes_from_a_checkpoint_written_before_the_vocabulary_padding() {
+        let (cfg, hyper) = tiny();
+        let dir = tempfile::tempdir().unwrap();
+        let mut original = Trainer::<f32>::new(cfg, hyper.clone(), Pool::new("cpu", 64 << 20)).unwrap();
+        for _ in 0..2 {
+            original.train_step(&mut batch).unwrap();
+        }
+        let path = original.save_checkpoint(dir.path(), None).unwrap();
+        // The same state in the layout before the padding, as version 1 wrote it.
+        let ckpt = checkpoint::load(&path).unwrap();
+        let (real, padded) = (cfg.vocab * cfg.n_embd, cfg.padded_vocab() * cfg.n_embd);
+        let unpadded = |x: &[f32]| [&x[..real], &x[padded..]].concat();
+        let header =
+            CheckpointHeader { version: 1, num_params: (cfg.num_params() - (padded - real)) as u64, ..ckpt.header };
+        let old = dir.path().join("old");
+        let old_path =
+            checkpoint::save(&old, &header, &unpadded(&ckpt.params), &unpadded(&ckpt.m), &unpadded(&ckpt.v)).unwrap();
+        let mut resumed = Trainer::<f32>::new(cfg, hyper, Pool::new("cpu", 64 << 20)).unwrap();
+        resumed.restore(&old_path, checkpoint::load(&old_path).unwrap()).unwrap();
+        assert_eq!(resumed.master_params().unwrap(), original.master_params().unwrap());
+        for _ in 0..2 {
+            let (a, b) = (original.train_step(&mut batch).unwrap(), resumed.train_step(&mut batch).unwrap());
+            assert_eq!((a.step, a.loss.to_bits()), (b.step, b.loss.to_bits()));
+        }
+        assert_eq!(resumed.master_params().unwrap(), original.master_params().unwrap());
+    }
+
     #[test]
     fn fp16_overflow_skips_the_step_and_halves_the_scale() {
         let (cfg, hyper) = tiny();
