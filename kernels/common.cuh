@@ -48,27 +48,6 @@ __device__ __forceinline__ unsigned short bits_of(f16_t v) { return v.bits; }
 __device__ __forceinline__ void set_bits(bf16_t* v, unsigned short b) { *v = b; }
 __device__ __forceinline__ void set_bits(f16_t* v, unsigned short b) { v->bits = b; }
 
-// p[i] += v atomically. 16-bit types: a compare-and-swap on the aligned 32-bit word holding it
-// (rounds at each add, like the CPU reference's per-token accumulation).
-__device__ __forceinline__ void atomic_add(float* p, long i, float v) { atomicAdd(p + i, v); }
-template <typename H>
-__device__ __forceinline__ void atomic_add_16(H* p, long i, float v) {
-    unsigned int* word = (unsigned int*)((size_t)(p + i) & ~(size_t)3);
-    bool high = ((size_t)(p + i) & 2) != 0;
-    unsigned int old = *word, assumed;
-    do {
-        assumed = old;
-        H cur, next;
-        set_bits(&cur, high ? (unsigned short)(assumed >> 16) : (unsigned short)(assumed & 0xffffu));
-        store_f32(&next, 0, load_f32(&cur, 0) + v);
-        unsigned int updated = high ? ((assumed & 0xffffu) | ((unsigned int)bits_of(next) << 16))
-                                    : ((assumed & 0xffff0000u) | (unsigned int)bits_of(next));
-        old = atomicCAS(word, assumed, updated);
-    } while (old != assumed);
-}
-__device__ __forceinline__ void atomic_add(bf16_t* p, long i, float v) { atomic_add_16(p, i, v); }
-__device__ __forceinline__ void atomic_add(f16_t* p, long i, float v) { atomic_add_16(p, i, v); }
-
 // Column sums in two stages, so every SM works on a tall (rows, C) tensor: stage one's blocks
 // (32 columns × a band of rows each, grid (⌈C/32⌉, bands)) write f32 partial sums, one row of
 // `partial` (bands, C) per band; stage two adds each column's partials, in band order, to the

@@ -290,6 +290,9 @@ fn checks<B: crate::engine::backend::Backend>(
                 ];
                 print!("{}", train_parity::table(&reports));
                 checks.extend(reports.iter().map(parity_check));
+                // Determinism: the same bf16 run twice on the device, bit for bit (no kernel
+                // uses atomics; cuBLAS is deterministic on one device and toolkit).
+                checks.push(determinism_check(&train_parity::<half::bf16, _, _>(device, device, &plain, tokens)));
             }
             let drill =
                 train_parity::oom_drill(|capacity| open(Some(capacity)).map_err(|e| e.to_string()), model, tokens);
@@ -560,6 +563,26 @@ fn parity_check(r: &crate::engine::check::train_parity::TrainParityReport) -> Ch
     }
 }
 
+/// Two runs of one case on the same backend: bit for bit alike, or the first step that differs.
+#[cfg(any(feature = "cuda", test))]
+fn determinism_check(r: &crate::engine::check::train_parity::TrainParityReport) -> Check {
+    Check {
+        name: format!("determinism {} {} (the run twice, {} steps)", r.case, r.dtype, r.losses.len()),
+        ok: r.identical(),
+        figure: match (&r.error, r.first_difference()) {
+            (Some(e), _) => e.clone(),
+            (None, Some(step)) => format!(
+                "losses differ from step {step} ({} vs {}); weights rel err {:.2e}",
+                r.losses[step].0, r.losses[step].1, r.weights_rel_err
+            ),
+            (None, None) if r.weights_rel_err != 0.0 => {
+                format!("losses alike, final weights differ (rel err {:.2e})", r.weights_rel_err)
+            }
+            (None, None) => "every loss and the final weights bit for bit alike".into(),
+        },
+    }
+}
+
 /// The summary table, last; an error when any check failed.
 #[cfg(any(feature = "cuda", test))]
 fn summary(checks: &[Check]) -> anyhow::Result<()> {
@@ -620,6 +643,9 @@ mod tests {
         );
         assert!(names.contains(&"training parity 2 ranks z3 bf16 (3 steps)"), "{names:?}");
         assert!(names.contains(&"training parity TP 2 bf16 (3 steps)"), "{names:?}");
+        let again = checks.iter().find(|c| c.name.starts_with("determinism")).expect("the determinism row");
+        assert_eq!(again.name, "determinism plain bf16 (the run twice, 3 steps)");
+        assert!(again.figure.contains("bit for bit alike"), "{}", again.figure);
         assert!(names.iter().any(|n| n.starts_with("OOM in training")), "{names:?}");
         assert!(names.iter().any(|n| n.starts_with("expandable segments")), "{names:?}");
         let timed: Vec<&Check> = checks.iter().filter(|c| c.name.starts_with(&tiny.label)).collect();

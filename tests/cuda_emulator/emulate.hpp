@@ -183,13 +183,6 @@ inline float __shfl_xor_sync(unsigned, float v, int offset) {
     return r;
 }
 
-inline float atomicAdd(float* p, float v) { float old = *p; *p += v; return old; }
-inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desired) {
-    unsigned old = *p;
-    if (old == expected) *p = desired;
-    return old;
-}
-
 [[noreturn]] inline void emulate_fail(const char* what) {
     std::fprintf(stderr, "emulated kernel: %s (block %u,%u thread %u)\n", what, blockIdx.x, blockIdx.y, threadIdx.x);
     std::exit(3);

@@ -235,19 +235,57 @@ pub fn encoder_forward<E: Elem>(out: &mut [E], inp: &[u32], wte: &[E], wpe: &[E]
     });
 }
 
-/// dwte (V,C) += scatter of dout (B,T,C) by token; dwpe (maxT,C) += dout summed over the batch.
+/// dwte (V,C) += each token's rows of dout (B,T,C), summed in f32 from zero in (b,t) order and
+/// added once; dwpe (maxT,C) += dout summed over the batch in order, rounded per add. Both
+/// orders are fixed (no atomics anywhere): the cuda kernels sum the same terms in the same order,
+/// bit for bit.
 pub fn encoder_backward<E: Elem>(dwte: &mut [E], dwpe: &mut [E], dout: &[E], inp: &[u32], t: usize, c: usize) {
-    for (bt, (&tok, d)) in inp.iter().zip(dout.chunks(c)).enumerate() {
-        let pos = bt % t;
-        let we = &mut dwte[tok as usize * c..][..c];
-        for i in 0..c {
-            we[i] = E::from_f32(we[i].to_f32() + d[i].to_f32());
-        }
-        let pe = &mut dwpe[pos * c..][..c];
-        for i in 0..c {
-            pe[i] = E::from_f32(pe[i].to_f32() + d[i].to_f32());
-        }
+    if c == 0 {
+        return;
     }
+    let (order, starts) = token_order(inp, dwte.len() / c.max(1));
+    dwte.par_chunks_mut(c).zip(starts.par_windows(2)).for_each(|(row, run)| {
+        if run[0] == run[1] {
+            return; // a token this batch does not use
+        }
+        let mut acc = vec![0f32; c];
+        for &bt in &order[run[0]..run[1]] {
+            for (a, d) in acc.iter_mut().zip(&dout[bt as usize * c..][..c]) {
+                *a += d.to_f32();
+            }
+        }
+        for (w, a) in row.iter_mut().zip(&acc) {
+            *w = E::from_f32(w.to_f32() + a);
+        }
+    });
+    let b = inp.len() / t.max(1);
+    dwpe[..t * c].par_chunks_mut(c).enumerate().for_each(|(pos, row)| {
+        for s in 0..b {
+            let d = &dout[(s * t + pos) * c..][..c];
+            for (w, d) in row.iter_mut().zip(d) {
+                *w = E::from_f32(w.to_f32() + d.to_f32());
+            }
+        }
+    });
+}
+
+/// The positions (b,t) of `inp` grouped by token, each group in (b,t) order (a stable counting
+/// sort): token v's positions are `order[starts[v]..starts[v + 1]]`; `rows` tokens.
+pub fn token_order(inp: &[u32], rows: usize) -> (Vec<u32>, Vec<usize>) {
+    let mut starts = vec![0usize; rows + 1];
+    for &tok in inp {
+        starts[tok as usize + 1] += 1;
+    }
+    for v in 0..rows {
+        starts[v + 1] += starts[v];
+    }
+    let mut next = starts.clone();
+    let mut order = vec![0u32; inp.len()];
+    for (bt, &tok) in inp.iter().enumerate() {
+        order[next[tok as usize]] = bt as u32;
+        next[tok as usize] += 1;
+    }
+    (order, starts)
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -151,7 +151,8 @@ pub trait Backend: Send {
         t: usize,
         c: usize,
     ) -> BackendResult;
-    /// dwte (V,C) += scatter of dout (B,T,C) by token; dwpe (maxT,C) += dout summed over B.
+    /// dwte (V,C) += each token's rows of dout (B,T,C), summed in f32 in (b,t) order and added
+    /// once; dwpe (maxT,C) += dout summed over B in order, rounded per add (`layers::encoder_backward`).
     fn encoder_backward<E: Elem>(
         &self,
         dwte: ViewMut<E>,

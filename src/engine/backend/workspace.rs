@@ -134,6 +134,15 @@ impl WorkspaceModel {
         }
     }
 
+    /// Buffers live during `encoder_backward` over `bt` positions: the cuda kernels' sort keys
+    /// (token, position) as u64, padded to a power of two; the cpu's order is not pool memory.
+    pub fn encoder_backward(self, bt: usize) -> Vec<usize> {
+        match self {
+            WorkspaceModel::Cpu => vec![],
+            WorkspaceModel::Cuda(_) => vec![cuda_order_keys(bt) * 8],
+        }
+    }
+
     /// Buffers live during `sum_squares` over `n` elements: the cuda kernel's per-block partial
     /// sums (one f32 per block), the cpu none.
     pub fn sum_squares<E: Elem>(self, n: usize) -> Vec<usize> {
@@ -164,6 +173,16 @@ pub const CUDA_COLUMN_BANDS: usize = 128;
 /// Bands of a cuda column sum over `rows` rows; each band's sums are a row of f32 partials.
 pub fn cuda_column_bands(rows: usize) -> usize {
     rows.div_ceil(CUDA_COLUMN_BAND_ROWS).clamp(1, CUDA_COLUMN_BANDS)
+}
+
+/// Keys per block of the embedding backward's token sort (`ORDER_CHUNK` in `encoder.cu`: 16 KiB
+/// of shared memory, 1024 threads).
+pub const CUDA_ORDER_CHUNK: usize = 2048;
+
+/// Keys the embedding backward's token sort orders for `bt` positions: a power of two (the
+/// bitonic network's length), the positions past `bt` padding.
+pub fn cuda_order_keys(bt: usize) -> usize {
+    bt.next_power_of_two().max(2)
 }
 
 /// Blocks of the cuda `sum_squares` launch over `n` elements.

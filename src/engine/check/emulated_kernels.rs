@@ -9,11 +9,13 @@ use std::process::Command;
 
 use cudarc::driver::LaunchConfig;
 
-use crate::engine::backend::cuda::backend::{block_rows, column_sums, elementwise, flash_blocks, warp_rows, DTYPES};
+use crate::engine::backend::cuda::backend::{
+    block_rows, column_sums, elementwise, encoder_order_plan, flash_blocks, warp_rows, OrderLaunch, DTYPES,
+};
 use crate::engine::backend::cuda::entry_points;
 use crate::engine::backend::layers::{self, Elem};
 use crate::engine::backend::optim::{self, AdamW, BETA1, BETA2, EPS};
-use crate::engine::backend::workspace::{cuda_column_bands, cuda_norm_blocks, CUDA_THREADS};
+use crate::engine::backend::workspace::{cuda_column_bands, cuda_norm_blocks, cuda_order_keys, CUDA_THREADS};
 use crate::engine::rng::Rng;
 
 /// One kernel family built for the emulator, in its own temporary directory.
@@ -469,8 +471,8 @@ fn the_causal_softmax_kernels_match_their_definition() {
 }
 
 /// The element-wise and row kernels with a per-element CPU twin — GELU, the token and position
-/// embedding (its backward adds with atomics: 16-bit words by compare-and-swap), the softmax
-/// cross-entropy — launched as the backend launches them, against `layers`.
+/// embedding (its backward bit for bit), the softmax cross-entropy — launched as the backend
+/// launches them, against `layers`.
 fn elementwise_kernels_match_the_reference<E: Elem>(families: &Families, eps: f64) {
     let dt = suffix::<E>();
     let mut rng = Rng::new(51);
@@ -493,7 +495,7 @@ fn elementwise_kernels_match_the_reference<E: Elem>(families: &Families, eps: f6
     families.gelu.launch(&format!("gelu_backward_{dt}"), elementwise(n), &mut args);
     close(&format!("gelu backward {dt}"), &dinout, &want_d, &scale, 1e-5, eps);
 
-    // Embedding: 3 sequences of T 20 over a vocabulary of 7 (tokens repeat: atomics collide).
+    // Embedding forward: 3 sequences of T 20 over a vocabulary of 7.
     let (b, t, c, v) = (3, 20, 24, 7);
     let mut tokens: Vec<u32> = (0..b * t).map(|i| (i * 5 % v) as u32).collect();
     let (mut wte, mut wpe) = (random::<E>(&mut rng, v * c, 1.0), random::<E>(&mut rng, t * c, 1.0));
@@ -504,28 +506,7 @@ fn elementwise_kernels_match_the_reference<E: Elem>(families: &Families, eps: f6
     families.encoder.launch(&format!("encoder_forward_{dt}"), elementwise(b * t * c), &mut args);
     let scale: Vec<f64> = want.iter().map(|x| f(x).abs()).collect();
     close(&format!("encoder {dt}"), &out, &want, &scale, 1e-6, eps);
-    let mut dout = random::<E>(&mut rng, b * t * c, 1.0);
-    let (dwte0, dwpe0) = (random::<E>(&mut rng, v * c, 1.0), random::<E>(&mut rng, t * c, 1.0));
-    let (mut want_wte, mut want_wpe) = (dwte0.clone(), dwpe0.clone());
-    layers::encoder_backward(&mut want_wte, &mut want_wpe, &dout, &tokens, t, c);
-    let (mut dwte, mut dwpe) = (dwte0.clone(), dwpe0.clone());
-    let mut args = [buf(&mut dwte), buf(&mut dout), buf(&mut tokens), int(b * t), int(c)];
-    families.encoder.launch(&format!("encoder_backward_wte_{dt}"), elementwise(b * t * c), &mut args);
-    let mut args = [buf(&mut dwpe), buf(&mut dout), int(b), int(t), int(c)];
-    families.encoder.launch(&format!("encoder_backward_wpe_{dt}"), elementwise(t * c), &mut args);
-    // The positions' gradients: the batch in order, rounded per add, as the CPU: bit for bit.
-    assert!(
-        dwpe.iter().zip(&want_wpe).all(|(g, w)| g.to_f32().to_bits() == w.to_f32().to_bits()),
-        "encoder dwpe {dt}: not the CPU's bits"
-    );
-    // A token's gradient element is its start plus one term per use, rounded per add in 16
-    // bits (in the order the threads run, here and on the device alike: not the CPU's order).
-    let uses = |w: &[E], at: &dyn Fn(usize) -> Vec<usize>| -> Vec<f64> {
-        (0..w.len()).map(|i| f(&w[i]).abs() + at(i).iter().map(|&j| f(&dout[j]).abs()).sum::<f64>()).collect()
-    };
-    let wte_terms = |i: usize| (0..b * t).filter(|&r| tokens[r] as usize == i / c).map(|r| r * c + i % c).collect();
-    let count = (b * t).div_ceil(v) as f64;
-    close(&format!("encoder dwte {dt}"), &dwte, &want_wte, &uses(&dwte0, &wte_terms), 1e-6 + count * eps, eps);
+    encoder_backward_matches_the_reference::<E>(families, &mut rng);
 
     // Softmax cross-entropy over rows of V 1000 (past a block's 512 threads) and of V 100
     // (threads with no element), each row VP = V + 24 wide (padding columns, random on entry,
@@ -755,6 +736,58 @@ fn the_cached_attention_kernels_match_the_cpu_reference() {
 /// from zero, clamp; q · scale rounded once). Rows of 77 (a warp's stride comes round three
 /// times, the last time partly), one row all zeros (scale 1), one whose absmax is its last
 /// element, and exact halves of the scale.
+/// The embedding's backward on the emulator, bit for bit the CPU reference: the token sort
+/// (its launches as the backend plans them) over 5 sequences of T 900 — 4,500 positions, so
+/// 8,192 keys: four chunks, strides across chunks and padding — with skewed tokens (a few
+/// long runs, many short ones, unused rows, a run ending where the next key is (token, 0)),
+/// then the per-token sums and the positions' sums.
+fn encoder_backward_matches_the_reference<E: Elem>(families: &Families, rng: &mut Rng) {
+    let dt = suffix::<E>();
+    let (b, t, c, v) = (5, 900, 24, 61);
+    let bt = b * t;
+    let mut tokens: Vec<u32> =
+        (0..bt).map(|_| ((rng.uniform() * rng.uniform() * 40.0) as u32 + 3) % v as u32).collect();
+    tokens[0] = 4; // token 3's run (the longest) ends right before the key (4 << 32 | 0)
+    let mut dout = random::<E>(rng, bt * c, 1.0);
+    let (dwte0, dwpe0) = (random::<E>(rng, v * c, 1.0), random::<E>(rng, t * c, 1.0));
+    let (mut want_wte, mut want_wpe) = (dwte0.clone(), dwpe0.clone());
+    layers::encoder_backward(&mut want_wte, &mut want_wpe, &dout, &tokens, t, c);
+
+    let mut keys = vec![u64::MAX - 1; cuda_order_keys(bt)];
+    let plan = encoder_order_plan(bt);
+    assert!(plan.iter().any(|l| matches!(l, OrderLaunch::Merge { .. })), "strides across chunks run");
+    for launch in plan {
+        match launch {
+            OrderLaunch::Chunks { cfg, chunk } => families.encoder.launch(
+                "encoder_order_chunks",
+                cfg,
+                &mut [buf(&mut keys), buf(&mut tokens), int(bt), int(chunk)],
+            ),
+            OrderLaunch::Merge { cfg, n, j, k } => {
+                families.encoder.launch("encoder_order_merge", cfg, &mut [buf(&mut keys), int(n), int(j), int(k)])
+            }
+            OrderLaunch::MergeChunks { cfg, chunk, k } => {
+                families.encoder.launch("encoder_order_merge_chunk", cfg, &mut [buf(&mut keys), int(chunk), int(k)])
+            }
+        }
+    }
+    // The keys: each token's positions together, in order (the CPU's order), then padding.
+    let (order, _) = layers::token_order(&tokens, v);
+    let sorted: Vec<u64> = order.iter().map(|&p| (u64::from(tokens[p as usize]) << 32) | u64::from(p)).collect();
+    assert_eq!(keys[..bt], sorted[..], "encoder order {dt}");
+    assert!(keys[bt..].iter().all(|&k| k == u64::MAX), "encoder order {dt}: padding sorts last");
+
+    let (mut dwte, mut dwpe) = (dwte0.clone(), dwpe0.clone());
+    let mut args = [buf(&mut dwte), buf(&mut dout), buf(&mut keys), int(bt), int(c)];
+    families.encoder.launch(&format!("encoder_backward_wte_{dt}"), elementwise(bt * c), &mut args);
+    let mut args = [buf(&mut dwpe), buf(&mut dout), int(b), int(t), int(c)];
+    families.encoder.launch(&format!("encoder_backward_wpe_{dt}"), elementwise(t * c), &mut args);
+    let bits = |x: &[E]| x.iter().map(|e| e.to_f32().to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&dwte), bits(&want_wte), "encoder dwte {dt}: not the CPU's bits");
+    assert_ne!(bits(&dwte), bits(&dwte0), "encoder dwte {dt}: the sums landed");
+    assert_eq!(bits(&dwpe), bits(&want_wpe), "encoder dwpe {dt}: not the CPU's bits");
+}
+
 fn int8_kernels_match_the_reference<E: Elem>(int8: &Emulated) {
     let dt = suffix::<E>();
     let (rows, c) = (37, 77);

@@ -161,6 +161,19 @@ impl TrainParityReport {
             && self.worst_loss_rel_err() <= self.loss_bound
             && self.weights_rel_err <= self.weights_bound
     }
+
+    /// Both sides trained bit for bit alike: every loss and the final master weights.
+    pub fn identical(&self) -> bool {
+        self.error.is_none()
+            && !self.losses.is_empty()
+            && self.losses.iter().all(|(r, c)| r.to_bits() == c.to_bits())
+            && self.weights_rel_err == 0.0
+    }
+
+    /// The first step whose losses differ in any bit (0-based), if one does.
+    pub fn first_difference(&self) -> Option<usize> {
+        self.losses.iter().position(|(r, c)| r.to_bits() != c.to_bits())
+    }
 }
 
 /// Loss and weight bounds per storage type. fp32 differs only by summation order, which 20
@@ -423,8 +436,8 @@ mod tests {
             eprintln!("{}", table(std::slice::from_ref(&report)));
             assert!(report.error.is_none(), "{:?}", report.error);
             assert_eq!(report.losses.len(), 6);
-            assert!(report.losses.iter().all(|(r, c)| r.to_bits() == c.to_bits()), "{:?}", report.losses);
-            assert_eq!(report.weights_rel_err, 0.0);
+            assert!(report.identical(), "{:?} {}", report.losses, report.weights_rel_err);
+            assert_eq!(report.first_difference(), None);
             assert!(report.passed());
             assert!(report.losses[5].0 < report.losses[0].0, "the model learns: {:?}", report.losses);
         }
@@ -547,6 +560,8 @@ mod tests {
         eprintln!("{table}");
         assert!(!report.passed(), "{table}");
         assert!(table.contains("FAIL"));
+        assert!(!report.identical(), "{table}");
+        assert!(report.first_difference().is_some(), "{table}");
     }
 
     #[test]

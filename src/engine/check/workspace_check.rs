@@ -132,6 +132,22 @@ fn ops<E: Elem, B: Backend>(be: &B, model: WorkspaceModel, s: ParityShape) -> Ba
     // The squared norm of the matmul's weight gradient.
     let measured = measure(be, || be.sum_squares::<E>(View::of(&dweight)).map(|_| ()))?;
     rows.push(row("sum_squares", model.sum_squares::<E>(oc * c), measured));
+
+    // The embedding's backward over (B,T) tokens (all token 0: one run of B·T positions).
+    let ParityShape { v, .. } = s;
+    let (tokens, mut dwte, mut dwpe) =
+        (tensor::<u32, B>(be, n)?, tensor::<E, B>(be, v * c)?, tensor::<E, B>(be, t * c)?);
+    let measured = measure(be, || {
+        be.encoder_backward::<E>(
+            ViewMut::of(&mut dwte),
+            ViewMut::of(&mut dwpe),
+            View::of(&dinp),
+            View::of(&tokens),
+            t,
+            c,
+        )
+    })?;
+    rows.push(row("encoder_backward", model.encoder_backward(n), measured));
     Ok(rows)
 }
 
@@ -170,7 +186,7 @@ mod tests {
         for shape in [ParityShape::ODD, small] {
             for rows in [run(&cpu, WorkspaceModel::Cpu, shape).unwrap(), run(&sim, WorkspaceModel::Cpu, shape).unwrap()]
             {
-                assert_eq!(rows.len(), 12, "6 ops × 2 dtypes");
+                assert_eq!(rows.len(), 14, "7 ops × 2 dtypes");
                 for r in &rows {
                     assert!(r.passed(), "{}", table(&rows));
                 }

@@ -276,7 +276,7 @@ fn estimate_stage<E: Elem>(model: WorkspaceModel, cfg: &GptConfig, k: &Knobs) ->
     if first {
         let mut enc = base.clone();
         add_globals(&mut enc, true);
-        add_workspace(&mut enc, Vec::new());
+        add_workspace(&mut enc, model.encoder_backward(b * t));
         bucket(&mut enc, embed);
         candidates.push(("encoder backward", enc));
     }

@@ -32,7 +32,9 @@ use super::{
 use crate::engine::backend::collectives::DeviceCollectives;
 use crate::engine::backend::layers::Elem;
 use crate::engine::backend::optim::{AdamW, BETA1, BETA2, EPS};
-use crate::engine::backend::workspace::{cuda_column_bands, CudaAttention, CudaAttentionKernels, WorkspaceModel};
+use crate::engine::backend::workspace::{
+    cuda_column_bands, cuda_order_keys, CudaAttention, CudaAttentionKernels, WorkspaceModel, CUDA_ORDER_CHUNK,
+};
 use crate::engine::backend::{shapes, Backend, BackendError, BackendResult, HostPin, View, ViewMut};
 
 /// Threads per block of the elementwise kernels (the workspace declarations size reductions'
@@ -162,6 +164,39 @@ pub(crate) fn elementwise(n: usize) -> LaunchConfig {
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// One launch of the embedding backward's token sort (`encoder.cu`: a bitonic network over
+/// `cuda_order_keys(B·T)` keys, chunks of up to `CUDA_ORDER_CHUNK` in shared memory).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum OrderLaunch {
+    /// `encoder_order_chunks(keys, inp, BT, chunk)`: fill the keys and sort each chunk.
+    Chunks { cfg: LaunchConfig, chunk: usize },
+    /// `encoder_order_merge(keys, N, j, k)`: stage k's stride j, which spans chunks.
+    Merge { cfg: LaunchConfig, n: usize, j: usize, k: usize },
+    /// `encoder_order_merge_chunk(keys, chunk, k)`: stage k's strides within each chunk.
+    MergeChunks { cfg: LaunchConfig, chunk: usize, k: usize },
+}
+
+/// The token sort's launches for `bt` positions, in order: a block per chunk, a thread per
+/// pair of keys up to `MAX_BLOCK_THREADS`.
+pub(crate) fn encoder_order_plan(bt: usize) -> Vec<OrderLaunch> {
+    let n = cuda_order_keys(bt);
+    let chunk = n.min(CUDA_ORDER_CHUNK);
+    let threads = (chunk / 2).min(MAX_BLOCK_THREADS as usize) as u32;
+    let cfg = LaunchConfig { grid_dim: ((n / chunk) as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    let mut plan = vec![OrderLaunch::Chunks { cfg, chunk }];
+    let mut k = 2 * chunk;
+    while k <= n {
+        let mut j = k / 2;
+        while j >= chunk {
+            plan.push(OrderLaunch::Merge { cfg: elementwise(n / 2), n, j, k });
+            j /= 2;
+        }
+        plan.push(OrderLaunch::MergeChunks { cfg, chunk, k });
+        k *= 2;
+    }
+    plan
 }
 
 /// One warp per row, eight rows per block.
@@ -757,10 +792,35 @@ impl Backend for CudaBackend {
         if bt == 0 {
             return Ok(()); // no grid of zero blocks
         }
+        // Tokens: the positions sorted by token (keys, as declared:
+        // `WorkspaceModel::encoder_backward`), then each token's rows summed in order.
+        let declared = WorkspaceModel::CUDA.encoder_backward(bt);
+        let keys = self.scratch(declared[0])?;
+        for launch in encoder_order_plan(bt) {
+            match launch {
+                OrderLaunch::Chunks { cfg, chunk } => {
+                    let args = [
+                        Arg::Ptr(keys.address()),
+                        Arg::Ptr(inp.address()),
+                        int(OP, "B·T", bt)?,
+                        int(OP, "chunk", chunk)?,
+                    ];
+                    self.launch(OP, "encoder_order_chunks", cfg, &args)?;
+                }
+                OrderLaunch::Merge { cfg, n, j, k } => {
+                    let args = [Arg::Ptr(keys.address()), int(OP, "N", n)?, int(OP, "j", j)?, int(OP, "k", k)?];
+                    self.launch(OP, "encoder_order_merge", cfg, &args)?;
+                }
+                OrderLaunch::MergeChunks { cfg, chunk, k } => {
+                    let args = [Arg::Ptr(keys.address()), int(OP, "chunk", chunk)?, int(OP, "k", k)?];
+                    self.launch(OP, "encoder_order_merge_chunk", cfg, &args)?;
+                }
+            }
+        }
         let args = [
             Arg::Ptr(dwte.address()),
             Arg::Ptr(dout.address()),
-            Arg::Ptr(inp.address()),
+            Arg::Ptr(keys.address()),
             int(OP, "B·T", bt)?,
             int(OP, "C", c)?,
         ];
@@ -1321,6 +1381,74 @@ mod tests {
     use super::*;
     use crate::engine::backend::layers;
     use crate::engine::rng::Rng;
+
+    /// The embedding backward's token sort, its launches ported line for line to the host
+    /// (each kernel's exchanges in thread order; the network's result does not depend on it),
+    /// sorts every length: one chunk, a padded one, several chunks with strides across them.
+    #[test]
+    fn the_token_sort_plan_sorts_every_length() {
+        let exchange = |keys: &mut [u64], i: usize, l: usize, gi: usize, k: usize| {
+            if (keys[i] > keys[l]) == (gi & k == 0) {
+                keys.swap(i, l);
+            }
+        };
+        let stage = |keys: &mut [u64], base: usize, chunk: usize, k: usize, j_from: usize| {
+            let mut j = j_from;
+            while j > 0 {
+                for p in 0..chunk / 2 {
+                    let i = 2 * j * (p / j) + p % j;
+                    exchange(&mut keys[base..base + chunk], i, i + j, base + i, k);
+                }
+                j /= 2;
+            }
+        };
+        let mut rng = Rng::new(5);
+        for bt in [1, 2, 3, 1000, 2048, 2049, 5000, 16384, 70000] {
+            let tokens: Vec<u32> = (0..bt).map(|_| (rng.uniform() * rng.uniform() * 300.0) as u32).collect();
+            let n = cuda_order_keys(bt);
+            let mut keys = vec![0u64; n];
+            let plan = encoder_order_plan(bt);
+            for launch in &plan {
+                match *launch {
+                    OrderLaunch::Chunks { cfg, chunk } => {
+                        assert_eq!(cfg.grid_dim.0 as usize * chunk, n, "bt {bt}: the chunks cover the keys");
+                        assert!(chunk <= CUDA_ORDER_CHUNK && cfg.block_dim.0 <= MAX_BLOCK_THREADS);
+                        for (g, key) in keys.iter_mut().enumerate() {
+                            *key = if g < bt { (u64::from(tokens[g]) << 32) | g as u64 } else { u64::MAX };
+                        }
+                        let mut k = 2;
+                        while k <= chunk {
+                            for base in (0..n).step_by(chunk) {
+                                stage(&mut keys, base, chunk, k, k / 2);
+                            }
+                            k *= 2;
+                        }
+                    }
+                    OrderLaunch::Merge { cfg, n: len, j, k } => {
+                        assert_eq!(len, n);
+                        assert!(cfg.grid_dim.0 as usize * cfg.block_dim.0 as usize >= n / 2, "a thread per pair");
+                        for p in 0..n / 2 {
+                            let i = 2 * j * (p / j) + p % j;
+                            exchange(&mut keys, i, i + j, i, k);
+                        }
+                    }
+                    OrderLaunch::MergeChunks { cfg, chunk, k } => {
+                        assert_eq!(cfg.grid_dim.0 as usize * chunk, n, "bt {bt}: the chunks cover the keys");
+                        for base in (0..n).step_by(chunk) {
+                            stage(&mut keys, base, chunk, k, chunk / 2);
+                        }
+                    }
+                }
+            }
+            let (order, _) = layers::token_order(&tokens, 300);
+            let want: Vec<u64> = order.iter().map(|&p| (u64::from(tokens[p as usize]) << 32) | u64::from(p)).collect();
+            assert_eq!(keys[..bt], want[..], "bt {bt}");
+            let merges = plan.iter().filter(|l| matches!(l, OrderLaunch::Merge { .. })).count();
+            let steps = |x: usize| x.trailing_zeros() as usize;
+            let across = steps(n).saturating_sub(steps(CUDA_ORDER_CHUNK));
+            assert_eq!(merges, across * (across + 1) / 2, "bt {bt}: one launch per stride across chunks");
+        }
+    }
 
     /// `cublasGemmStridedBatchedEx` on host f32 memory (addresses are host pointers).
     fn host_gemm(g: &Gemm) {
