@@ -2,19 +2,30 @@
 // folded into grad_mult); writes the updated compute copy of the weights.
 #include "common.cuh"
 
-template <typename G, typename P>
-__device__ void adamw(float* master, P* params, const G* grads, float* m, float* v, long N, float lr, float beta1,
+// PACK(G) elements per thread (G the storage type; params may be the master itself in f32).
+template <typename G, typename Q>
+__device__ void adamw(float* master, Q* params, const G* grads, float* m, float* v, long N, float lr, float beta1,
                       float beta2, float eps, float wd, float bc1, float bc2, float grad_mult) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= N) return;
-    float g = load_f32(grads, i) * grad_mult;
-    float mi = beta1 * m[i] + (1.f - beta1) * g;
-    float vi = beta2 * v[i] + (1.f - beta2) * g * g;
-    m[i] = mi; v[i] = vi;
-    float w = master[i];
-    w -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * w);
-    master[i] = w;
-    store_f32(params, i, w);
+    constexpr int P = PACK(G);
+    const long i0 = pack_start<P>();
+    if (i0 >= N) return;
+    const bool whole = i0 + P <= N && aligned16(master) && aligned16(params) && aligned16(grads) && aligned16(m) &&
+                       aligned16(v);
+    float g[P], mi[P], vi[P], w[P];
+    load_pack(g, grads, i0, N, whole);
+    load_pack(mi, m, i0, N, whole);
+    load_pack(vi, v, i0, N, whole);
+    load_pack(w, master, i0, N, whole);
+    UNROLL for (int u = 0; u < P; u++) {
+        g[u] *= grad_mult;
+        mi[u] = beta1 * mi[u] + (1.f - beta1) * g[u];
+        vi[u] = beta2 * vi[u] + (1.f - beta2) * g[u] * g[u];
+        w[u] -= lr * ((mi[u] / bc1) / (sqrtf(vi[u] / bc2) + eps) + wd * w[u]);
+    }
+    store_pack(m, i0, N, mi, whole);
+    store_pack(v, i0, N, vi, whole);
+    store_pack(master, i0, N, w, whole);
+    store_pack(params, i0, N, w, whole);
 }
 
 extern "C" __global__ void adamw_f32(float* w, float* p, const float* g, float* m, float* v, long N, float lr, float b1, float b2, float eps, float wd, float bc1, float bc2, float gm) { adamw(w, p, g, m, v, N, lr, b1, b2, eps, wd, bc1, bc2, gm); }

@@ -48,6 +48,60 @@ __device__ __forceinline__ unsigned short bits_of(f16_t v) { return v.bits; }
 __device__ __forceinline__ void set_bits(bf16_t* v, unsigned short b) { *v = b; }
 __device__ __forceinline__ void set_bits(f16_t* v, unsigned short b) { v->bits = b; }
 
+// Element-wise kernels move PACK(T) elements per thread (16 bytes of their storage type T):
+// as 128-bit loads and stores when the pack is whole and every array it touches is 16-byte
+// aligned (pool buffers are; a view at an odd offset may not be), element by element otherwise
+// (that, and the tail past N). The host launches `cuda::backend::packed(N, sizeof(T))`.
+#define PACK(T) ((int)(16 / sizeof(T)))
+struct alignas(16) Bytes16 { unsigned int w[4]; };
+
+__device__ __forceinline__ bool aligned16(const void* p) { return ((size_t)p & 15) == 0; }
+
+// This thread's first element: a multiple of P.
+template <int P>
+__device__ __forceinline__ long pack_start() { return ((long)blockIdx.x * blockDim.x + threadIdx.x) * P; }
+
+// 16 bytes from src to dst (both 16-byte aligned): one 128-bit load and store.
+__device__ __forceinline__ void copy16(void* dst, const void* src) {
+#ifndef HEADROOM_EMULATE
+    *(Bytes16*)dst = *(const Bytes16*)src;
+#else
+    std::memcpy(dst, src, 16);
+#endif
+}
+
+// P elements of T as 16-byte chunks and as values.
+template <int P, typename T>
+union PackOf {
+    static_assert((P * sizeof(T)) % 16 == 0, "a pack is whole 16-byte chunks");
+    Bytes16 chunk[P * sizeof(T) / 16];
+    T v[P];
+};
+
+// x[u] = p[i0 + u], u < P, widened to f32 (0 past N).
+template <int P, typename T>
+__device__ __forceinline__ void load_pack(float (&x)[P], const T* p, long i0, long N, bool whole) {
+    if (whole) {
+        PackOf<P, T> pk;
+        UNROLL for (int k = 0; k < P * (int)sizeof(T) / 16; k++) copy16(&pk.chunk[k], (const Bytes16*)(p + i0) + k);
+        UNROLL for (int u = 0; u < P; u++) x[u] = load_f32(pk.v, u);
+    } else {
+        for (int u = 0; u < P; u++) x[u] = i0 + u < N ? load_f32(p, i0 + u) : 0.f;
+    }
+}
+
+// p[i0 + u] = x[u] rounded to T, u < P (nothing past N).
+template <int P, typename T>
+__device__ __forceinline__ void store_pack(T* p, long i0, long N, const float (&x)[P], bool whole) {
+    if (whole) {
+        PackOf<P, T> pk;
+        UNROLL for (int u = 0; u < P; u++) store_f32(pk.v, u, x[u]);
+        UNROLL for (int k = 0; k < P * (int)sizeof(T) / 16; k++) copy16((Bytes16*)(p + i0) + k, &pk.chunk[k]);
+    } else {
+        for (int u = 0; u < P; u++) if (i0 + u < N) store_f32(p, i0 + u, x[u]);
+    }
+}
+
 // Column sums in two stages, so every SM works on a tall (rows, C) tensor: stage one's blocks
 // (32 columns × a band of rows each, grid (⌈C/32⌉, bands)) write f32 partial sums, one row of
 // `partial` (bands, C) per band; stage two adds each column's partials, in band order, to the

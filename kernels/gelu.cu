@@ -4,20 +4,31 @@
 
 template <typename T>
 __device__ void gelu_forward(T* out, const T* inp, long N) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= N) return;
-    float x = load_f32(inp, i);
-    store_f32(out, i, 0.5f * x * (1.f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x))));
+    constexpr int P = PACK(T);
+    const long i0 = pack_start<P>();
+    if (i0 >= N) return;
+    const bool whole = i0 + P <= N && aligned16(out) && aligned16(inp);
+    float x[P], y[P];
+    load_pack(x, inp, i0, N, whole);
+    UNROLL for (int u = 0; u < P; u++) y[u] = 0.5f * x[u] * (1.f + tanhf(GELU_SCALE * (x[u] + 0.044715f * x[u] * x[u] * x[u])));
+    store_pack(out, i0, N, y, whole);
 }
 
 template <typename T>
 __device__ void gelu_backward_inplace(T* dinout, const T* inp, long N) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= N) return;
-    float x = load_f32(inp, i);
-    float th = tanhf(GELU_SCALE * (x + 0.044715f * x * x * x));
-    float local = 0.5f * (1.f + th) + x * 0.5f * (1.f - th * th) * GELU_SCALE * (1.f + 3.f * 0.044715f * x * x);
-    store_f32(dinout, i, load_f32(dinout, i) * local);
+    constexpr int P = PACK(T);
+    const long i0 = pack_start<P>();
+    if (i0 >= N) return;
+    const bool whole = i0 + P <= N && aligned16(dinout) && aligned16(inp);
+    float x[P], d[P];
+    load_pack(x, inp, i0, N, whole);
+    load_pack(d, dinout, i0, N, whole);
+    UNROLL for (int u = 0; u < P; u++) {
+        float th = tanhf(GELU_SCALE * (x[u] + 0.044715f * x[u] * x[u] * x[u]));
+        float local = 0.5f * (1.f + th) + x[u] * 0.5f * (1.f - th * th) * GELU_SCALE * (1.f + 3.f * 0.044715f * x[u] * x[u]);
+        d[u] *= local;
+    }
+    store_pack(dinout, i0, N, d, whole);
 }
 
 extern "C" __global__ void gelu_forward_f32(float* o, const float* x, long N) { gelu_forward(o, x, N); }

@@ -20,13 +20,27 @@ __device__ void layernorm_forward(T* out, float* mean, float* rstd, const T* inp
     if (lane == 0) { mean[row] = m; rstd[row] = r; }
 }
 
-// out (N,C) from the input and saved statistics (checkpointing's recompute). One thread per element.
+// out (N,C) from the input and saved statistics (checkpointing's recompute). PACK(T) elements
+// per thread, whole packs within a row when C is a multiple of it.
 template <typename T>
 __device__ void layernorm_recompute(T* out, const T* inp, const T* w, const T* b, const float* mean, const float* rstd, int N, int C) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long)N * C) return;
-    int row = i / C, c = i % C;
-    store_f32(out, i, (load_f32(inp, i) - mean[row]) * rstd[row] * load_f32(w, c) + load_f32(b, c));
+    constexpr int P = PACK(T);
+    const long i0 = pack_start<P>(), NC = (long)N * C;
+    if (i0 >= NC) return;
+    if (i0 + P <= NC && C % P == 0 && aligned16(out) && aligned16(inp) && aligned16(w) && aligned16(b)) {
+        const int row = i0 / C, c0 = i0 % C;
+        float x[P], wv[P], bv[P];
+        load_pack(x, inp, i0, NC, true);
+        load_pack(wv, w, c0, C, true);
+        load_pack(bv, b, c0, C, true);
+        UNROLL for (int u = 0; u < P; u++) x[u] = (x[u] - mean[row]) * rstd[row] * wv[u] + bv[u];
+        store_pack(out, i0, NC, x, true);
+    } else {
+        for (long i = i0; i < i0 + P && i < NC; i++) {
+            int row = i / C, c = i % C;
+            store_f32(out, i, (load_f32(inp, i) - mean[row]) * rstd[row] * load_f32(w, c) + load_f32(b, c));
+        }
+    }
 }
 
 // dinp (N,C) += input gradient. One warp per row.

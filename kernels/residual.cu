@@ -4,15 +4,28 @@
 
 template <typename T>
 __device__ void residual_forward(T* out, const T* inp, long N) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < N) store_f32(out, i, load_f32(out, i) + load_f32(inp, i));
+    constexpr int P = PACK(T);
+    const long i0 = pack_start<P>();
+    if (i0 >= N) return;
+    const bool whole = i0 + P <= N && aligned16(out) && aligned16(inp);
+    float o[P], x[P];
+    load_pack(o, out, i0, N, whole);
+    load_pack(x, inp, i0, N, whole);
+    UNROLL for (int u = 0; u < P; u++) o[u] += x[u];
+    store_pack(out, i0, N, o, whole);
 }
 
-// out (rows,OC) = bias (OC) in every row
+// out (rows,OC) = bias (OC) in every row: a pack lies within one row when OC is a multiple of it.
 template <typename T>
 __device__ void bias_broadcast(T* out, const T* bias, long rows, int OC) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < rows * OC) out[i] = bias[i % OC];
+    constexpr int P = PACK(T);
+    const long i0 = pack_start<P>(), N = rows * OC;
+    if (i0 >= N) return;
+    if (i0 + P <= N && OC % P == 0 && aligned16(out) && aligned16(bias)) {
+        UNROLL for (int k = 0; k < P * (int)sizeof(T) / 16; k++) copy16((Bytes16*)(out + i0) + k, (const Bytes16*)(bias + i0 % OC) + k);
+    } else {
+        for (long i = i0; i < i0 + P && i < N; i++) out[i] = bias[i % OC];
+    }
 }
 
 // dbias (OC) += Σ_rows dout (rows,OC), stage one: partial (bands, OC) f32, each band's column

@@ -48,7 +48,11 @@ inline int run_plan(const char* path) {
     std::string entry, line;
     dim3 grid, block;
     std::vector<std::string> paths;
-    std::deque<std::vector<uint64_t>> buffers;  // 8-byte aligned storage
+    // 256-byte aligned storage, as the device's allocations are; a buffer may start `shift`
+    // bytes in (a view at an odd offset).
+    struct alignas(256) Line { unsigned char bytes[256]; };
+    std::deque<std::vector<Line>> buffers;
+    std::vector<size_t> shifts;
     std::deque<void*> pointers;
     std::deque<int> ints;
     std::deque<long> longs;
@@ -63,13 +67,16 @@ inline int run_plan(const char* path) {
         else if (kind == "block") in >> block.x >> block.y >> block.z;
         else if (kind == "buf") {
             std::string file;
-            in >> file;
+            size_t shift = 0;
+            in >> file >> shift;
             std::ifstream f(file, std::ios::binary);
             std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-            buffers.emplace_back(bytes.size() / 8 + 1);
-            std::memcpy(buffers.back().data(), bytes.data(), bytes.size());
+            buffers.emplace_back((shift + bytes.size()) / sizeof(Line) + 1);
+            unsigned char* start = buffers.back().data()->bytes + shift;
+            std::memcpy(start, bytes.data(), bytes.size());
             paths.push_back(file);
-            pointers.push_back(buffers.back().data());
+            shifts.push_back(shift);
+            pointers.push_back(start);
             args.push_back(&pointers.back());
         } else if (kind == "same") {
             size_t k;
@@ -91,7 +98,7 @@ inline int run_plan(const char* path) {
         std::ifstream size_of(paths[i], std::ios::binary | std::ios::ate);
         const std::streamsize bytes = size_of.tellg();
         std::ofstream out(paths[i], std::ios::binary | std::ios::trunc);
-        out.write(reinterpret_cast<const char*>(buffers[i].data()), bytes);
+        out.write(reinterpret_cast<const char*>(buffers[i].data()->bytes + shifts[i]), bytes);
     }
     return 0;
 }

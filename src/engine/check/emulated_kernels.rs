@@ -10,7 +10,7 @@ use std::process::Command;
 use cudarc::driver::LaunchConfig;
 
 use crate::engine::backend::cuda::backend::{
-    block_rows, column_sums, elementwise, encoder_order_plan, flash_blocks, warp_rows, OrderLaunch, DTYPES,
+    block_rows, column_sums, elementwise, encoder_order_plan, flash_blocks, packed, warp_rows, OrderLaunch, DTYPES,
 };
 use crate::engine::backend::cuda::entry_points;
 use crate::engine::backend::layers::{self, Elem};
@@ -28,6 +28,9 @@ struct Emulated {
 /// left them), or a scalar of the parameter's C type.
 enum Arg<'a> {
     Buf(&'a mut [u8]),
+    /// A buffer starting this many bytes past a 256-byte boundary (the device's allocations
+    /// are aligned; a view at an odd offset is not): the kernels' unaligned paths.
+    Shifted(&'a mut [u8], usize),
     /// The `k`-th buffer argument again (0-based among the buffers): an op that works in place.
     Same(usize),
     I32(i32),
@@ -37,6 +40,11 @@ enum Arg<'a> {
 
 fn buf<T: bytemuck::Pod>(values: &mut [T]) -> Arg<'_> {
     Arg::Buf(bytemuck::cast_slice_mut(values))
+}
+
+/// `values` at `elems` elements past an aligned start.
+fn shifted<T: bytemuck::Pod>(values: &mut [T], elems: usize) -> Arg<'_> {
+    Arg::Shifted(bytemuck::cast_slice_mut(values), elems * std::mem::size_of::<T>())
 }
 
 fn int(n: usize) -> Arg<'static> {
@@ -86,10 +94,11 @@ impl Emulated {
         let mut files = Vec::new();
         for (i, arg) in args.iter().enumerate() {
             match arg {
-                Arg::Buf(bytes) => {
+                Arg::Buf(bytes) | Arg::Shifted(bytes, _) => {
                     let path = self.dir.path().join(format!("arg{i}.bin"));
                     std::fs::write(&path, &bytes[..]).unwrap();
-                    plan += &format!("buf {}\n", path.display());
+                    let shift = if let Arg::Shifted(_, shift) = arg { *shift } else { 0 };
+                    plan += &format!("buf {} {shift}\n", path.display());
                     files.push((i, path));
                 }
                 Arg::Same(k) => plan += &format!("same {k}\n"),
@@ -103,7 +112,7 @@ impl Emulated {
         let status = Command::new(&self.exe).arg(&plan_path).status().unwrap();
         assert!(status.success(), "emulated {entry}");
         for (i, path) in files {
-            let Arg::Buf(bytes) = &mut args[i] else { unreachable!() };
+            let (Arg::Buf(bytes) | Arg::Shifted(bytes, _)) = &mut args[i] else { unreachable!() };
             bytes.copy_from_slice(&std::fs::read(&path).unwrap());
         }
     }
@@ -478,22 +487,26 @@ fn elementwise_kernels_match_the_reference<E: Elem>(families: &Families, eps: f6
     let mut rng = Rng::new(51);
     let f = |v: &E| v.to_f32() as f64;
 
-    // GELU forward and backward (in place over dout), N not a multiple of the block.
-    let n = 1000;
-    let (mut inp, mut dinout) = (random::<E>(&mut rng, n, 3.0), random::<E>(&mut rng, n, 1.0));
-    let (mut want, mut want_d) = (vec![E::default(); n], dinout.clone());
-    layers::gelu_forward(&mut want, &inp);
-    layers::gelu_backward_inplace(&mut want_d, &inp);
-    let mut out = vec![E::from_f32(f32::NAN); n];
-    let mut args = [buf(&mut out), buf(&mut inp), Arg::I64(n as i64)];
-    families.gelu.launch(&format!("gelu_forward_{dt}"), elementwise(n), &mut args);
-    let scale: Vec<f64> = inp.iter().map(|x| f(x).abs()).collect();
-    close(&format!("gelu {dt}"), &out, &want, &scale, 1e-6, eps);
-    // gelu' from tanh: the CPU's polynomial and the device's tanhf differ by ~4e-7.
-    let scale: Vec<f64> = dinout.iter().zip(&inp).map(|(d, x)| f(d).abs() * (1.0 + f(x).abs())).collect();
-    let mut args = [buf(&mut dinout), buf(&mut inp), Arg::I64(n as i64)];
-    families.gelu.launch(&format!("gelu_backward_{dt}"), elementwise(n), &mut args);
-    close(&format!("gelu backward {dt}"), &dinout, &want_d, &scale, 1e-5, eps);
+    // GELU forward and backward (in place over dout), N not a multiple of the block or of a
+    // pack; on aligned arrays (16-byte packs) and on arrays one element off (element by element).
+    let n = 1003;
+    let (inp0, dinout0) = (random::<E>(&mut rng, n, 3.0), random::<E>(&mut rng, n, 1.0));
+    let (mut want, mut want_d) = (vec![E::default(); n], dinout0.clone());
+    layers::gelu_forward(&mut want, &inp0);
+    layers::gelu_backward_inplace(&mut want_d, &inp0);
+    for shift in [0, 1] {
+        let (mut inp, mut dinout) = (inp0.clone(), dinout0.clone());
+        let mut out = vec![E::from_f32(f32::NAN); n];
+        let mut args = [shifted(&mut out, shift), shifted(&mut inp, shift), Arg::I64(n as i64)];
+        families.gelu.launch(&format!("gelu_forward_{dt}"), packed(n, E::BYTES), &mut args);
+        let scale: Vec<f64> = inp.iter().map(|x| f(x).abs()).collect();
+        close(&format!("gelu {dt} shift {shift}"), &out, &want, &scale, 1e-6, eps);
+        // gelu' from tanh: the CPU's polynomial and the device's tanhf differ by ~4e-7.
+        let scale: Vec<f64> = dinout.iter().zip(&inp).map(|(d, x)| f(d).abs() * (1.0 + f(x).abs())).collect();
+        let mut args = [shifted(&mut dinout, shift), shifted(&mut inp, shift), Arg::I64(n as i64)];
+        families.gelu.launch(&format!("gelu_backward_{dt}"), packed(n, E::BYTES), &mut args);
+        close(&format!("gelu backward {dt} shift {shift}"), &dinout, &want_d, &scale, 1e-5, eps);
+    }
 
     // Embedding forward: 3 sequences of T 20 over a vocabulary of 7.
     let (b, t, c, v) = (3, 20, 24, 7);
@@ -568,39 +581,41 @@ fn the_gelu_embedding_and_cross_entropy_kernels_match_the_cpu_reference() {
 /// the gradient norm's per-block partial sums, against `optim`.
 fn optimizer_kernels_match_the_reference<E: Elem>(adamw: &Emulated, norm: &Emulated, eps: f64) {
     let dt = suffix::<E>();
-    let n = 1000;
+    // Not a multiple of a pack; on aligned arrays (16-byte packs) and one element off.
+    let n = 1003;
     let mut rng = Rng::new(61);
-    let mut master: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
-    let mut grads = random::<E>(&mut rng, n, 0.1);
-    let mut m: Vec<f32> = (0..n).map(|_| rng.normal() as f32 * 0.01).collect();
-    let mut v: Vec<f32> = (0..n).map(|_| (rng.normal() as f32 * 0.01).powi(2)).collect();
+    let master0: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+    let grads0 = random::<E>(&mut rng, n, 0.1);
+    let m0: Vec<f32> = (0..n).map(|_| rng.normal() as f32 * 0.01).collect();
+    let v0: Vec<f32> = (0..n).map(|_| (rng.normal() as f32 * 0.01).powi(2)).collect();
     let step = AdamW { lr: 1e-3, weight_decay: 0.1, t: 7 };
     let grad_mult = 0.5f32;
-    let (mut want_w, mut want_m, mut want_v) = (master.clone(), m.clone(), v.clone());
-    step.update::<E>([(0..n, true)], &mut want_w, &grads, grad_mult, &mut want_m, &mut want_v);
+    let (mut want_w, mut want_m, mut want_v) = (master0.clone(), m0.clone(), v0.clone());
+    step.update::<E>([(0..n, true)], &mut want_w, &grads0, grad_mult, &mut want_m, &mut want_v);
     let (bc1, bc2) = step.bias_corrections();
-    let mut params = vec![E::from_f32(f32::NAN); n];
-    let scalars = [step.lr, BETA1, BETA2, EPS, step.weight_decay, bc1, bc2, grad_mult].map(Arg::F32);
-    let mut args: Vec<Arg> = if E::is_f32() {
-        vec![buf(&mut master), Arg::Same(0), buf(&mut grads), buf(&mut m), buf(&mut v), Arg::I64(n as i64)]
-    } else {
-        vec![buf(&mut master), buf(&mut params), buf(&mut grads), buf(&mut m), buf(&mut v), Arg::I64(n as i64)]
-    };
-    args.extend(scalars);
-    adamw.launch(&format!("adamw_{dt}"), elementwise(n), &mut args);
-    drop(args);
-    let near = |what: &str, got: &[f32], want: &[f32]| {
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs()), "{what}[{i}] {dt}: {g} vs {w}");
+    for shift in [0, 1] {
+        let (mut master, mut grads, mut m, mut v) = (master0.clone(), grads0.clone(), m0.clone(), v0.clone());
+        let mut params = vec![E::from_f32(f32::NAN); n];
+        let scalars = [step.lr, BETA1, BETA2, EPS, step.weight_decay, bc1, bc2, grad_mult].map(Arg::F32);
+        let mut args: Vec<Arg> = vec![shifted(&mut master, shift)];
+        args.push(if E::is_f32() { Arg::Same(0) } else { shifted(&mut params, shift) });
+        args.extend([shifted(&mut grads, shift), shifted(&mut m, shift), shifted(&mut v, shift), Arg::I64(n as i64)]);
+        args.extend(scalars);
+        adamw.launch(&format!("adamw_{dt}"), packed(n, E::BYTES), &mut args);
+        drop(args);
+        let near = |what: &str, got: &[f32], want: &[f32]| {
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs()), "{what}[{i}] {dt} shift {shift}: {g} vs {w}");
+            }
+        };
+        near("master", &master, &want_w);
+        near("m", &m, &want_m);
+        near("v", &v, &want_v);
+        if !E::is_f32() {
+            let narrowed: Vec<E> = want_w.iter().map(|&w| E::from_f32(w)).collect();
+            let scale: Vec<f64> = want_w.iter().map(|w| w.abs() as f64).collect();
+            close(&format!("params {dt} shift {shift}"), &params, &narrowed, &scale, 1e-6, eps);
         }
-    };
-    near("master", &master, &want_w);
-    near("m", &m, &want_m);
-    near("v", &v, &want_v);
-    if !E::is_f32() {
-        let narrowed: Vec<E> = want_w.iter().map(|&w| E::from_f32(w)).collect();
-        let scale: Vec<f64> = want_w.iter().map(|w| w.abs() as f64).collect();
-        close(&format!("params {dt}"), &params, &narrowed, &scale, 1e-6, eps);
     }
 
     // The norm: 300,000 elements, more than the most blocks' threads (1024 × 256) cover in one
@@ -633,12 +648,16 @@ fn casts_match_elem_bit_for_bit<E: Elem>(cast: &Emulated) {
     let dt = suffix::<E>();
     let mut words: Vec<u16> = (0..=u16::MAX).collect();
     let n = words.len();
-    let mut wide = vec![f32::NAN; n];
-    let mut args = [buf(&mut wide), buf(&mut words), Arg::I64(n as i64)];
-    cast.launch(&format!("cast_{dt}_to_f32"), elementwise(n), &mut args);
-    for (w, got) in words.iter().zip(&wide) {
-        let want = bytemuck::cast::<u16, E>(*w).to_f32();
-        assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{dt} {w:#06x}: {got} vs {want}");
+    // In 16-byte packs, and (one element off) element by element.
+    for shift in [0, 1] {
+        let mut wide = vec![f32::NAN; n];
+        let mut args = [shifted(&mut wide, shift), shifted(&mut words, shift), Arg::I64(n as i64)];
+        cast.launch(&format!("cast_{dt}_to_f32"), packed(n, E::BYTES), &mut args);
+        for (w, got) in words.iter().zip(&wide) {
+            let want = bytemuck::cast::<u16, E>(*w).to_f32();
+            let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
+            assert!(same, "{dt} {w:#06x} shift {shift}: {got} vs {want}");
+        }
     }
     let mut rng = Rng::new(71);
     let mut values: Vec<f32> =
@@ -664,9 +683,10 @@ fn casts_match_elem_bit_for_bit<E: Elem>(cast: &Emulated) {
         3e-8,
     ]);
     let n = values.len();
+    assert_ne!(n % 8, 0, "a partial last pack");
     let mut narrow = vec![E::from_f32(f32::NAN); n];
     let mut args = [buf(&mut narrow), buf(&mut values), Arg::I64(n as i64)];
-    cast.launch(&format!("cast_f32_to_{dt}"), elementwise(n), &mut args);
+    cast.launch(&format!("cast_f32_to_{dt}"), packed(n, E::BYTES), &mut args);
     for (x, got) in values.iter().zip(&narrow) {
         let want = E::from_f32(*x);
         let (g, w) = (bytemuck::cast::<E, u16>(*got), bytemuck::cast::<E, u16>(want));
@@ -908,14 +928,15 @@ fn the_head_permute_kernels_match_their_definitions() {
 }
 
 /// LayerNorm forward (one warp per row: f32 statistics, where the CPU sums in f64) and its
-/// recompute from saved statistics; the residual add and the matmul's bias broadcast.
+/// recompute from saved statistics; the residual add and the matmul's bias broadcast — over
+/// (n, c): C 77 takes the element-wise kernels' one-by-one path, C 80 their 16-byte packs.
 fn layernorm_forward_and_residual_kernels_match_the_reference<E: Elem>(
     layernorm: &Emulated,
     residual: &Emulated,
     eps: f64,
+    (n, c): (usize, usize),
 ) {
     let dt = suffix::<E>();
-    let (n, c) = (37, 77);
     let mut rng = Rng::new(97);
     // rows off zero, so the mean matters
     let mut inp: Vec<E> = (0..n * c).map(|i| E::from_f32(rng.normal() as f32 * 1.5 + (i / c) as f32 * 0.1)).collect();
@@ -953,22 +974,25 @@ fn layernorm_forward_and_residual_kernels_match_the_reference<E: Elem>(
     let (mut m, mut r) = (want_mean.clone(), want_rstd.clone());
     let mut args =
         [buf(&mut again), buf(&mut inp), buf(&mut weight), buf(&mut bias), buf(&mut m), buf(&mut r), int(n), int(c)];
-    layernorm.launch(&format!("layernorm_recompute_{dt}"), elementwise(n * c), &mut args);
+    layernorm.launch(&format!("layernorm_recompute_{dt}"), packed(n * c, E::BYTES), &mut args);
     let mut want_again = vec![E::default(); n * c];
     layers::layernorm_recompute(&mut want_again, &inp, &weight, &bias, &want_mean, &want_rstd, c);
     close(&format!("layernorm_recompute {dt}"), &again, &want_again, &magnitude, 1e-6, 2.0 * eps);
 
-    // out += inp: one f32 add, one rounding — bit for bit
-    let mut sum = out.clone();
-    let mut args = [buf(&mut sum), buf(&mut inp), Arg::I64((n * c) as i64)];
-    residual.launch(&format!("residual_forward_{dt}"), elementwise(n * c), &mut args);
+    // out += inp: one f32 add, one rounding — bit for bit (aligned, and one element off)
     let mut want_sum = out.clone();
     layers::residual_forward_inplace(&mut want_sum, &inp);
-    assert_eq!(bytemuck::cast_slice::<E, u8>(&sum), bytemuck::cast_slice::<E, u8>(&want_sum), "residual {dt}");
+    for shift in [0, 1] {
+        let mut sum = out.clone();
+        let mut args = [shifted(&mut sum, shift), shifted(&mut inp, shift), Arg::I64((n * c) as i64)];
+        residual.launch(&format!("residual_forward_{dt}"), packed(n * c, E::BYTES), &mut args);
+        let (got, want) = (bytemuck::cast_slice::<E, u8>(&sum), bytemuck::cast_slice::<E, u8>(&want_sum));
+        assert_eq!(got, want, "residual {dt} C {c} shift {shift}");
+    }
 
     let mut broadcast = vec![E::from_f32(f32::NAN); n * c];
     let mut args = [buf(&mut broadcast), buf(&mut bias), Arg::I64(n as i64), int(c)];
-    residual.launch(&format!("bias_broadcast_{dt}"), elementwise(n * c), &mut args);
+    residual.launch(&format!("bias_broadcast_{dt}"), packed(n * c, E::BYTES), &mut args);
     let want_rows: Vec<E> = (0..n).flat_map(|_| bias.iter().copied()).collect();
     assert_eq!(bytemuck::cast_slice::<E, u8>(&broadcast), bytemuck::cast_slice::<E, u8>(&want_rows), "bias {dt}");
 }
@@ -978,7 +1002,11 @@ fn the_layernorm_forward_and_residual_kernels_match_the_cpu_reference() {
     let (Some(layernorm), Some(residual)) = (Emulated::build("layernorm"), Emulated::build("residual")) else {
         return;
     };
-    layernorm_forward_and_residual_kernels_match_the_reference::<f32>(&layernorm, &residual, 0.0);
-    layernorm_forward_and_residual_kernels_match_the_reference::<half::bf16>(&layernorm, &residual, 1.0 / 256.0);
-    layernorm_forward_and_residual_kernels_match_the_reference::<half::f16>(&layernorm, &residual, 1.0 / 2048.0);
+    for shape in [(37, 77), (37, 80)] {
+        layernorm_forward_and_residual_kernels_match_the_reference::<f32>(&layernorm, &residual, 0.0, shape);
+        let bf16 = 1.0 / 256.0;
+        layernorm_forward_and_residual_kernels_match_the_reference::<half::bf16>(&layernorm, &residual, bf16, shape);
+        let f16 = 1.0 / 2048.0;
+        layernorm_forward_and_residual_kernels_match_the_reference::<half::f16>(&layernorm, &residual, f16, shape);
+    }
 }

@@ -199,6 +199,12 @@ pub(crate) fn encoder_order_plan(bt: usize) -> Vec<OrderLaunch> {
     plan
 }
 
+/// The element-wise kernels' launch over `n` elements of `elem_bytes` each: a thread per pack
+/// of 16 bytes (`PACK(T)` in `common.cuh`: 8 16-bit elements, 4 f32), the last one partial.
+pub(crate) fn packed(n: usize, elem_bytes: usize) -> LaunchConfig {
+    elementwise(n.div_ceil(16 / elem_bytes))
+}
+
 /// One warp per row, eight rows per block.
 pub(crate) fn warp_rows(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows.div_ceil(8).max(1) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
@@ -531,7 +537,7 @@ impl CudaBackend {
         self.launch(
             op,
             &format!("{op}_{dt}"),
-            elementwise(inp.len()),
+            packed(inp.len(), E::BYTES),
             &[Arg::Ptr(out.address()), Arg::Ptr(inp.address()), long(inp.len())],
         )
     }
@@ -616,7 +622,7 @@ impl CudaBackend {
         } else {
             let dt = suffix::<E>(self, op)?;
             let kernel = if to_f32 { format!("cast_{dt}_to_f32") } else { format!("cast_f32_to_{dt}") };
-            self.launch(op, &kernel, elementwise(n), &[Arg::Ptr(dst), Arg::Ptr(src), long(n)])
+            self.launch(op, &kernel, packed(n, E::BYTES), &[Arg::Ptr(dst), Arg::Ptr(src), long(n)])
         }
     }
 }
@@ -885,7 +891,7 @@ impl Backend for CudaBackend {
             int(OP, "N", n)?,
             int(OP, "C", c)?,
         ];
-        self.launch(OP, &format!("layernorm_recompute_{dt}"), elementwise(n * c), &args)
+        self.launch(OP, &format!("layernorm_recompute_{dt}"), packed(n * c, E::BYTES), &args)
     }
 
     fn layernorm_backward<E: Elem>(
@@ -960,7 +966,7 @@ impl Backend for CudaBackend {
         // The bias goes in first and the GEMM accumulates onto it: one rounding, as on CPU.
         if let Some(b) = bias {
             let args = [Arg::Ptr(out.address()), Arg::Ptr(b.address()), long(n), int(OP, "OC", oc)?];
-            self.launch(OP, &format!("bias_broadcast_{dt}"), elementwise(n * oc), &args)?;
+            self.launch(OP, &format!("bias_broadcast_{dt}"), packed(n * oc, E::BYTES), &args)?;
         }
         // out (N,OC) row-major = (weight (OC,C) row-major)ᵀ-applied: C_cm (OC×N) = Wᵀ_cm · inp_cm.
         self.gemm(
@@ -1292,7 +1298,7 @@ impl Backend for CudaBackend {
             Arg::F32(bc2),
             Arg::F32(grad_mult),
         ];
-        self.launch(OP, &format!("adamw_{dt}"), elementwise(n), &args)
+        self.launch(OP, &format!("adamw_{dt}"), packed(n, E::BYTES), &args)
     }
 
     fn sum_squares<E: Elem>(&self, x: View<E>) -> BackendResult<f64> {

@@ -401,6 +401,51 @@ mod tests {
         }
     }
 
+    /// The element-wise kernels that move 16-byte packs (`PACK(T)` in `common.cuh`).
+    const PACKED: [&str; 6] =
+        ["residual_forward_", "bias_broadcast_", "gelu_", "cast_", "adamw_", "layernorm_recompute_"];
+
+    /// The PTX of `family` for virtual architecture `arch` (`compute_90`).
+    fn ptx_of(family: &str, arch: &str) -> String {
+        let src = CString::new(source(family).unwrap()).unwrap();
+        let prog = nvrtc::create_program(&src, None).unwrap();
+        let options = [format!("--gpu-architecture={arch}"), "--std=c++17".to_string()];
+        // SAFETY: `prog` was created above and is destroyed once, below; `src` outlives it.
+        unsafe {
+            nvrtc::compile_program(prog, &options).unwrap_or_else(|e| panic!("{family}: {e:?}"));
+            let ptx = nvrtc::get_ptx(prog).unwrap();
+            let _ = nvrtc::destroy_program(prog);
+            CStr::from_ptr(ptx.as_ptr()).to_string_lossy().into_owned()
+        }
+    }
+
+    /// The element-wise kernels load and store their packs as 128-bit accesses (`.v4`; the
+    /// one-by-one path is there too, for views at odd offsets and the tail): checked in the
+    /// PTX NVRTC emits, where a pack that fell back to 16-bit accesses would show.
+    #[test]
+    fn the_element_wise_kernels_move_16_bytes_per_access() {
+        if !nvrtc_present() {
+            eprintln!("skipped: libnvrtc not found");
+            return;
+        }
+        for (family, entries) in [
+            ("residual", &["residual_forward_bf16", "residual_forward_f32", "bias_broadcast_bf16"][..]),
+            ("gelu", &["gelu_forward_bf16", "gelu_backward_f16"]),
+            ("cast", &["cast_f32_to_bf16", "cast_bf16_to_f32"]),
+            ("adamw", &["adamw_bf16", "adamw_f32"]),
+            ("layernorm", &["layernorm_recompute_bf16"]),
+        ] {
+            let ptx = ptx_of(family, "compute_90");
+            for entry in entries {
+                let body =
+                    ptx.split(&format!(".entry {entry}(")).nth(1).unwrap_or_else(|| panic!("{entry} in the PTX"));
+                let body = body.split(".entry ").next().unwrap();
+                assert!(body.contains("ld.global.v4."), "{entry}: no 128-bit load");
+                assert!(body.contains("st.global.v4."), "{entry}: no 128-bit store");
+            }
+        }
+    }
+
     /// Every kernel fits a block of the largest size any launch uses (registers × threads
     /// within 64K: else "too many resources requested for launch" on the GPU) and spills
     /// nothing to local memory, for sm_80 and sm_90, per ptxas's own report.
@@ -426,8 +471,9 @@ mod tests {
                     let per_block = (65536 / block).min(255);
                     assert!(k.registers > 0 && k.registers <= per_block, "{family}/{arch}: {k:?} (block {block})");
                     assert_eq!(k.spill_bytes, 0, "{family}/{arch}: {k:?}");
-                    // Tensor-core kernels keep their fragments in registers, or they crawl.
-                    if k.entry.starts_with("flash_") {
+                    // Tensor-core kernels keep their fragments in registers, or they crawl; so do
+                    // the element-wise kernels their 16-byte packs.
+                    if k.entry.starts_with("flash_") || PACKED.iter().any(|p| k.entry.starts_with(p)) {
                         assert_eq!(k.stack_bytes, 0, "{family}/{arch}: {k:?}");
                     }
                     if k.registers > most.registers {
