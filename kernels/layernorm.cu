@@ -1,22 +1,59 @@
-// LayerNorm over rows of C: one warp per row. Statistics (mean, rstd) are always f32. Parameter
+// LayerNorm over rows of C: one warp per row (in 16-byte packs where the rows allow). Statistics (mean, rstd) are always f32. Parameter
 // gradients are column sums in f32 (in row bands, then the bands' partials by
 // `column_partials_add`), added to the stored gradient once (as the CPU reference).
 #include "common.cuh"
 
+// Whether a row kernel over (N,C) can walk its rows in 16-byte packs: C a multiple of
+// PACK(T) and every array aligned (then so is every row).
+template <typename T>
+__device__ __forceinline__ bool rows_in_packs(int C, const void* a, const void* b, const void* c, const void* d) {
+    return C % PACK(T) == 0 && aligned16(a) && aligned16(b) && aligned16(c) && aligned16(d);
+}
+
+// One warp per row; a lane takes the row's 16-byte packs lane, lane + 32, ... (or, unaligned or
+// C not a multiple of a pack, its elements lane, lane + 32, ...).
 template <typename T>
 __device__ void layernorm_forward(T* out, float* mean, float* rstd, const T* inp, const T* w, const T* b, int N, int C) {
+    constexpr int P = PACK(T);
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= N) return;
     const long base = (long)row * C;
-    float s = 0.f;
-    for (int i = lane; i < C; i += 32) s += load_f32(inp, base + i);
-    float m = warp_sum(s) / C;
-    float v = 0.f;
-    for (int i = lane; i < C; i += 32) { float d = load_f32(inp, base + i) - m; v += d * d; }
-    float r = rsqrtf(warp_sum(v) / C + 1e-5f);
-    for (int i = lane; i < C; i += 32)
-        store_f32(out, base + i, (load_f32(inp, base + i) - m) * r * load_f32(w, i) + load_f32(b, i));
+    float m, r;
+    if (rows_in_packs<T>(C, out, inp, w, b)) {
+        const T* x_row = inp + base;
+        float s = 0.f;
+        for (int i = lane * P; i < C; i += 32 * P) {
+            float x[P];
+            load_pack(x, x_row, i, C, true);
+            UNROLL for (int u = 0; u < P; u++) s += x[u];
+        }
+        m = warp_sum(s) / C;
+        float v = 0.f;
+        for (int i = lane * P; i < C; i += 32 * P) {
+            float x[P];
+            load_pack(x, x_row, i, C, true);
+            UNROLL for (int u = 0; u < P; u++) v += (x[u] - m) * (x[u] - m);
+        }
+        r = rsqrtf(warp_sum(v) / C + 1e-5f);
+        for (int i = lane * P; i < C; i += 32 * P) {
+            float x[P], wv[P], bv[P];
+            load_pack(x, x_row, i, C, true);
+            load_pack(wv, w, i, C, true);
+            load_pack(bv, b, i, C, true);
+            UNROLL for (int u = 0; u < P; u++) x[u] = (x[u] - m) * r * wv[u] + bv[u];
+            store_pack(out + base, i, C, x, true);
+        }
+    } else {
+        float s = 0.f;
+        for (int i = lane; i < C; i += 32) s += load_f32(inp, base + i);
+        m = warp_sum(s) / C;
+        float v = 0.f;
+        for (int i = lane; i < C; i += 32) { float d = load_f32(inp, base + i) - m; v += d * d; }
+        r = rsqrtf(warp_sum(v) / C + 1e-5f);
+        for (int i = lane; i < C; i += 32)
+            store_f32(out, base + i, (load_f32(inp, base + i) - m) * r * load_f32(w, i) + load_f32(b, i));
+    }
     if (lane == 0) { mean[row] = m; rstd[row] = r; }
 }
 
@@ -47,12 +84,40 @@ __device__ void layernorm_recompute(T* out, const T* inp, const T* w, const T* b
 template <typename T>
 __device__ void layernorm_backward(T* dinp, const T* dout, const T* inp, const T* w, const float* mean,
                                    const float* rstd, int N, int C) {
+    constexpr int P = PACK(T);
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= N) return;
     const long base = (long)row * C;
     float m = mean[row], r = rstd[row];
     float a = 0.f, bsum = 0.f;
+    if (rows_in_packs<T>(C, dinp, dout, inp, w)) {
+        // The same terms per element as below, a lane's packs lane, lane + 32, ...
+        for (int i = lane * P; i < C; i += 32 * P) {
+            float x[P], d[P], wv[P];
+            load_pack(x, inp + base, i, C, true);
+            load_pack(d, dout + base, i, C, true);
+            load_pack(wv, w, i, C, true);
+            UNROLL for (int u = 0; u < P; u++) {
+                float n = (x[u] - m) * r, dn = wv[u] * d[u];
+                a += dn; bsum += dn * n;
+            }
+        }
+        a = warp_sum(a) / C; bsum = warp_sum(bsum) / C;
+        for (int i = lane * P; i < C; i += 32 * P) {
+            float x[P], d[P], wv[P], g[P];
+            load_pack(x, inp + base, i, C, true);
+            load_pack(d, dout + base, i, C, true);
+            load_pack(wv, w, i, C, true);
+            load_pack(g, dinp + base, i, C, true);
+            UNROLL for (int u = 0; u < P; u++) {
+                float n = (x[u] - m) * r, dn = wv[u] * d[u];
+                g[u] += (dn - a - n * bsum) * r;
+            }
+            store_pack(dinp + base, i, C, g, true);
+        }
+        return;
+    }
     for (int i = lane; i < C; i += 32) {
         float n = (load_f32(inp, base + i) - m) * r;
         float dn = load_f32(w, i) * load_f32(dout, base + i);

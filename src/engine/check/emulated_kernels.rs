@@ -300,10 +300,11 @@ fn the_fused_attention_backward_kernels_match_the_cpu_reference() {
 
 /// The cuda layernorm_backward — its row kernel, the banded partial column sums of the weight
 /// and bias gradients and the pass adding them — launched as the backend launches them,
-/// against `layers::layernorm_backward`.
-fn layernorm_backward_matches_the_reference<E: Elem>(layernorm: &Emulated, residual: &Emulated, eps: f64) {
-    // 600 rows: three bands of 256, the last short; 77 columns: a partial block of 32.
-    let (n, c) = (600, 77);
+/// against `layers::layernorm_backward`. 600 rows: three bands of 256, the last short; C 77: a
+/// partial block of 32 columns, the row kernel element by element; C 264: its 16-byte packs,
+/// more than a warp's worth of them in 16-bit storage.
+fn layernorm_backward_matches_the_reference<E: Elem>(layernorm: &Emulated, residual: &Emulated, eps: f64, c: usize) {
+    let n = 600;
     let dt = suffix::<E>();
     let mut rng = Rng::new(21);
     let (inp, weight, bias) =
@@ -376,9 +377,11 @@ fn layernorm_backward_matches_the_reference<E: Elem>(layernorm: &Emulated, resid
 #[test]
 fn the_layernorm_backward_kernels_match_the_cpu_reference() {
     let (Some(layernorm), Some(residual)) = (Emulated::build("layernorm"), Emulated::build("residual")) else { return };
-    layernorm_backward_matches_the_reference::<f32>(&layernorm, &residual, 0.0);
-    layernorm_backward_matches_the_reference::<half::bf16>(&layernorm, &residual, 2.0 / 256.0);
-    layernorm_backward_matches_the_reference::<half::f16>(&layernorm, &residual, 2.0 / 2048.0);
+    for c in [77, 264] {
+        layernorm_backward_matches_the_reference::<f32>(&layernorm, &residual, 0.0, c);
+        layernorm_backward_matches_the_reference::<half::bf16>(&layernorm, &residual, 2.0 / 256.0, c);
+        layernorm_backward_matches_the_reference::<half::f16>(&layernorm, &residual, 2.0 / 2048.0, c);
+    }
 }
 
 /// The cuda bias gradient — banded partial column sums of dout, then the pass adding them to
@@ -929,7 +932,8 @@ fn the_head_permute_kernels_match_their_definitions() {
 
 /// LayerNorm forward (one warp per row: f32 statistics, where the CPU sums in f64) and its
 /// recompute from saved statistics; the residual add and the matmul's bias broadcast — over
-/// (n, c): C 77 takes the element-wise kernels' one-by-one path, C 80 their 16-byte packs.
+/// (n, c): C 77 takes the element-wise kernels' one-by-one path, C 80 their 16-byte packs, C 264
+/// more packs per row than a warp has lanes (LayerNorm forward's loop comes round).
 fn layernorm_forward_and_residual_kernels_match_the_reference<E: Elem>(
     layernorm: &Emulated,
     residual: &Emulated,
@@ -1002,7 +1006,7 @@ fn the_layernorm_forward_and_residual_kernels_match_the_cpu_reference() {
     let (Some(layernorm), Some(residual)) = (Emulated::build("layernorm"), Emulated::build("residual")) else {
         return;
     };
-    for shape in [(37, 77), (37, 80)] {
+    for shape in [(37, 77), (37, 80), (9, 264)] {
         layernorm_forward_and_residual_kernels_match_the_reference::<f32>(&layernorm, &residual, 0.0, shape);
         let bf16 = 1.0 / 256.0;
         layernorm_forward_and_residual_kernels_match_the_reference::<half::bf16>(&layernorm, &residual, bf16, shape);
