@@ -1,6 +1,6 @@
 // Softmax + cross-entropy over the first V of each row of VP logits (the vocabulary; the
-// padding columns past it get 0), in f32 whatever the storage, one block per row, in two
-// passes over the row: each thread keeps a running maximum and its sum of exponentials,
+// padding columns past it get 0), in f32 whatever the storage, one block per row (in 16-byte
+// packs where the row allows), in two passes over the row: each thread keeps a running maximum and its sum of exponentials,
 // rescaled when the maximum grows, and the block combines them; the second pass writes over
 // the logits either the probabilities (`crossentropy_forward`: evaluation, decoding) or, in
 // training, the logits' gradient (p − onehot) · dloss (`crossentropy_forward_backward`: the
@@ -11,18 +11,34 @@
 template <typename T>
 __device__ void softmax_crossentropy(T* logits, float* losses, const unsigned int* targets, int N, int V, int VP,
                                      bool grad, float dloss) {
+    constexpr int P = PACK(T);
     int row = blockIdx.x;
     if (row >= N) return;
     __shared__ float red[32];
     const long base = (long)row * VP;
+    // Rows of 16-byte packs (VP a multiple of a pack, as the padded vocabulary is, and the
+    // logits aligned): thread x takes packs x, x + blockDim.x, ...; else elements.
+    const bool packs = VP % P == 0 && aligned16(logits);
     float m = NEG_INF, s = 0.f;  // this thread's maximum and Σ exp(x − m)
-    for (int i = threadIdx.x; i < V; i += blockDim.x) {
-        const float x = load_f32(logits, base + i);
-        if (x > m) {
-            s = s * expf(m - x) + 1.f;
-            m = x;
-        } else {
-            s += expf(x - m);
+    if (packs) {
+        for (int i0 = threadIdx.x * P; i0 < V; i0 += blockDim.x * P) {
+            float x[P];
+            load_pack(x, logits + base, i0, VP, true);
+            float pm = m;  // the pack's maximum over its columns in the vocabulary
+            UNROLL for (int u = 0; u < P; u++) if (i0 + u < V) pm = fmaxf(pm, x[u]);
+            s *= expf(m - pm);  // (m = −inf at first: s is 0, and exp(−inf) 0)
+            UNROLL for (int u = 0; u < P; u++) if (i0 + u < V) s += expf(x[u] - pm);
+            m = pm;
+        }
+    } else {
+        for (int i = threadIdx.x; i < V; i += blockDim.x) {
+            const float x = load_f32(logits, base + i);
+            if (x > m) {
+                s = s * expf(m - x) + 1.f;
+                m = x;
+            } else {
+                s += expf(x - m);
+            }
         }
     }
     const float mx = block_max(m, red);
@@ -33,6 +49,20 @@ __device__ void softmax_crossentropy(T* logits, float* losses, const unsigned in
     __syncthreads();  // every thread has read the target's logit before it is overwritten
     if (threadIdx.x == 0) losses[row] = -(target_logit - mx - logf(sum));
     const float inv = 1.f / sum;
+    if (packs) {
+        // The whole row in packs: the vocabulary's columns, then 0 in the padding.
+        for (int i0 = threadIdx.x * P; i0 < VP; i0 += blockDim.x * P) {
+            float x[P];
+            load_pack(x, logits + base, i0, VP, true);
+            UNROLL for (int u = 0; u < P; u++) {
+                const int i = i0 + u;
+                const float p = expf(x[u] - mx) * inv;
+                x[u] = i >= V ? 0.f : grad ? (p - (i == target ? 1.f : 0.f)) * dloss : p;
+            }
+            store_pack(logits + base, i0, VP, x, true);
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < V; i += blockDim.x) {
         const float p = expf(load_f32(logits, base + i) - mx) * inv;
         store_f32(logits, base + i, grad ? (p - (i == target ? 1.f : 0.f)) * dloss : p);

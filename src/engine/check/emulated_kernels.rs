@@ -524,13 +524,15 @@ fn elementwise_kernels_match_the_reference<E: Elem>(families: &Families, eps: f6
     close(&format!("encoder {dt}"), &out, &want, &scale, 1e-6, eps);
     encoder_backward_matches_the_reference::<E>(families, &mut rng);
 
-    // Softmax cross-entropy over rows of V 1000 (past a block's 512 threads) and of V 100
-    // (threads with no element), each row VP = V + 24 wide (padding columns, random on entry,
-    // must come out 0): the probabilities (evaluation), then on the same logits the gradient
-    // made with the loss (training). Row 0 rises steadily, so every thread's running maximum
-    // grows at each of its elements (its sum rescaled each time).
-    for v in [1000, 100] {
-        let (rows, vp) = (5, v + 24);
+    // Softmax cross-entropy over rows of V logits in rows VP wide (padding columns, random on
+    // entry, must come out 0): V 1000 (past a block's 512 threads; VP 1024, in 16-byte packs,
+    // the vocabulary ending on a pack's edge), V 1001 (ending inside a pack), V 5001 (past
+    // 512 threads' packs: the loop comes round), V 100 in VP 124 (threads with no element; in
+    // 16-bit storage element by element, 124 not a multiple of 8): the probabilities
+    // (evaluation), then on the same logits the gradient made with the loss (training). Row 0
+    // rises steadily, so every thread's running maximum grows at each step (its sum rescaled).
+    for (v, vp) in [(1000, 1024), (1001, 1024), (5001, 5056), (100, 124)] {
+        let rows = 5;
         let mut logits = random::<E>(&mut rng, rows * vp, 3.0);
         for (i, x) in logits[..v].iter_mut().enumerate() {
             *x = E::from_f32(i as f32 * 8.0 / v as f32);

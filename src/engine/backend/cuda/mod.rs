@@ -434,6 +434,7 @@ mod tests {
             ("cast", &["cast_f32_to_bf16", "cast_bf16_to_f32"]),
             ("adamw", &["adamw_bf16", "adamw_f32"]),
             ("layernorm", &["layernorm_recompute_bf16", "layernorm_forward_bf16", "layernorm_backward_f32"]),
+            ("classifier", &["crossentropy_forward_backward_bf16", "crossentropy_forward_f32"]),
         ] {
             let ptx = ptx_of(family, "compute_90");
             for entry in entries {
