@@ -7,40 +7,88 @@
 // and dqkv, and no (T,T) buffer.
 #include "common.cuh"
 
+// The (B,T,·) offset of element idx of a (B,NH,T,HS) tensor, in rows of `heads` heads: the
+// (B,T,C) tensors' (heads NH) or qkv's (3·NH, q's part).
+__device__ __forceinline__ long token_offset(long idx, int T_, int NH, int HS, int heads) {
+    const int hs = idx % HS, t = (idx / HS) % T_, h = (idx / ((long)HS * T_)) % NH;
+    const long b = idx / ((long)HS * T_ * NH);
+    return ((b * T_ + t) * heads + h) * HS + hs;
+}
+
+// The permutes move PACK(T) elements per thread: whole 16-byte packs where HS is a multiple of
+// a pack (a pack then never crosses a head) and the arrays are aligned, else one by one.
+template <typename T>
+__device__ __forceinline__ bool heads_in_packs(int HS, const void* a, const void* b, const void* c, const void* d) {
+    return HS % PACK(T) == 0 && aligned16(a) && aligned16(b) && aligned16(c) && aligned16(d);
+}
+
+// P consecutive elements of T from src to dst, in 16-byte chunks.
+template <int P, typename T>
+__device__ __forceinline__ void copy_pack(T* dst, const T* src) {
+    UNROLL for (int k = 0; k < P * (int)sizeof(T) / 16; k++) copy16((Bytes16*)dst + k, (const Bytes16*)src + k);
+}
+
 // qkv (B,T,3C) -> q, k, v (B,NH,T,HS)
 template <typename T>
 __device__ void permute_qkv(T* q, T* k, T* v, const T* qkv, int B, int T_, int NH, int HS) {
-    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long)B * NH * T_ * HS) return;
-    int hs = idx % HS, t = (idx / HS) % T_, h = (idx / ((long)HS * T_)) % NH, b = idx / ((long)HS * T_ * NH);
-    long src = ((long)(b * T_ + t) * 3 * NH + h) * HS + hs;
-    long C = (long)NH * HS;
-    q[idx] = qkv[src];
-    k[idx] = qkv[src + C];
-    v[idx] = qkv[src + 2 * C];
+    constexpr int P = PACK(T);
+    const long i0 = pack_start<P>(), N = (long)B * NH * T_ * HS, C = (long)NH * HS;
+    if (i0 >= N) return;
+    if (heads_in_packs<T>(HS, q, k, v, qkv)) {
+        const long src = token_offset(i0, T_, NH, HS, 3 * NH);
+        copy_pack<P>(q + i0, qkv + src);
+        copy_pack<P>(k + i0, qkv + src + C);
+        copy_pack<P>(v + i0, qkv + src + 2 * C);
+        return;
+    }
+    for (long idx = i0; idx < i0 + P && idx < N; idx++) {
+        const long src = token_offset(idx, T_, NH, HS, 3 * NH);
+        q[idx] = qkv[src];
+        k[idx] = qkv[src + C];
+        v[idx] = qkv[src + 2 * C];
+    }
 }
 
 // f32 dq, dk, dv (B,NH,T,HS) -> dqkv (B,T,3C) [overwritten, rounded once to the storage type]
 template <typename T>
 __device__ void permute_qkv_backward(T* dqkv, const float* dq, const float* dk, const float* dv, int B, int T_, int NH, int HS) {
-    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long)B * NH * T_ * HS) return;
-    int hs = idx % HS, t = (idx / HS) % T_, h = (idx / ((long)HS * T_)) % NH, b = idx / ((long)HS * T_ * NH);
-    long dst = ((long)(b * T_ + t) * 3 * NH + h) * HS + hs;
-    long C = (long)NH * HS;
-    store_f32(dqkv, dst, dq[idx]);
-    store_f32(dqkv, dst + C, dk[idx]);
-    store_f32(dqkv, dst + 2 * C, dv[idx]);
+    constexpr int P = PACK(T);
+    const long i0 = pack_start<P>(), N = (long)B * NH * T_ * HS, C = (long)NH * HS;
+    if (i0 >= N) return;
+    if (heads_in_packs<T>(HS, dqkv, dq, dk, dv)) {
+        const long dst = token_offset(i0, T_, NH, HS, 3 * NH);
+        float x[P];
+        load_pack(x, dq, i0, N, true);
+        store_pack(dqkv + dst, 0, P, x, true);
+        load_pack(x, dk, i0, N, true);
+        store_pack(dqkv + dst + C, 0, P, x, true);
+        load_pack(x, dv, i0, N, true);
+        store_pack(dqkv + dst + 2 * C, 0, P, x, true);
+        return;
+    }
+    for (long idx = i0; idx < i0 + P && idx < N; idx++) {
+        const long dst = token_offset(idx, T_, NH, HS, 3 * NH);
+        store_f32(dqkv, dst, dq[idx]);
+        store_f32(dqkv, dst + C, dk[idx]);
+        store_f32(dqkv, dst + 2 * C, dv[idx]);
+    }
 }
 
 // (B,NH,T,HS) -> (B,T,C) when merge != 0, the inverse when merge == 0.
 template <typename T>
 __device__ void heads_permute(T* out, const T* in, int B, int T_, int NH, int HS, int merge) {
-    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long)B * NH * T_ * HS) return;
-    int hs = idx % HS, t = (idx / HS) % T_, h = (idx / ((long)HS * T_)) % NH, b = idx / ((long)HS * T_ * NH);
-    long btc = ((long)(b * T_ + t) * NH + h) * HS + hs;
-    if (merge) out[btc] = in[idx]; else out[idx] = in[btc];
+    constexpr int P = PACK(T);
+    const long i0 = pack_start<P>(), N = (long)B * NH * T_ * HS;
+    if (i0 >= N) return;
+    if (heads_in_packs<T>(HS, out, in, out, in)) {
+        const long btc = token_offset(i0, T_, NH, HS, NH);
+        if (merge) copy_pack<P>(out + btc, in + i0); else copy_pack<P>(out + i0, in + btc);
+        return;
+    }
+    for (long idx = i0; idx < i0 + P && idx < N; idx++) {
+        const long btc = token_offset(idx, T_, NH, HS, NH);
+        if (merge) out[btc] = in[idx]; else out[idx] = in[btc];
+    }
 }
 
 // One warp per row of a chunk's (T,T) matrices; row = (head, query t), keys 0..=t causal.

@@ -865,9 +865,9 @@ fn the_int8_and_int4_kernels_match_the_cpu_reference_bit_for_bit() {
 /// The cuBLAS attention path's head permutes against their definitions, bit for bit: qkv
 /// (B,T,3,NH,HS) split into q, k, v (B,NH,T,HS); (B,NH,T,HS) merged into (B,T,C) and split back;
 /// f32 dq, dk, dv gathered into dqkv, each rounded once to the storage type.
-fn head_permutes_match_their_definitions<E: Elem>(attention: &Emulated) {
+fn head_permutes_match_their_definitions<E: Elem>(attention: &Emulated, hs: usize) {
     let dt = suffix::<E>();
-    let (b, t, nh, hs) = (2, 37, 3, 12);
+    let (b, t, nh) = (2, 37, 3);
     let c = nh * hs;
     let n = b * t * c;
     let mut rng = Rng::new(89);
@@ -888,7 +888,7 @@ fn head_permutes_match_their_definitions<E: Elem>(attention: &Emulated) {
     let (mut q, mut k, mut v) = (vec![E::from_f32(f32::NAN); n], vec![E::default(); n], vec![E::default(); n]);
     let mut args: Vec<Arg> = vec![buf(&mut q), buf(&mut k), buf(&mut v), buf(&mut qkv)];
     args.extend(dims());
-    attention.launch(&format!("permute_qkv_{dt}"), elementwise(n), &mut args);
+    attention.launch(&format!("permute_qkv_{dt}"), packed(n, E::BYTES), &mut args);
     for (bi, h, ti, d) in every() {
         for (part, x) in [&q, &k, &v].into_iter().enumerate() {
             assert_eq!(bits(x[head(bi, h, ti, d)]), bits(qkv[row(bi, ti, part, h, d, 3 * c)]), "{dt} part {part}");
@@ -899,7 +899,7 @@ fn head_permutes_match_their_definitions<E: Elem>(attention: &Emulated) {
     let mut args: Vec<Arg> = vec![buf(&mut merged), buf(&mut q)];
     args.extend(dims());
     args.push(Arg::I32(1));
-    attention.launch(&format!("heads_permute_{dt}"), elementwise(n), &mut args);
+    attention.launch(&format!("heads_permute_{dt}"), packed(n, E::BYTES), &mut args);
     for (bi, h, ti, d) in every() {
         assert_eq!(bits(merged[row(bi, ti, 0, h, d, c)]), bits(q[head(bi, h, ti, d)]), "{dt} merge");
     }
@@ -907,7 +907,7 @@ fn head_permutes_match_their_definitions<E: Elem>(attention: &Emulated) {
     let mut args: Vec<Arg> = vec![buf(&mut split), buf(&mut merged)];
     args.extend(dims());
     args.push(Arg::I32(0));
-    attention.launch(&format!("heads_permute_{dt}"), elementwise(n), &mut args);
+    attention.launch(&format!("heads_permute_{dt}"), packed(n, E::BYTES), &mut args);
     assert_eq!(bytemuck::cast_slice::<E, u8>(&split), bytemuck::cast_slice::<E, u8>(&q), "{dt} split");
 
     let mut grads: Vec<Vec<f32>> = (0..3).map(|_| (0..n).map(|_| rng.normal() as f32).collect()).collect();
@@ -915,7 +915,7 @@ fn head_permutes_match_their_definitions<E: Elem>(attention: &Emulated) {
     let [dq, dk, dv] = &mut grads[..] else { unreachable!() };
     let mut args: Vec<Arg> = vec![buf(&mut dqkv), buf(dq), buf(dk), buf(dv)];
     args.extend(dims());
-    attention.launch(&format!("permute_qkv_backward_{dt}"), elementwise(n), &mut args);
+    attention.launch(&format!("permute_qkv_backward_{dt}"), packed(n, E::BYTES), &mut args);
     for (bi, h, ti, d) in every() {
         for (part, g) in grads.iter().enumerate() {
             let want = E::from_f32(g[head(bi, h, ti, d)]);
@@ -927,9 +927,12 @@ fn head_permutes_match_their_definitions<E: Elem>(attention: &Emulated) {
 #[test]
 fn the_head_permute_kernels_match_their_definitions() {
     let Some(attention) = Emulated::build("attention") else { return };
-    head_permutes_match_their_definitions::<f32>(&attention);
-    head_permutes_match_their_definitions::<half::bf16>(&attention);
-    head_permutes_match_their_definitions::<half::f16>(&attention);
+    // HS 12: 16-bit storage element by element (f32 in packs of 4); HS 16: packs in all three.
+    for hs in [12, 16] {
+        head_permutes_match_their_definitions::<f32>(&attention, hs);
+        head_permutes_match_their_definitions::<half::bf16>(&attention, hs);
+        head_permutes_match_their_definitions::<half::f16>(&attention, hs);
+    }
 }
 
 /// LayerNorm forward (one warp per row: f32 statistics, where the CPU sums in f64) and its

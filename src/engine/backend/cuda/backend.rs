@@ -1096,7 +1096,7 @@ impl Backend for CudaBackend {
         let mut args =
             vec![Arg::Ptr(q.address()), Arg::Ptr(k.address()), Arg::Ptr(v.address()), Arg::Ptr(qkv.address())];
         args.extend(dims);
-        self.launch(OP, &format!("permute_qkv_{dt}"), elementwise(b * t * c), &args)?;
+        self.launch(OP, &format!("permute_qkv_{dt}"), packed(b * t * c, E::BYTES), &args)?;
         let (scores, probs) = (self.scratch(ws.scores)?, self.scratch(ws.probs)?);
         let heads = HeadChunks::<E>::new(b, t, c, nh, ws.chunk);
         for chunk in heads.chunks() {
@@ -1113,7 +1113,7 @@ impl Backend for CudaBackend {
         let mut args = vec![Arg::Ptr(out.address()), Arg::Ptr(q.address())];
         args.extend(dims);
         args.push(Arg::I32(1));
-        self.launch(OP, &format!("heads_permute_{dt}"), elementwise(b * t * c), &args)
+        self.launch(OP, &format!("heads_permute_{dt}"), packed(b * t * c, E::BYTES), &args)
     }
 
     fn attention_cached<E: Elem>(
@@ -1196,11 +1196,11 @@ impl Backend for CudaBackend {
         let mut args =
             vec![Arg::Ptr(q.address()), Arg::Ptr(k.address()), Arg::Ptr(v.address()), Arg::Ptr(qkv.address())];
         args.extend(dims);
-        self.launch(OP, &format!("permute_qkv_{dt}"), elementwise(elems), &args)?;
+        self.launch(OP, &format!("permute_qkv_{dt}"), packed(elems, E::BYTES), &args)?;
         let mut args = vec![Arg::Ptr(dy.address()), Arg::Ptr(dout.address())];
         args.extend(dims);
         args.push(Arg::I32(0));
-        self.launch(OP, &format!("heads_permute_{dt}"), elementwise(elems), &args)?;
+        self.launch(OP, &format!("heads_permute_{dt}"), packed(elems, E::BYTES), &args)?;
         let (dq, dk, dv) = (self.scratch(ws.heads_f32)?, self.scratch(ws.heads_f32)?, self.scratch(ws.heads_f32)?);
         let (scores, probs) = (self.scratch(ws.scores)?, self.scratch(ws.probs)?);
         let heads = HeadChunks::<E>::new(b, t, c, nh, ws.chunk);
@@ -1225,7 +1225,7 @@ impl Backend for CudaBackend {
         let mut args =
             vec![Arg::Ptr(dqkv.address()), Arg::Ptr(dq.address()), Arg::Ptr(dk.address()), Arg::Ptr(dv.address())];
         args.extend(dims);
-        self.launch(OP, &format!("permute_qkv_backward_{dt}"), elementwise(elems), &args)
+        self.launch(OP, &format!("permute_qkv_backward_{dt}"), packed(elems, E::BYTES), &args)
     }
 
     fn gelu_forward<E: Elem>(&self, out: ViewMut<E>, inp: View<E>) -> BackendResult {

@@ -402,8 +402,16 @@ mod tests {
     }
 
     /// The element-wise kernels that move 16-byte packs (`PACK(T)` in `common.cuh`).
-    const PACKED: [&str; 6] =
-        ["residual_forward_", "bias_broadcast_", "gelu_", "cast_", "adamw_", "layernorm_recompute_"];
+    const PACKED: [&str; 8] = [
+        "residual_forward_",
+        "bias_broadcast_",
+        "gelu_",
+        "cast_",
+        "adamw_",
+        "layernorm_recompute_",
+        "permute_qkv",
+        "heads_permute_",
+    ];
 
     /// The PTX of `family` for virtual architecture `arch` (`compute_90`).
     fn ptx_of(family: &str, arch: &str) -> String {
@@ -435,6 +443,7 @@ mod tests {
             ("adamw", &["adamw_bf16", "adamw_f32"]),
             ("layernorm", &["layernorm_recompute_bf16", "layernorm_forward_bf16", "layernorm_backward_f32"]),
             ("classifier", &["crossentropy_forward_backward_bf16", "crossentropy_forward_f32"]),
+            ("attention", &["permute_qkv_bf16", "permute_qkv_backward_bf16", "heads_permute_f16"]),
         ] {
             let ptx = ptx_of(family, "compute_90");
             for entry in entries {
