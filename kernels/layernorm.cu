@@ -132,32 +132,42 @@ __device__ void layernorm_backward(T* dinp, const T* dout, const T* inp, const T
 }
 
 // dweight (C) += Σ_rows norm·dout, dbias (C) += Σ_rows dout, stage one: pw, pb (bands, C) f32,
-// each band's column sums (`column_partials_add` adds them). Block (32, 16): 32 columns, 16 row
-// strides through the band, reduced in shared memory.
+// each band's column sums (`column_partials_add` adds them). Block (32, 16): 32 packs of
+// PACK(T) columns (16-byte loads where the rows allow), 16 row strides through the band,
+// reduced in shared memory.
 template <typename T>
 __device__ void layernorm_param_backward_partial(float* pw, float* pb, const T* dout, const T* inp, const float* mean,
                                                  const float* rstd, int N, int C, int band) {
-    __shared__ float sw[16][33];
-    __shared__ float sb[16][33];
-    int col = blockIdx.x * 32 + threadIdx.x;
-    int end = band_end(N, band);
-    float aw = 0.f, ab = 0.f;
-    if (col < C)
+    constexpr int P = PACK(T);
+    __shared__ float sw[16][32 * P + 1];
+    __shared__ float sb[16][32 * P + 1];
+    const int col0 = (blockIdx.x * 32 + threadIdx.x) * P;
+    const bool whole = C % P == 0 && aligned16(dout) && aligned16(inp);
+    const int end = band_end(N, band);
+    float aw[P], ab[P];
+    UNROLL for (int u = 0; u < P; u++) aw[u] = ab[u] = 0.f;
+    if (col0 < C)
         for (int row = blockIdx.y * band + threadIdx.y; row < end; row += blockDim.y) {
-            long i = (long)row * C + col;
-            float d = load_f32(dout, i);
-            ab += d;
-            aw += (load_f32(inp, i) - mean[row]) * rstd[row] * d;
+            float d[P], x[P];
+            load_pack(d, dout + (long)row * C, col0, C, whole);
+            load_pack(x, inp + (long)row * C, col0, C, whole);
+            UNROLL for (int u = 0; u < P; u++) {
+                ab[u] += d[u];
+                aw[u] += (x[u] - mean[row]) * rstd[row] * d[u];
+            }
         }
-    sw[threadIdx.y][threadIdx.x] = aw;
-    sb[threadIdx.y][threadIdx.x] = ab;
-    __syncthreads();
-    if (threadIdx.y == 0 && col < C) {
-        float w = 0.f, b = 0.f;
-        for (int y = 0; y < blockDim.y; y++) { w += sw[y][threadIdx.x]; b += sb[y][threadIdx.x]; }
-        pw[(long)blockIdx.y * C + col] = w;
-        pb[(long)blockIdx.y * C + col] = b;
+    UNROLL for (int u = 0; u < P; u++) {
+        sw[threadIdx.y][threadIdx.x * P + u] = aw[u];
+        sb[threadIdx.y][threadIdx.x * P + u] = ab[u];
     }
+    __syncthreads();
+    if (threadIdx.y == 0)
+        for (int u = 0; u < P && col0 + u < C; u++) {
+            float w = 0.f, b = 0.f;
+            for (int y = 0; y < blockDim.y; y++) { w += sw[y][threadIdx.x * P + u]; b += sb[y][threadIdx.x * P + u]; }
+            pw[(long)blockIdx.y * C + col0 + u] = w;
+            pb[(long)blockIdx.y * C + col0 + u] = b;
+        }
 }
 
 extern "C" __global__ void layernorm_forward_f32(float* o, float* m, float* r, const float* x, const float* w, const float* b, int N, int C) { layernorm_forward(o, m, r, x, w, b, N, C); }

@@ -29,22 +29,32 @@ __device__ void bias_broadcast(T* out, const T* bias, long rows, int OC) {
 }
 
 // dbias (OC) += Σ_rows dout (rows,OC), stage one: partial (bands, OC) f32, each band's column
-// sums. Block (32, 16): 32 columns, 16 row strides through the band, reduced in shared memory.
+// sums. Block (32, 16): 32 packs of PACK(T) columns (16-byte loads where the rows allow), 16
+// row strides through the band, reduced in shared memory — per column, rows in the same order
+// either way.
 template <typename T>
 __device__ void bias_backward_partial(float* partial, const T* dout, int rows, int OC, int band) {
-    __shared__ float s[16][33];
-    int col = blockIdx.x * 32 + threadIdx.x;
-    int end = band_end(rows, band);
-    float a = 0.f;
-    if (col < OC)
-        for (int row = blockIdx.y * band + threadIdx.y; row < end; row += blockDim.y) a += load_f32(dout, (long)row * OC + col);
-    s[threadIdx.y][threadIdx.x] = a;
+    constexpr int P = PACK(T);
+    __shared__ float s[16][32 * P + 1];
+    const int col0 = (blockIdx.x * 32 + threadIdx.x) * P;
+    const bool whole = OC % P == 0 && aligned16(dout);
+    const int end = band_end(rows, band);
+    float a[P];
+    UNROLL for (int u = 0; u < P; u++) a[u] = 0.f;
+    if (col0 < OC)
+        for (int row = blockIdx.y * band + threadIdx.y; row < end; row += blockDim.y) {
+            float d[P];
+            load_pack(d, dout + (long)row * OC, col0, OC, whole);
+            UNROLL for (int u = 0; u < P; u++) a[u] += d[u];
+        }
+    UNROLL for (int u = 0; u < P; u++) s[threadIdx.y][threadIdx.x * P + u] = a[u];
     __syncthreads();
-    if (threadIdx.y == 0 && col < OC) {
-        float sum = 0.f;
-        for (int y = 0; y < blockDim.y; y++) sum += s[y][threadIdx.x];
-        partial[(long)blockIdx.y * OC + col] = sum;
-    }
+    if (threadIdx.y == 0)
+        for (int u = 0; u < P && col0 + u < OC; u++) {
+            float sum = 0.f;
+            for (int y = 0; y < blockDim.y; y++) sum += s[y][threadIdx.x * P + u];
+            partial[(long)blockIdx.y * OC + col0 + u] = sum;
+        }
 }
 
 extern "C" __global__ void residual_forward_f32(float* o, const float* x, long N) { residual_forward(o, x, N); }

@@ -347,7 +347,7 @@ fn layernorm_backward_matches_the_reference<E: Elem>(layernorm: &Emulated, resid
         int(c),
         int(n.div_ceil(bands)),
     ];
-    layernorm.launch(&format!("layernorm_param_backward_partial_{dt}"), column_sums(c, bands), &mut args);
+    layernorm.launch(&format!("layernorm_param_backward_partial_{dt}"), column_sums(c, bands, E::BYTES), &mut args);
     for (dst, partial) in [(&mut dw, &mut pw), (&mut db, &mut pb)] {
         let mut args = [buf(dst), buf(partial), int(bands), int(c)];
         residual.launch(&format!("column_partials_add_{dt}"), elementwise(c), &mut args);
@@ -387,8 +387,8 @@ fn the_layernorm_backward_kernels_match_the_cpu_reference() {
 /// The cuda bias gradient — banded partial column sums of dout, then the pass adding them to
 /// the stored gradient — launched as `matmul_backward` launches them, against
 /// `layers::matmul_backward`'s.
-fn bias_gradient_matches_the_reference<E: Elem>(residual: &Emulated, eps: f64) {
-    let (n, c, oc) = (600, 3, 77);
+fn bias_gradient_matches_the_reference<E: Elem>(residual: &Emulated, eps: f64, oc: usize) {
+    let (n, c) = (600, 3);
     let dt = suffix::<E>();
     let mut rng = Rng::new(31);
     let (inp, weight, mut dout, db0) = (
@@ -404,7 +404,7 @@ fn bias_gradient_matches_the_reference<E: Elem>(residual: &Emulated, eps: f64) {
     let bands = cuda_column_bands(n);
     let mut partial = vec![f32::NAN; bands * oc];
     let mut args = [buf(&mut partial), buf(&mut dout), int(n), int(oc), int(n.div_ceil(bands))];
-    residual.launch(&format!("bias_backward_partial_{dt}"), column_sums(oc, bands), &mut args);
+    residual.launch(&format!("bias_backward_partial_{dt}"), column_sums(oc, bands, E::BYTES), &mut args);
     let mut db = db0.clone();
     let mut args = [buf(&mut db), buf(&mut partial), int(bands), int(oc)];
     residual.launch(&format!("column_partials_add_{dt}"), elementwise(oc), &mut args);
@@ -417,9 +417,12 @@ fn bias_gradient_matches_the_reference<E: Elem>(residual: &Emulated, eps: f64) {
 #[test]
 fn the_bias_gradient_kernels_match_the_cpu_reference() {
     let Some(residual) = Emulated::build("residual") else { return };
-    bias_gradient_matches_the_reference::<f32>(&residual, 0.0);
-    bias_gradient_matches_the_reference::<half::bf16>(&residual, 2.0 / 256.0);
-    bias_gradient_matches_the_reference::<half::f16>(&residual, 2.0 / 2048.0);
+    // OC 77: columns one by one; OC 520: 16-byte packs, past one block's 32 packs.
+    for oc in [77, 520] {
+        bias_gradient_matches_the_reference::<f32>(&residual, 0.0, oc);
+        bias_gradient_matches_the_reference::<half::bf16>(&residual, 2.0 / 256.0, oc);
+        bias_gradient_matches_the_reference::<half::f16>(&residual, 2.0 / 2048.0, oc);
+    }
 }
 
 /// The causal softmax kernels around the cuBLAS attention products, launched as

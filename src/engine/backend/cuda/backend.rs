@@ -216,10 +216,11 @@ pub(crate) fn flash_blocks(b: usize, t: usize, nh: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (t.div_ceil(64) as u32, (b * nh) as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
 }
 
-/// Column sums' first stage: blocks of 32 columns × 16 row strides, one row of blocks per band.
-pub(crate) fn column_sums(cols: usize, bands: usize) -> LaunchConfig {
+/// Column sums' first stage over `cols` columns of `elem_bytes` each: blocks of 32 packs of
+/// columns (16 bytes of them, `PACK(T)`) × 16 row strides, one row of blocks per band.
+pub(crate) fn column_sums(cols: usize, bands: usize, elem_bytes: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (cols.div_ceil(32).max(1) as u32, bands.max(1) as u32, 1),
+        grid_dim: (cols.div_ceil(32 * (16 / elem_bytes)).max(1) as u32, bands.max(1) as u32, 1),
         block_dim: (32, MAX_BLOCK_THREADS / 32, 1),
         shared_mem_bytes: 0,
     }
@@ -945,7 +946,7 @@ impl Backend for CudaBackend {
             cc,
             int(OP, "band", n.div_ceil(bands))?,
         ];
-        self.launch(OP, &format!("layernorm_param_backward_partial_{dt}"), column_sums(c, bands), &args)?;
+        self.launch(OP, &format!("layernorm_param_backward_partial_{dt}"), column_sums(c, bands, E::BYTES), &args)?;
         self.add_column_partials::<E>(OP, dweight.address(), &pw, bands, c)?;
         self.add_column_partials::<E>(OP, dbias.address(), &pb, bands, c)
     }
@@ -1055,7 +1056,7 @@ impl Backend for CudaBackend {
                 int(OP, "OC", oc)?,
                 int(OP, "band", n.div_ceil(bands))?,
             ];
-            self.launch(OP, &format!("bias_backward_partial_{dt}"), column_sums(oc, bands), &args)?;
+            self.launch(OP, &format!("bias_backward_partial_{dt}"), column_sums(oc, bands, E::BYTES), &args)?;
             self.add_column_partials::<E>(OP, db.address(), &partial, bands, oc)?;
         }
         Ok(())
