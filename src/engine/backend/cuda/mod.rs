@@ -402,13 +402,15 @@ mod tests {
     }
 
     /// The element-wise kernels that move 16-byte packs (`PACK(T)` in `common.cuh`).
-    const PACKED: [&str; 8] = [
+    const PACKED: [&str; 10] = [
         "residual_forward_",
         "bias_broadcast_",
+        "bias_backward_partial_",
         "gelu_",
         "cast_",
         "adamw_",
-        "layernorm_recompute_",
+        "layernorm_",
+        "crossentropy_",
         "permute_qkv",
         "heads_permute_",
     ];
