@@ -94,8 +94,27 @@ __device__ void heads_permute(T* out, const T* in, int B, int T_, int NH, int HS
 // One warp per row of a chunk's (T,T) matrices; row = (head, query t), keys 0..=t causal.
 // att[row] = exp(scale · scores[row] − lse[row]) rounded to T, zero above the diagonal, with
 // lse[row] = log Σ exp(scale · scores[row]) (the maximum subtracted first), kept for backward.
+// A row is walked in 16-byte packs of T (lane takes packs lane, lane + 32, ...) where T_ is a
+// multiple of a pack and the matrices are aligned (then so is every row), else element by
+// element: the same value per element either way.
+template <typename T>
+__device__ __forceinline__ bool scores_in_packs(int T_, const void* a, const void* b) {
+    return T_ % PACK(T) == 0 && aligned16(a) && aligned16(b);
+}
+
 template <typename T>
 __device__ __forceinline__ void causal_probs_row(T* att, const float* preatt, float scale, float l, long base, int t, int T_, int lane) {
+    constexpr int P = PACK(T);
+    if (scores_in_packs<T>(T_, att, preatt)) {
+        for (int i0 = lane * P; i0 < T_; i0 += 32 * P) {
+            float x[P];
+            if (i0 <= t) load_pack(x, preatt + base, i0, T_, true);
+            else UNROLL for (int u = 0; u < P; u++) x[u] = 0.f;
+            UNROLL for (int u = 0; u < P; u++) x[u] = i0 + u <= t ? expf(x[u] * scale - l) : 0.f;
+            store_pack(att + base, i0, T_, x, true);
+        }
+        return;
+    }
     for (int i = lane; i < T_; i += 32)
         store_f32(att, base + i, i <= t ? expf(preatt[base + i] * scale - l) : 0.f);
 }
@@ -133,9 +152,29 @@ __device__ void softmax_causal_backward(T* dpreatt, const float* datt, const T* 
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= rows) return;
+    constexpr int P = PACK(T);
     int t = row % T_;
     const long base = (long)row * T_;
     float s = 0.f;
+    if (scores_in_packs<T>(T_, att, datt) && aligned16(dpreatt)) {
+        for (int i0 = lane * P; i0 <= t; i0 += 32 * P) {
+            float a[P], d[P];
+            load_pack(a, att + base, i0, T_, true);
+            load_pack(d, datt + base, i0, T_, true);
+            UNROLL for (int u = 0; u < P; u++) if (i0 + u <= t) s += a[u] * d[u];
+        }
+        s = warp_sum(s);
+        for (int i0 = lane * P; i0 < T_; i0 += 32 * P) {
+            float a[P], d[P];
+            if (i0 <= t) {
+                load_pack(a, att + base, i0, T_, true);
+                load_pack(d, datt + base, i0, T_, true);
+            } else UNROLL for (int u = 0; u < P; u++) a[u] = d[u] = 0.f;
+            UNROLL for (int u = 0; u < P; u++) a[u] = i0 + u <= t ? a[u] * (d[u] - s) * scale : 0.f;
+            store_pack(dpreatt + base, i0, T_, a, true);
+        }
+        return;
+    }
     for (int i = lane; i <= t; i += 32) s += load_f32(att, base + i) * datt[base + i];
     s = warp_sum(s);
     for (int i = lane; i < T_; i += 32) {

@@ -430,9 +430,10 @@ fn the_bias_gradient_kernels_match_the_cpu_reference() {
 /// lse against their definition in f64, backward's recompute bitwise equal to forward's, and the
 /// softmax backward — in place over the probabilities, as the backend runs it — against its
 /// definition from those probabilities.
-fn causal_softmax_matches_its_definition<E: Elem>(attention: &Emulated, eps: f64) {
-    // 3 heads of T 45: rows past a warp's 32 lanes, and every causal length 1..=45.
-    let (t, heads) = (45, 3);
+fn causal_softmax_matches_its_definition<E: Elem>(attention: &Emulated, eps: f64, t: usize) {
+    // 3 heads of T 45 (element by element) or 264 (16-byte packs, more of them than a warp has
+    // lanes): rows past a warp's 32 lanes, and every causal length 1..=T.
+    let heads = 3;
     let rows = heads * t;
     let dt = suffix::<E>();
     let scale = 0.3f32;
@@ -480,9 +481,11 @@ fn causal_softmax_matches_its_definition<E: Elem>(attention: &Emulated, eps: f64
 #[test]
 fn the_causal_softmax_kernels_match_their_definition() {
     let Some(attention) = Emulated::build("attention") else { return };
-    causal_softmax_matches_its_definition::<f32>(&attention, 1e-5);
-    causal_softmax_matches_its_definition::<half::bf16>(&attention, 1.0 / 256.0);
-    causal_softmax_matches_its_definition::<half::f16>(&attention, 1.0 / 2048.0);
+    for t in [45, 264] {
+        causal_softmax_matches_its_definition::<f32>(&attention, 1e-5, t);
+        causal_softmax_matches_its_definition::<half::bf16>(&attention, 1.0 / 256.0, t);
+        causal_softmax_matches_its_definition::<half::f16>(&attention, 1.0 / 2048.0, t);
+    }
 }
 
 /// The element-wise and row kernels with a per-element CPU twin — GELU, the token and position

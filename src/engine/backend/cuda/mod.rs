@@ -402,7 +402,7 @@ mod tests {
     }
 
     /// The element-wise kernels that move 16-byte packs (`PACK(T)` in `common.cuh`).
-    const PACKED: [&str; 10] = [
+    const PACKED: [&str; 11] = [
         "residual_forward_",
         "bias_broadcast_",
         "bias_backward_partial_",
@@ -413,6 +413,7 @@ mod tests {
         "crossentropy_",
         "permute_qkv",
         "heads_permute_",
+        "softmax_causal_",
     ];
 
     /// The PTX of `family` for virtual architecture `arch` (`compute_90`).
@@ -446,6 +447,7 @@ mod tests {
             ("layernorm", &["layernorm_recompute_bf16", "layernorm_forward_bf16", "layernorm_backward_f32"]),
             ("classifier", &["crossentropy_forward_backward_bf16", "crossentropy_forward_f32"]),
             ("attention", &["permute_qkv_bf16", "permute_qkv_backward_bf16", "heads_permute_f16"]),
+            ("attention", &["softmax_causal_forward_bf16", "softmax_causal_probs_f16", "softmax_causal_backward_bf16"]),
         ] {
             let ptx = ptx_of(family, "compute_90");
             for entry in entries {
