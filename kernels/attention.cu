@@ -22,12 +22,6 @@ __device__ __forceinline__ bool heads_in_packs(int HS, const void* a, const void
     return HS % PACK(T) == 0 && aligned16(a) && aligned16(b) && aligned16(c) && aligned16(d);
 }
 
-// P consecutive elements of T from src to dst, in 16-byte chunks.
-template <int P, typename T>
-__device__ __forceinline__ void copy_pack(T* dst, const T* src) {
-    UNROLL for (int k = 0; k < P * (int)sizeof(T) / 16; k++) copy16((Bytes16*)dst + k, (const Bytes16*)src + k);
-}
-
 // qkv (B,T,3C) -> q, k, v (B,NH,T,HS)
 template <typename T>
 __device__ void permute_qkv(T* q, T* k, T* v, const T* qkv, int B, int T_, int NH, int HS) {

@@ -70,11 +70,16 @@ __device__ __forceinline__ void copy16(void* dst, const void* src) {
 #endif
 }
 
-// P elements of T as 16-byte chunks and as values.
+// P consecutive elements of T from src to dst (both 16-byte aligned), in 16-byte chunks.
 template <int P, typename T>
-union PackOf {
+__device__ __forceinline__ void copy_pack(T* dst, const T* src) {
     static_assert((P * sizeof(T)) % 16 == 0, "a pack is whole 16-byte chunks");
-    Bytes16 chunk[P * sizeof(T) / 16];
+    UNROLL for (int k = 0; k < P * (int)sizeof(T) / 16; k++) copy16((Bytes16*)dst + k, (const Bytes16*)src + k);
+}
+
+// P elements of T in registers, aligned as a pack in memory is.
+template <int P, typename T>
+struct alignas(16) PackOf {
     T v[P];
 };
 
@@ -83,7 +88,7 @@ template <int P, typename T>
 __device__ __forceinline__ void load_pack(float (&x)[P], const T* p, long i0, long N, bool whole) {
     if (whole) {
         PackOf<P, T> pk;
-        UNROLL for (int k = 0; k < P * (int)sizeof(T) / 16; k++) copy16(&pk.chunk[k], (const Bytes16*)(p + i0) + k);
+        copy_pack<P>(pk.v, p + i0);
         UNROLL for (int u = 0; u < P; u++) x[u] = load_f32(pk.v, u);
     } else {
         for (int u = 0; u < P; u++) x[u] = i0 + u < N ? load_f32(p, i0 + u) : 0.f;
@@ -96,7 +101,7 @@ __device__ __forceinline__ void store_pack(T* p, long i0, long N, const float (&
     if (whole) {
         PackOf<P, T> pk;
         UNROLL for (int u = 0; u < P; u++) store_f32(pk.v, u, x[u]);
-        UNROLL for (int k = 0; k < P * (int)sizeof(T) / 16; k++) copy16((Bytes16*)(p + i0) + k, &pk.chunk[k]);
+        copy_pack<P>(p + i0, pk.v);
     } else {
         for (int u = 0; u < P; u++) if (i0 + u < N) store_f32(p, i0 + u, x[u]);
     }

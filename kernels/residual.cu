@@ -22,7 +22,7 @@ __device__ void bias_broadcast(T* out, const T* bias, long rows, int OC) {
     const long i0 = pack_start<P>(), N = rows * OC;
     if (i0 >= N) return;
     if (i0 + P <= N && OC % P == 0 && aligned16(out) && aligned16(bias)) {
-        UNROLL for (int k = 0; k < P * (int)sizeof(T) / 16; k++) copy16((Bytes16*)(out + i0) + k, (const Bytes16*)(bias + i0 % OC) + k);
+        copy_pack<P>(out + i0, bias + i0 % OC);
     } else {
         for (long i = i0; i < i0 + P && i < N; i++) out[i] = bias[i % OC];
     }
